@@ -1,0 +1,273 @@
+"""The configuration tree: one keyword-only dataclass per section.
+
+Names follow the OOM guides laden is built around (`actor.mb_spec.max_tokens_per_mb`,
+`sglang.mem_fraction_static`, ...), so a guide's advice applies to laden's YAML as is.
+Every field carries a one-line attribute docstring; `laden.config.docs` turns them into
+the reference, and a test fails when one is missing. Trade-off: the dataclasses only
+hold values; type coercion lives in the loader and cross-field rules in `validate`, so
+the tree stays readable as documentation.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetConfig:
+    """A training or validation dataset."""
+
+    path: str = ""
+    """A .jsonl/.json/.parquet file, a `datasets.save_to_disk` directory, or `hf:<name>`."""
+    split: str = "train"
+    """Dataset split to read (for `hf:` names and saved dataset dicts)."""
+    type: Literal["sft", "rl"] = "sft"
+    """`sft`: prompt + completion (or chat messages) to imitate; `rl`: prompts (+ answers) to roll out."""
+    max_length: int = 1024
+    """Longest prompt (+ completion for SFT) in tokens; longer samples follow `length_policy`."""
+    length_policy: Literal["filter", "truncate"] = "filter"
+    """What to do with samples longer than `max_length`: drop them or cut them."""
+    batch_size: int = 8
+    """Sequences (prompts for RL) per optimizer step; does not affect peak memory."""
+    shuffle: bool = True
+    """Shuffle the samples every epoch (seeded by the top-level `seed`)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    completion_key: str = "completion"
+    """Column holding the completion text (SFT)."""
+    messages_key: str = "messages"
+    """Column holding chat messages; used instead of prompt/completion when present."""
+    answer_key: str = "answer"
+    """Column holding the reference answer passed to the reward function (RL)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationConfig:
+    """Sampling settings for rollouts."""
+
+    n_samples: int = 1
+    """Completions generated per prompt (the GRPO group size)."""
+    max_new_tokens: int = 256
+    """Most tokens generated per completion; adds to `max_length` in the micro-batch budget."""
+    min_new_tokens: int = 0
+    """Fewest tokens generated before a stop token is honoured."""
+    temperature: float = 1.0
+    """Sampling temperature; must be > 0 unless `greedy` is set."""
+    top_p: float = 1.0
+    """Nucleus sampling probability mass, in (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 = off."""
+    greedy: bool = False
+    """Pick the most likely token instead of sampling."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a completion (the tokenizer's EOS always does)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatchSpec:
+    """How a batch is split into micro-batches for forward/backward."""
+
+    max_tokens_per_mb: int | None = None
+    """Token budget per micro-batch, the main training-memory knob; None = max_length (+ max_new_tokens for RL)."""
+    n_mbs: int = 1
+    """Minimum number of micro-batches per step."""
+    packing_algorithm: Literal["ffd", "kk"] = "ffd"
+    """Packing of sequences into micro-batches: first-fit decreasing or Karmarkar-Karp balancing."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    type: Literal["adam", "sgd", "adam_bf16"] = "adam"
+    """`adam` (AdamW), `sgd` (no state with momentum 0), `adam_bf16` (bf16 states + Kahan summation)."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.999
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    momentum: float = 0.0
+    """SGD momentum; 0 keeps no optimizer state."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warmup."""
+    warmup_steps_proportion: float = 0.0
+    """Fraction of the total steps spent in linear warmup, in [0, 1)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of `lr` for linear/cosine decay."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this value; 0 = off."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """Knobs of the `fsdp` actor backend."""
+
+    per_layer_optim_step: bool = False
+    """Stream optimizer states to the GPU layer by layer for the step instead of stepping on the CPU."""
+    optim_step_prefetch_layers: int = 1
+    """Layers prefetched ahead during the per-layer optimizer step."""
+    offload_params: bool = False
+    """Keep parameters, gradients and optimizer states in host memory between uses."""
+    memory_efficient_load: bool = False
+    """Build the model on CPU, shard it, and broadcast weights from rank 0 (lower GPU peak at load)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundPipeConfig:
+    """Knobs of the `roundpipe` actor backend (CPU-resident model, GPUs as a stateless pool)."""
+
+    num_microbatch: int | None = None
+    """Micro-batches per step (more = lower GPU peak, more host activations); None = planner picks."""
+    recompute_grain: Literal["stage", "layer"] = "stage"
+    """Backward recomputation per stage (faster) or per layer (lower GPU peak)."""
+    model_memory_limit: float | None = None
+    """GiB of weights per stage; None = 60% of GPU memory."""
+    pin_model: Literal["alloc", "register", "off"] = "alloc"
+    """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand)."""
+    optim_step: Literal["sync", "async"] = "sync"
+    """`sync`: exact step; `async`: one-step-stale update overlapped with the next step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    """The trained model and its training engine."""
+
+    path: str = ""
+    """Hugging Face model directory (weights, config.json, tokenizer)."""
+    init_from_config: bool = False
+    """Initialise weights randomly from `path`/config.json (seeded) instead of loading them."""
+    backend: str = "fsdp:d1"
+    """Training allocation mode `<backend>:<dims>`, e.g. `fsdp:d2c2` or `roundpipe:d2`."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Compute dtype of weights and activations."""
+    optimizer_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of master weights and optimizer states."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them."""
+    attn_impl: Literal["auto", "varlen", "sdpa", "eager"] = "auto"
+    """Attention kernel; `auto` picks varlen (padding-free) when available."""
+    chunked_loss: bool = True
+    """Compute the LM head + cross-entropy in token chunks so full logits never exist."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the chunked linear + cross-entropy."""
+    weight_update_mode: Literal["xccl", "disk"] = "xccl"
+    """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
+    weight_chunked_mem_mb: int = 1024
+    """MiB per bucket of the chunked NCCL weight update."""
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    """Micro-batching of forward/backward."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Knobs of the `fsdp` backend."""
+    roundpipe: RoundPipeConfig = field(default_factory=RoundPipeConfig)
+    """Knobs of the `roundpipe` backend."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """The generation side of RL."""
+
+    backend: str = "native:d1"
+    """Rollout allocation mode `<backend>:<dims>`, e.g. `native:d1` or `sglang:d2t2`."""
+    max_concurrent_rollouts: int | None = None
+    """Generation requests in flight at once (the main generation-memory knob); None = batch size."""
+    max_head_offpolicyness: int = 0
+    """How many weight versions a rollout may lag behind the trainer; 0 = on-policy."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangConfig:
+    """Settings passed to an SGLang server."""
+
+    mem_fraction_static: float = 0.9
+    """Fraction of GPU memory SGLang reserves for weights and KV cache, in (0, 1]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NativeConfig:
+    """Settings of the embedded generation engine."""
+
+    mem_fraction_static: float = 0.8
+    """Fraction of free GPU memory the embedded engine reserves for weights and KV cache, in (0, 1]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """Where the run executes and writes."""
+
+    fileroot: str = "runs"
+    """Root directory of run outputs (must be shared across nodes for disk weight updates)."""
+    n_nodes: int = 1
+    """Number of nodes."""
+    n_gpus_per_node: int = 1
+    """GPUs per node."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_freq_steps: int | None = None
+    """Save a checkpoint every this many optimizer steps; None = only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept in the run directory; older ones are deleted."""
+    resume: Literal["auto", "never"] = "auto"
+    """`auto`: resume from the newest checkpoint in the run directory; `never`: start fresh."""
+    export_hf: bool = True
+    """Export a Hugging Face model directory at the end of training."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LadenConfig:
+    """The whole run."""
+
+    experiment_name: str = "laden"
+    """Experiment name; the run directory is `cluster.fileroot/experiment_name/trial_name`."""
+    trial_name: str = "run0"
+    """Trial name within the experiment."""
+    seed: int = 1
+    """Random seed for data order, initialisation and sampling."""
+    total_train_epochs: int = 1
+    """Passes over the training dataset."""
+    total_train_steps: int | None = None
+    """Stop after this many optimizer steps; None = run all epochs."""
+    max_concurrent_rollouts: int | None = None
+    """Alias of `rollout.max_concurrent_rollouts` (as the OOM guide writes it); setting both differently is an error."""
+    oom_policy: Literal["raise", "auto"] = "raise"
+    """On an out-of-memory error: report the knob to change, or re-split the step and retry."""
+    log_freq_steps: int = 1
+    """Log metrics every this many optimizer steps."""
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Training data."""
+    valid_dataset: DatasetConfig | None = None
+    """Optional validation data; None = no validation."""
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollout sampling settings."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained model and its engine."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang server settings."""
+    native: NativeConfig = field(default_factory=NativeConfig)
+    """Embedded generation engine settings."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Nodes, GPUs and output root."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+
+    @property
+    def run_dir(self) -> Path:
+        """`cluster.fileroot/experiment_name/trial_name`."""
+        return run_dir(self)
+
+
+def run_dir(cfg: LadenConfig) -> Path:
+    """The run directory: `cluster.fileroot/experiment_name/trial_name`."""
+    return Path(cfg.cluster.fileroot) / cfg.experiment_name / cfg.trial_name

@@ -1,0 +1,295 @@
+"""Cross-field rules of the configuration, checked at load time, all errors collected.
+
+Each rule returns error lines of the form `<dotted.field>=<value> <why>; <fix>`, so the
+loader can report every problem at once. Rules that need the model (attention heads)
+live in `validate_against_model`, called once the model's config.json is read. Settings
+that are legal but ignored or known to hurt (e.g. `adam` with bf16 optimizer storage)
+give a `UserWarning` instead of an error. Trade-off: ranges are a flat table rather than
+per-dataclass `__post_init__` checks, so a config object may be built with bad values
+(tests and the loader need that) and is only judged here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+from laden.config.alloc import AllocationMode, check_alloc, head_rule_errors
+from laden.config.schema import LadenConfig
+
+SERVER_ROLLOUT_BACKENDS = ("sglang", "vllm")
+"""Rollout backends that run as separate servers on GPUs of their own."""
+
+_Check = tuple[Callable[[float], bool], str, str]
+_CHECKS: dict[str, _Check] = {
+    "pos": (lambda v: v >= 1, "at least 1", "set it to a positive integer"),
+    "nonneg": (lambda v: v >= 0, "at least 0", "set it to 0 or more"),
+    "gt0": (lambda v: v > 0, "greater than 0", "set it to a positive number"),
+    "frac": (lambda v: 0 < v <= 1, "in (0, 1]", "set it to a fraction such as 0.8"),
+    "unit_open": (lambda v: 0 <= v < 1, "in [0, 1)", "set it to a value such as 0.9 (or 0 for none)"),
+    "unit": (lambda v: 0 <= v <= 1, "in [0, 1]", "set it to a fraction between 0 and 1"),
+}
+
+_RANGES: dict[str, str] = {
+    "seed": "nonneg",
+    "total_train_epochs": "pos",
+    "total_train_steps": "pos",
+    "max_concurrent_rollouts": "pos",
+    "log_freq_steps": "pos",
+    "train_dataset.max_length": "pos",
+    "train_dataset.batch_size": "pos",
+    "valid_dataset.max_length": "pos",
+    "valid_dataset.batch_size": "pos",
+    "gconfig.n_samples": "pos",
+    "gconfig.max_new_tokens": "pos",
+    "gconfig.min_new_tokens": "nonneg",
+    "gconfig.temperature": "nonneg",
+    "gconfig.top_p": "frac",
+    "gconfig.top_k": "nonneg",
+    "actor.loss_chunk_size": "pos",
+    "actor.weight_chunked_mem_mb": "pos",
+    "actor.mb_spec.max_tokens_per_mb": "pos",
+    "actor.mb_spec.n_mbs": "pos",
+    "actor.optimizer.lr": "gt0",
+    "actor.optimizer.weight_decay": "nonneg",
+    "actor.optimizer.beta1": "unit_open",
+    "actor.optimizer.beta2": "unit_open",
+    "actor.optimizer.eps": "gt0",
+    "actor.optimizer.momentum": "unit_open",
+    "actor.optimizer.warmup_steps_proportion": "unit_open",
+    "actor.optimizer.min_lr_ratio": "unit",
+    "actor.optimizer.gradient_clipping": "nonneg",
+    "actor.fsdp.optim_step_prefetch_layers": "nonneg",
+    "actor.roundpipe.num_microbatch": "pos",
+    "actor.roundpipe.model_memory_limit": "gt0",
+    "rollout.max_concurrent_rollouts": "pos",
+    "rollout.max_head_offpolicyness": "nonneg",
+    "sglang.mem_fraction_static": "frac",
+    "native.mem_fraction_static": "frac",
+    "cluster.n_nodes": "pos",
+    "cluster.n_gpus_per_node": "pos",
+    "checkpoint.save_freq_steps": "pos",
+    "checkpoint.keep_last": "pos",
+}
+"""Range rule per numeric field; None values (optional fields left unset) are skipped."""
+
+
+def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> list[str]:
+    """Every cross-field and range error of `cfg` for `job`; warnings for ignored/harmful settings.
+
+    `job="any"` judges the config by `train_dataset.type`.
+    """
+    rl = job == "rl" or (job == "any" and cfg.train_dataset.type == "rl")
+    errors = _range_errors(cfg)
+    errors += _name_errors(cfg)
+    errors += _job_errors(cfg, job)
+    errors += _generation_errors(cfg)
+    errors += _micro_batch_errors(cfg, rl=rl)
+    errors += _alloc_errors(cfg, rl=rl)
+    errors += _alias_errors(cfg)
+    _warn_optimizer(cfg)
+    _warn_ignored_sections(cfg)
+    return errors
+
+
+def validate_against_model(
+    cfg: LadenConfig, *, num_attention_heads: int, num_key_value_heads: int | None
+) -> list[str]:
+    """Head-rule errors for actor `t`, `c` (and their product) and rollout `t`."""
+    errors: list[str] = []
+    heads = (num_attention_heads, num_key_value_heads)
+    actor = _parse_or_none(cfg.actor.backend)
+    if actor is not None:
+        field = f"actor.backend={cfg.actor.backend!r}"
+        for size, axis in ((actor.tp, "tensor (t)"), (actor.cp, "context (c)")):
+            errors += head_rule_errors(size, *heads, field=field, axis_name=axis)
+        if actor.tp > 1 and actor.cp > 1 and not errors:
+            errors += head_rule_errors(actor.tp * actor.cp, *heads, field=field, axis_name="t*c")
+    rollout = _parse_or_none(cfg.rollout.backend)
+    if rollout is not None:
+        field = f"rollout.backend={cfg.rollout.backend!r}"
+        errors += head_rule_errors(rollout.tp, *heads, field=field, axis_name="tensor (t)")
+    return errors
+
+
+def _get(cfg: LadenConfig, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+def _range_errors(cfg: LadenConfig) -> list[str]:
+    errors = []
+    for dotted, kind in _RANGES.items():
+        value = _get(cfg, dotted)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # unset optional, or a type error already reported by the loader
+        ok, desc, fix = _CHECKS[kind]
+        if math.isnan(value) or not ok(value):
+            errors.append(f"{dotted}={value!r} must be {desc}; {fix}")
+    return errors
+
+
+def _name_errors(cfg: LadenConfig) -> list[str]:
+    errors = []
+    for dotted in ("experiment_name", "trial_name", "cluster.fileroot"):
+        value = _get(cfg, dotted)
+        if not value:
+            errors.append(f"{dotted}={value!r} is empty; set it to a name")
+        elif dotted != "cluster.fileroot" and "/" in str(value):
+            errors.append(f"{dotted}={value!r} contains '/'; use a plain name (it is a directory name)")
+    return errors
+
+
+def _job_errors(cfg: LadenConfig, job: str) -> list[str]:
+    if job == "any":
+        return []
+    errors = []
+    if cfg.train_dataset.type != job:
+        errors.append(
+            f"train_dataset.type={cfg.train_dataset.type!r} does not match the '{job}' job; "
+            f"set train_dataset.type: {job}"
+        )
+    if not cfg.train_dataset.path:
+        errors.append("train_dataset.path='' is empty; set it to a data file, a dataset directory or hf:<name>")
+    if not cfg.actor.path:
+        errors.append("actor.path='' is empty; set it to a Hugging Face model directory")
+    return errors
+
+
+def _generation_errors(cfg: LadenConfig) -> list[str]:
+    g = cfg.gconfig
+    errors = []
+    if g.min_new_tokens > g.max_new_tokens:
+        errors.append(
+            f"gconfig.min_new_tokens={g.min_new_tokens} is larger than gconfig.max_new_tokens="
+            f"{g.max_new_tokens}; set it to at most {g.max_new_tokens}"
+        )
+    if g.temperature == 0 and not g.greedy:
+        errors.append(
+            "gconfig.temperature=0.0 cannot be sampled from; set gconfig.greedy: true for greedy "
+            "decoding or a temperature > 0"
+        )
+    return errors
+
+
+def _micro_batch_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    """A micro-batch must hold the longest sequence: max_length (+ max_new_tokens for RL)."""
+    budget = cfg.actor.mb_spec.max_tokens_per_mb
+    if budget is None:
+        return []
+    need = cfg.train_dataset.max_length
+    terms = "train_dataset.max_length"
+    if rl:
+        need += cfg.gconfig.max_new_tokens
+        terms += " + gconfig.max_new_tokens"
+    if budget >= need:
+        return []
+    return [
+        f"actor.mb_spec.max_tokens_per_mb={budget} is smaller than {terms} = {need}; "
+        f"set it to at least {need}"
+    ]
+
+
+def _alloc_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    errors = check_alloc(cfg.actor.backend, role="actor", field="actor.backend")
+    if rl:
+        errors += check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend")
+    if cfg.actor.optimizer.type == "adam_bf16" and cfg.actor.backend.startswith("megatron:"):
+        errors.append(
+            "actor.optimizer.type='adam_bf16' is not supported by the megatron backend; use adam or sgd"
+        )
+    if errors or cfg.cluster.n_nodes < 1 or cfg.cluster.n_gpus_per_node < 1:
+        return errors
+    return _gpu_total_errors(cfg, rl=rl)
+
+
+def _gpu_total_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    total = nodes * per_node
+    have = f"cluster.n_nodes * cluster.n_gpus_per_node = {nodes} * {per_node} = {total}"
+    actor = AllocationMode.parse(cfg.actor.backend)
+    errors = []
+    if actor.num_gpus > total:
+        errors.append(
+            f"actor.backend={cfg.actor.backend!r} needs {actor.num_gpus} GPUs but {have}; "
+            "lower its parallel sizes or raise cluster.n_gpus_per_node / cluster.n_nodes"
+        )
+    if not rl:
+        return errors
+    rollout = AllocationMode.parse(cfg.rollout.backend)
+    if rollout.backend in SERVER_ROLLOUT_BACKENDS:
+        need = actor.num_gpus + rollout.num_gpus
+        if need > total and actor.num_gpus <= total:
+            errors.append(
+                f"rollout.backend={cfg.rollout.backend!r} needs {rollout.num_gpus} GPUs of its own "
+                f"next to actor.backend={cfg.actor.backend!r} ({actor.num_gpus}): {need} GPUs but "
+                f"{have}; lower the parallel sizes, add GPUs, or use rollout.backend: native:d... "
+                "(it shares the training GPUs)"
+            )
+    elif rollout.num_gpus > total:
+        errors.append(
+            f"rollout.backend={cfg.rollout.backend!r} needs {rollout.num_gpus} GPUs but {have}; "
+            "lower its parallel sizes or add GPUs"
+        )
+    return errors
+
+
+def _alias_errors(cfg: LadenConfig) -> list[str]:
+    top, nested = cfg.max_concurrent_rollouts, cfg.rollout.max_concurrent_rollouts
+    if top is None or nested is None or top == nested:
+        return []
+    return [
+        f"max_concurrent_rollouts={top} conflicts with rollout.max_concurrent_rollouts={nested}; "
+        "set only one of them (rollout.max_concurrent_rollouts is the canonical key)"
+    ]
+
+
+def _warn_optimizer(cfg: LadenConfig) -> None:
+    opt_type, storage = cfg.actor.optimizer.type, cfg.actor.optimizer_dtype
+    if opt_type == "adam" and storage == "bfloat16":
+        warnings.warn(
+            "actor.optimizer.type='adam' with actor.optimizer_dtype='bfloat16': torch AdamW silently "
+            "keeps bf16 optimizer states, and the loss later ends up ~3x higher than with fp32 master "
+            "weights; use actor.optimizer.type: adam_bf16 (Kahan summation) or "
+            "actor.optimizer_dtype: float32",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif opt_type == "adam_bf16" and storage == "float32":
+        warnings.warn(
+            "actor.optimizer_dtype='float32' is ignored with actor.optimizer.type='adam_bf16', which "
+            "keeps bf16 master weights and states; set actor.optimizer_dtype: bfloat16 to say so, or "
+            "use actor.optimizer.type: adam for fp32 states",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_ignored_sections(cfg: LadenConfig) -> None:
+    backend = cfg.actor.backend.partition(":")[0]
+    for section in ("fsdp", "roundpipe"):
+        value = getattr(cfg.actor, section)
+        if backend != section and value != type(value)():
+            changed = [
+                f.name
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) != getattr(type(value)(), f.name)
+            ]
+            warnings.warn(
+                f"actor.{section}.{{{', '.join(changed)}}} are ignored because actor.backend="
+                f"{cfg.actor.backend!r} is not a {section} backend; remove them or switch backend",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _parse_or_none(text: str) -> AllocationMode | None:
+    try:
+        return AllocationMode.parse(text)
+    except ValueError:
+        return None

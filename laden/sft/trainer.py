@@ -1,0 +1,215 @@
+"""Supervised fine-tuning: the loop that turns a config into optimizer steps.
+
+One optimizer step = one global batch of `train_dataset.batch_size` sequences, split
+into token-budget micro-batches (`actor.mb_spec`), handed to the engine together with the
+global loss-token count. The loop itself does little on purpose: everything that decides
+memory lives in the data path (budget, packing) and the engine. It syncs with the device
+once per logged step, to read the metrics.
+
+Nothing is lost on failure: checkpoints are atomic and resume restores the data position
+and every RNG, and the run directory receives the resolved config, the data statistics
+(how many samples the length policy filtered or truncated) and one JSON line of metrics
+per logged step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from laden.config import ConfigError, LadenConfig, dump_config, run_dir, validate_against_model
+from laden.data import (
+    GlobalBatchIterator,
+    build_sft_samples,
+    load_records,
+    pack_samples,
+    partition_microbatches,
+)
+from laden.engine.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from laden.engine.factory import DTYPES, build_engine, default_device
+from laden.model.loading import load_causal_lm, load_tokenizer
+
+log = logging.getLogger("laden.sft")
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTResult:
+    """What a finished run reports."""
+
+    run_dir: Path
+    """Directory with config, metrics, checkpoints and the exported model."""
+    num_steps: int
+    """Optimizer steps taken in total (including those before a resume)."""
+    first_loss: float | None
+    """Loss of the first step this process ran."""
+    last_loss: float | None
+    """Loss of the last step."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def budget(cfg: LadenConfig) -> int:
+    """Tokens per micro-batch: `actor.mb_spec.max_tokens_per_mb` or, unset, `train_dataset.max_length`."""
+    return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
+
+
+def prepare_data(cfg: LadenConfig, tokenizer: Any, out_dir: Path):
+    ds = cfg.train_dataset
+    records = load_records(ds.path, split=ds.split)
+    samples, stats = build_sft_samples(
+        records,
+        tokenizer,
+        max_length=ds.max_length,
+        length_policy=ds.length_policy,
+        prompt_key=ds.prompt_key,
+        completion_key=ds.completion_key,
+        messages_key=ds.messages_key,
+    )
+    (out_dir / "data_stats.json").write_text(json.dumps(stats.to_dict(), indent=2))
+    log.info("train_dataset: %s", stats.to_dict())
+    if stats.num_filtered or stats.num_truncated:
+        log.warning(
+            "train_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
+            ds.max_length,
+            stats.num_filtered,
+            stats.num_truncated,
+            ds.length_policy,
+            out_dir / "data_stats.json",
+        )
+    if len(samples) < ds.batch_size:
+        raise ValueError(
+            f"train_dataset.batch_size={ds.batch_size} but only {len(samples)} samples remain after the "
+            f"length policy; lower train_dataset.batch_size or raise train_dataset.max_length"
+        )
+    return samples
+
+
+def step_micro_batches(cfg: LadenConfig, samples, indices: list[int], device: torch.device):
+    """Pack the samples of one global batch into token-budget micro-batches on `device`."""
+    seqlens = [len(samples[i][0]) for i in indices]
+    bins = partition_microbatches(
+        seqlens,
+        max_tokens_per_mb=budget(cfg),
+        n_mbs=cfg.actor.mb_spec.n_mbs,
+        algorithm=cfg.actor.mb_spec.packing_algorithm,
+    )
+    packed = [pack_samples([samples[indices[j]] for j in b]) for b in bins]
+    num_loss_tokens = sum(p.num_loss_tokens for p in packed)
+    num_tokens = sum(seqlens)
+    return [p.to(device, non_blocking=True) for p in packed], num_loss_tokens, num_tokens
+
+
+def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
+    """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
+    out_dir = run_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, out_dir / "config.yaml")
+    seed_everything(cfg.seed)
+    device = default_device()
+
+    tokenizer = load_tokenizer(cfg.actor.path)
+    samples = prepare_data(cfg, tokenizer, out_dir)
+    model = load_causal_lm(
+        cfg.actor.path,
+        dtype=DTYPES[cfg.actor.optimizer_dtype],
+        init_from_config=cfg.actor.init_from_config,
+        seed=cfg.seed,
+        attn_impl=cfg.actor.attn_impl,
+    )
+    errors = validate_against_model(
+        cfg,
+        num_attention_heads=model.config.num_attention_heads,
+        num_key_value_heads=getattr(model.config, "num_key_value_heads", model.config.num_attention_heads),
+    )
+    if errors:
+        raise ConfigError(errors)
+
+    batches = GlobalBatchIterator(
+        len(samples), batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed
+    )
+    total_steps = cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs
+    total_steps = min(total_steps, batches.steps_per_epoch * cfg.total_train_epochs)
+    engine = build_engine(cfg, model, total_steps=total_steps, device=device)
+    log.info("model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, device)
+
+    ckpt_root = out_dir / "checkpoints"
+    start_step = _maybe_resume(cfg, engine, batches, ckpt_root)
+    first_loss = last_loss = None
+    metrics_path = out_dir / "metrics.jsonl"
+    bar = tqdm(total=total_steps, initial=start_step, disable=not progress, desc="sft", unit="step")
+    window_tokens, window_start = 0, time.perf_counter()
+    with metrics_path.open("a") as metrics_file:
+        for step in range(start_step, total_steps):
+            indices = next(batches)
+            mbs, num_loss_tokens, num_tokens = step_micro_batches(cfg, samples, indices, device)
+            out = engine.train_batch(mbs, global_num_loss_tokens=num_loss_tokens)
+            window_tokens += num_tokens
+            done = step + 1
+            if done % cfg.log_freq_steps == 0 or done == total_steps:
+                record = _log_record(out, done, len(mbs), num_tokens, window_tokens, window_start, device)
+                window_tokens, window_start = 0, time.perf_counter()
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                first_loss = record["loss"] if first_loss is None else first_loss
+                last_loss = record["loss"]
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            freq = cfg.checkpoint.save_freq_steps
+            if freq and done % freq == 0 and done < total_steps:
+                _save(cfg, engine, batches, ckpt_root, done)
+    bar.close()
+    if cfg.checkpoint.save_freq_steps:
+        _save(cfg, engine, batches, ckpt_root, total_steps)
+    if cfg.checkpoint.export_hf:
+        engine.export_hf(out_dir / "hf", tokenizer=tokenizer)
+    return SFTResult(run_dir=out_dir, num_steps=total_steps, first_loss=first_loss, last_loss=last_loss)
+
+
+def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, device) -> dict[str, Any]:
+    # The one deliberate host sync per logged step: read the metric tensors.
+    values = {k: float(v) for k, v in out.items()}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = max(time.perf_counter() - window_start, 1e-9)
+    record = {"step": step, **values, "num_mbs": num_mbs, "num_tokens": num_tokens}
+    record["tokens_per_s"] = window_tokens / elapsed
+    if device.type == "cuda":
+        record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if not math.isfinite(record["loss"]):
+        raise RuntimeError(f"loss became {record['loss']} at step {step}; lower actor.optimizer.lr")
+    return record
+
+
+def _save(cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, step: int) -> None:
+    save_checkpoint(
+        ckpt_root,
+        step=step,
+        engine_state=engine.state_dict(),
+        trainer_state={"data": batches.state_dict()},
+        keep_last=cfg.checkpoint.keep_last,
+    )
+
+
+def _maybe_resume(cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path) -> int:
+    found = list_checkpoints(ckpt_root)
+    if cfg.checkpoint.resume == "never" or not found:
+        return 0
+    engine_state, trainer_state = load_checkpoint(found[-1])
+    engine.load_state_dict(engine_state)
+    batches.load_state_dict(trainer_state["data"])
+    log.info("resumed from %s", found[-1])
+    return int(trainer_state["step"])
