@@ -82,9 +82,7 @@ class AllocationMode:
                 f"digits or '_'; {_SYNTAX_HINT}"
             )
         sizes = _parse_dims(text, dims)
-        return cls(
-            backend=backend, dim_order=tuple(sizes), **{_DIM_ATTRS[k]: v for k, v in sizes.items()}
-        )
+        return cls(backend=backend, dim_order=tuple(sizes), **{_DIM_ATTRS[k]: v for k, v in sizes.items()})
 
     def size(self, letter: str) -> int:
         """Size of the dimension named by `letter` (one of `dtcpe`)."""

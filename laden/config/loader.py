@@ -38,9 +38,7 @@ class ConfigError(ValueError):
         super().__init__(f"{len(self.errors)} configuration error(s):\n{lines}")
 
 
-def load_config(
-    path: str | Path | None, overrides: Sequence[str] = (), *, job: Job = "any"
-) -> LadenConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, job: Job = "any") -> LadenConfig:
     """Read YAML at `path` (optional), apply `key=value` overrides, validate for `job`.
 
     Raises ConfigError listing every problem.
@@ -51,21 +49,22 @@ def load_config(
         raw = _read_yaml(Path(path), errors)
     for item in overrides:
         _apply_override(raw, item, errors)
-    return config_from_dict(raw, job=job, _errors=errors)
+    return _from_raw(raw, job=job, errors=errors)
 
 
-def config_from_dict(
-    data: Mapping[str, Any], *, job: Job = "any", _errors: list[str] | None = None
-) -> LadenConfig:
+def config_from_dict(data: Mapping[str, Any], *, job: Job = "any") -> LadenConfig:
     """Build and validate a config from a nested mapping; raise ConfigError listing every problem."""
+    return _from_raw(data, job=job, errors=[])
+
+
+def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenConfig:
     if job not in ("sft", "rl", "any"):
         raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
-    errors = list(_errors or [])
     cfg = _build(LadenConfig, data, "", errors)
     errors += validate_config(cfg, job=job)
     if errors:
         raise ConfigError(errors)
-    if cfg.max_concurrent_rollouts is not None:
+    if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)
         cfg.rollout.max_concurrent_rollouts = cfg.max_concurrent_rollouts
     return cfg
 
@@ -135,7 +134,19 @@ def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]
-    node[parts[-1]] = value
+    leaf = parts[-1]
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        _deep_merge(node[leaf], value)  # `actor.mb_spec={n_mbs: 2}` keeps the file's other keys
+    else:
+        node[leaf] = value
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,7 +166,7 @@ def all_keys() -> tuple[str, ...]:
     def walk(cls: type, prefix: str) -> None:
         for name, tp in _hints(cls).items():
             out.append(prefix + name)
-            sub = _section_type(tp)
+            sub = section_type(tp)
             if sub is not None:
                 walk(sub, prefix + name + ".")
 
@@ -163,10 +174,10 @@ def all_keys() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _section_type(tp: Any) -> type | None:
+def section_type(tp: Any) -> type | None:
     """The dataclass type of a section annotation (`X` or `X | None`), else None."""
     args = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
-    if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+    if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
         return args[0]
     return None
 
@@ -177,13 +188,14 @@ def _is_union(tp: Any) -> bool:
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str, errors: list[str]) -> Any:
     hints = _hints(cls)
+    defaults = cls()
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in hints:
             errors.append(_unknown_key_error(dotted, value, cls, prefix))
             continue
-        ok, coerced = _coerce(value, hints[key], dotted, errors)
+        ok, coerced = _coerce(value, hints[key], dotted, errors, getattr(defaults, key))
         if ok:
             kwargs[key] = coerced
     return cls(**kwargs)
@@ -200,9 +212,9 @@ def _unknown_key_error(dotted: str, value: Any, cls: type, prefix: str) -> str:
     return f"{dotted}={_show(value)}: unknown key; {fix} (valid keys in {section}: {valid})"
 
 
-def _coerce(value: Any, tp: Any, dotted: str, errors: list[str]) -> tuple[bool, Any]:
-    """(True, value converted to `tp`) or (False, None) after appending an error."""
-    section = _section_type(tp)
+def _coerce(value: Any, tp: Any, dotted: str, errors: list[str], default: Any) -> tuple[bool, Any]:
+    """(True, value converted to `tp`) or (False, None) after appending an error naming `default`."""
+    section = section_type(tp)
     if section is not None:
         if value is None and _is_union(tp):
             return True, None
@@ -213,14 +225,15 @@ def _coerce(value: Any, tp: Any, dotted: str, errors: list[str]) -> tuple[bool, 
             f"e.g. {dotted}.{next(iter(_hints(section)))}=..."
         )
         return False, None
-    if _is_union(tp):
+    optional = _is_union(tp)
+    if optional:
         if value is None:
             return True, None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(value, inner, dotted, errors)
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
     converted = _convert_scalar(value, tp)
     if converted is _INVALID:
-        errors.append(f"{dotted}={_show(value)}: expected {_describe(tp)}; set it to {_example(tp)}")
+        expected = _describe(tp) + (" or null" if optional else "")
+        errors.append(f"{dotted}={_show(value)}: expected {expected}; set it to {_example(tp, default)}")
         return False, None
     return True, converted
 
@@ -269,19 +282,26 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin is list:
-        return "a list of integers" if typing.get_args(tp)[0] is int else f"a list of {typing.get_args(tp)[0]}"
+        return (
+            "a list of integers" if typing.get_args(tp)[0] is int else f"a list of {typing.get_args(tp)[0]}"
+        )
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
-def _example(tp: Any) -> str:
+def _example(tp: Any, default: Any) -> str:
+    if default is not None and default != []:
+        return f"e.g. {yaml_scalar(default)} (the default)"
     origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of them"
     if origin is list:
         return "e.g. [1, 2]"
-    return {bool: "true or false", int: "e.g. 4096", float: "e.g. 0.5", str: "a string"}.get(tp, "a valid value")
+    return {bool: "true or false", int: "e.g. 4096", float: "e.g. 0.5"}.get(tp, "a valid value")
+
+
+def yaml_scalar(value: Any) -> str:
+    """`value` as inline YAML, e.g. `true`, `null`, `1.0e-05`, `[1, 2]`."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def _show(value: Any) -> str:
-    text = "null" if value is None else repr(value)
+    text = yaml_scalar(value) if value is None or isinstance(value, bool) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -155,7 +155,9 @@ def _job_errors(cfg: LadenConfig, job: str) -> list[str]:
             f"set train_dataset.type: {job}"
         )
     if not cfg.train_dataset.path:
-        errors.append("train_dataset.path='' is empty; set it to a data file, a dataset directory or hf:<name>")
+        errors.append(
+            "train_dataset.path='' is empty; set it to a data file, a dataset directory or hf:<name>"
+        )
     if not cfg.actor.path:
         errors.append("actor.path='' is empty; set it to a Hugging Face model directory")
     return errors
