@@ -1,1 +1,27 @@
+"""Data path: records -> tokenized SFT samples with a loss mask -> token-budget micro-batches -> packed batches."""
 
+from __future__ import annotations
+
+from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples, unpack
+from laden.data.loader import GlobalBatchIterator
+from laden.data.packing import PACKING_ALGORITHMS, ffd_partition, kk_partition, partition_microbatches
+from laden.data.sft import LengthStats, Sample, build_sft_samples, sample_lengths, tokenize_sft_record
+from laden.data.sources import load_records
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PACKING_ALGORITHMS",
+    "GlobalBatchIterator",
+    "LengthStats",
+    "PackedBatch",
+    "Sample",
+    "build_sft_samples",
+    "ffd_partition",
+    "kk_partition",
+    "load_records",
+    "pack_samples",
+    "partition_microbatches",
+    "sample_lengths",
+    "tokenize_sft_record",
+    "unpack",
+]

@@ -35,7 +35,9 @@ def load_records(path: str, *, split: str = "train") -> list[dict[str, Any]]:
         return _load_json(file)
     if suffix == ".parquet":
         return _load_parquet(file)
-    raise ValueError(f"dataset path {path!r} has an unsupported extension {suffix!r}; expected {ACCEPTED_FORMATS}")
+    raise ValueError(
+        f"dataset path {path!r} has an unsupported extension {suffix!r}; expected {ACCEPTED_FORMATS}"
+    )
 
 
 def _load_jsonl(file: Path) -> list[dict[str, Any]]:
@@ -112,6 +114,8 @@ def _load_saved_dataset(directory: Path, *, split: str) -> list[dict[str, Any]]:
 
 def _load_hub(name: str, *, split: str) -> list[dict[str, Any]]:
     if not name:
-        raise ValueError(f"dataset path {HF_PREFIX!r} names no dataset; write `hf:<name>`, e.g. `hf:org/data`")
+        raise ValueError(
+            f"dataset path {HF_PREFIX!r} names no dataset; write `hf:<name>`, e.g. `hf:org/data`"
+        )
     datasets = _import_datasets(f"{HF_PREFIX}{name}")
     return datasets.load_dataset(name, split=split).to_list()
