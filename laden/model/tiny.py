@@ -26,7 +26,7 @@ CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
 
 def build_char_tokenizer(out_dir: str | Path) -> Path:
     """Build a character-level fast tokenizer with a ChatML template and save it to `out_dir`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}

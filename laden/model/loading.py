@@ -1,0 +1,150 @@
+"""Loading Hugging Face causal LMs and tokenizers from local directories.
+
+laden never talks to a model hub (the machines it runs on usually cannot reach one): every
+path is a local directory, opened with `local_files_only=True`, and a missing directory is
+reported as such instead of as a failed download. A directory with a `config.json` but no
+weights is initialised from the config when `actor.init_from_config` is set, seeded so that
+every rank (and every rerun) builds the same weights without touching the global RNG.
+
+GGUF checkpoints load through transformers' own GGUF reader (dequantised to `dtype`), which
+needs the optional `gguf` package. The whole model is materialised on the CPU first and then
+moved to `device`: simple and exact, at the cost of one host copy of the weights at load time
+(`actor.fsdp.memory_efficient_load` in the engines avoids that for sharded training).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from laden.model.attention import AttnImpl, set_attention
+
+__all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer"]
+
+_WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
+_ATTN_IMPLS = ("auto", "varlen", "sdpa", "eager")
+
+
+def has_weight_files(directory: str | Path) -> bool:
+    """Whether `directory` holds Hugging Face weight files (safetensors or PyTorch bins)."""
+    d = Path(directory)
+    return any(next(d.glob(pattern), None) is not None for pattern in _WEIGHT_PATTERNS)
+
+
+def _resolve(path: str | Path, gguf_file: str | None) -> tuple[Path, str | None]:
+    """The model directory and GGUF file name; `path` may point at a `.gguf` file directly."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(
+            f"actor.path={str(path)!r} does not exist; laden loads local directories only (model hubs "
+            "are not reachable): download the model (e.g. `huggingface-cli download <repo> --local-dir "
+            "<dir>`) and set actor.path to that directory"
+        )
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(
+                f"actor.path={str(path)!r} is a file; set it to a Hugging Face model directory "
+                "(config.json + weights) or to a .gguf file"
+            )
+        return p.parent, p.name
+    return p, gguf_file
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "loading a GGUF checkpoint needs the optional `gguf` package: pip install gguf"
+        ) from err
+
+
+def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    # Seeded inside a forked RNG: same seed -> same weights, and the caller's RNG stream is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def load_causal_lm(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    init_from_config: bool = False,
+    seed: int = 0,
+    attn_impl: AttnImpl = "auto",
+    device: str | torch.device = "cpu",
+    gguf_file: str | None = None,
+):
+    """Load a causal LM from a local directory (or .gguf file) in `dtype` with attention `attn_impl`.
+
+    Returns a transformers `PreTrainedModel` in eval mode on `device`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if attn_impl not in _ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} is not one of {_ATTN_IMPLS}; use 'auto'")
+    directory, gguf_file = _resolve(path, gguf_file)
+    if gguf_file is not None:
+        _require_gguf()
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=gguf_file, dtype=dtype, local_files_only=True
+        )
+    elif not (directory / "config.json").is_file():
+        raise ValueError(
+            f"actor.path={str(path)!r} has no config.json; it must be a Hugging Face model directory "
+            "(config.json plus *.safetensors), or pass a .gguf file"
+        )
+    elif init_from_config:
+        if has_weight_files(directory):
+            warnings.warn(
+                f"actor.init_from_config is true: the weight files in {str(directory)!r} are ignored and "
+                f"the model is initialised from config.json with seed {seed}",
+                stacklevel=2,
+            )
+        model = _init_from_config(directory, dtype, seed)
+    elif not has_weight_files(directory):
+        raise ValueError(
+            f"actor.path={str(path)!r} has a config.json but no weight files (*.safetensors or "
+            "pytorch_model*.bin); to train from a random initialisation set actor.init_from_config: true, "
+            "otherwise point actor.path at a directory with weights"
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    set_attention(model, attn_impl)
+    return model.to(device)
+
+
+def load_tokenizer(path: str, *, gguf_file: str | None = None):
+    """`AutoTokenizer.from_pretrained` on a local directory (or .gguf file), with a pad token ensured.
+
+    Without a pad token, the EOS (else UNK) token pads; padding positions never carry loss.
+    """
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = _resolve(path, gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    if gguf_file is not None:
+        _require_gguf()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"no tokenizer could be loaded from {str(directory)!r} ({err}); the directory needs the "
+            "tokenizer files (tokenizer.json / tokenizer_config.json) saved by `save_pretrained`"
+        ) from err
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        if fallback is None:
+            raise ValueError(
+                f"the tokenizer in {str(directory)!r} has no pad, eos or unk token to pad with; "
+                "set pad_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = fallback
+    return tokenizer
