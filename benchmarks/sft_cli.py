@@ -49,7 +49,9 @@ def write_model_dir(out: Path, shape: str, max_positions: int) -> None:
     from laden.model.tiny import build_char_tokenizer
 
     build_char_tokenizer(out)
-    Qwen3Config(**SHAPES[shape], max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=3).save_pretrained(out)
+    Qwen3Config(
+        **SHAPES[shape], max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=3
+    ).save_pretrained(out)
 
 
 def chat_overhead_tokens(model_dir: Path) -> int:

@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 from importlib import resources
-from pathlib import Path
 
 ASSETS = resources.files("laden") / "assets"
 
@@ -81,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="YAML config; omitted: the embedded tiny example")
-        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optimizer.lr=1e-4")
+        p.add_argument(
+            "overrides", nargs="*", help="dotted key=value overrides, e.g. actor.optimizer.lr=1e-4"
+        )
 
     sft = sub.add_parser("sft", help="supervised fine-tuning")
     with_config(sft)

@@ -38,7 +38,9 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_engine(cfg: LadenConfig, model: nn.Module, *, total_steps: int, device: torch.device) -> TrainEngine:
+def build_engine(
+    cfg: LadenConfig, model: nn.Module, *, total_steps: int, device: torch.device
+) -> TrainEngine:
     """The engine for `actor.backend`, with `actor.*` knobs mapped onto it."""
     mode = AllocationMode.parse(cfg.actor.backend)
     actor = cfg.actor
@@ -69,7 +71,9 @@ def _distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _build_fsdp(cfg: LadenConfig, model: nn.Module, mode: Any, settings: OptimSettings, device) -> TrainEngine:
+def _build_fsdp(
+    cfg: LadenConfig, model: nn.Module, mode: Any, settings: OptimSettings, device
+) -> TrainEngine:
     from laden.engine.fsdp import build_fsdp_engine
 
     return build_fsdp_engine(cfg, model, mode=mode, optim=settings, device=device)

@@ -83,6 +83,15 @@ def autocast_context(device: torch.device, param_dtype: torch.dtype, compute_dty
     return torch.autocast(device_type=device.type, dtype=compute_dtype)
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Per-decoder-layer activation recompute (non-reentrant), across transformers 5.x names."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def accumulate_microbatches(
     model: nn.Module,
     micro_batches: Sequence[PackedBatch],
@@ -130,7 +139,7 @@ class LocalEngine:
         self.param_dtype = optimizer_dtype
         self.model = model.to(device=device, dtype=optimizer_dtype)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(self.model)
         self.model.train()
         self.loss_fn = loss_fn or packed_loss_fn(chunked=True, chunk_size=4096)
         self.optim_settings = optim

@@ -139,15 +139,28 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
         raise ConfigError(errors)
 
     batches = GlobalBatchIterator(
-        len(samples), batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed
+        len(samples),
+        batch_size=cfg.train_dataset.batch_size,
+        shuffle=cfg.train_dataset.shuffle,
+        seed=cfg.seed,
     )
     total_steps = cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs
     total_steps = min(total_steps, batches.steps_per_epoch * cfg.total_train_epochs)
     engine = build_engine(cfg, model, total_steps=total_steps, device=device)
-    log.info("model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, device)
+    log.info(
+        "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, device
+    )
 
     ckpt_root = out_dir / "checkpoints"
     start_step = _maybe_resume(cfg, engine, batches, ckpt_root)
+    if start_step >= total_steps:
+        log.warning(
+            "run directory %s already holds a finished run (step %d of %d); nothing to train. "
+            "Set trial_name to a new name, or checkpoint.resume=never to start over",
+            out_dir,
+            start_step,
+            total_steps,
+        )
     first_loss = last_loss = None
     metrics_path = out_dir / "metrics.jsonl"
     bar = tqdm(total=total_steps, initial=start_step, disable=not progress, desc="sft", unit="step")

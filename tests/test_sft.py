@@ -1,0 +1,182 @@
+"""SFT loop: micro-batched == one batch, resumed == uninterrupted, export, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from laden.cli import main
+from laden.config import load_config
+from laden.data import build_sft_samples, load_records, pack_samples
+from laden.engine.local import LocalEngine, OptimSettings, packed_loss_fn
+from laden.model.attention import set_attention
+from laden.sft.trainer import run_sft
+
+ASSETS_DATA = "laden/assets/sft_tiny.jsonl"
+
+
+def _samples(tokenizer, n: int):
+    samples, _ = build_sft_samples(
+        load_records(ASSETS_DATA)[:n], tokenizer, max_length=64, length_policy="filter"
+    )
+    return samples
+
+
+def _engine(model, lr: float = 0.1, **kw) -> LocalEngine:
+    set_attention(model, "auto")
+    return LocalEngine(
+        model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        optimizer_dtype=torch.float32,
+        optim=OptimSettings(type="sgd", lr=lr, weight_decay=0.0, gradient_clipping=0.0, total_steps=4),
+        loss_fn=packed_loss_fn(chunked=True, chunk_size=37),
+        **kw,
+    )
+
+
+def _reference_loss_and_grads(model, samples):
+    """Plain PyTorch: each document separately, eager attention, full logits, token mean."""
+    model.zero_grad()
+    total, count = 0.0, 0
+    for ids, mask in samples:
+        x = torch.tensor(ids)[None]
+        logits = model(input_ids=x).logits[0, :-1].float()
+        target = torch.tensor(ids[1:])
+        keep = torch.tensor(mask[1:]).bool()
+        total = total + torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum")
+        count += int(keep.sum())
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("num_mbs", [1, 3, 8])
+def test_micro_batched_equals_one_batch_and_reference(tiny_model, tiny_tokenizer, num_mbs):
+    samples = _samples(tiny_tokenizer, 8)
+    ref_model = AutoModelForCausalLM.from_config(tiny_model.config, attn_implementation="eager")
+    ref_model.load_state_dict(tiny_model.state_dict())
+    ref_loss, ref_grads = _reference_loss_and_grads(ref_model, samples)
+
+    engine = _engine(tiny_model, lr=0.0)  # lr 0: the step leaves the gradients to compare
+    bins = [list(range(i, 8, num_mbs)) for i in range(num_mbs)]
+    mbs = [pack_samples([samples[j] for j in b]) for b in bins]
+    total_loss_tokens = sum(mb.num_loss_tokens for mb in mbs)
+    out = engine.train_batch(mbs, global_num_loss_tokens=total_loss_tokens)
+    torch.testing.assert_close(out["loss"], ref_loss)
+    for name, p in engine.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], msg=name)
+
+
+def test_gradient_checkpointing_matches(tiny_dir, tiny_tokenizer):
+    samples = _samples(tiny_tokenizer, 6)
+    mbs = [pack_samples(samples[:3]), pack_samples(samples[3:])]
+    n = sum(mb.num_loss_tokens for mb in mbs)
+    params = []
+    for gc in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_dir))
+        engine = _engine(model, gradient_checkpointing=gc)
+        for _ in range(2):
+            engine.train_batch(mbs, global_num_loss_tokens=n)
+        params.append([p.detach().clone() for p in engine.model.parameters()])
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b)
+
+
+def _cfg(tmp_path, trial: str, *extra: str):
+    return load_config(
+        "examples/sft_tiny.yaml",
+        [
+            f"cluster.fileroot={tmp_path}",
+            f"trial_name={trial}",
+            "total_train_steps=6",
+            "train_dataset.batch_size=8",
+            "checkpoint.save_freq_steps=3",
+            *extra,
+        ],
+        job="sft",
+    )
+
+
+def _final_state(run_dir):
+    return torch.load(run_dir / "checkpoints" / "step_6" / "state.pt", weights_only=False)
+
+
+def test_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch):
+    straight = run_sft(_cfg(tmp_path, "straight"), progress=False)
+
+    # Interrupt the second run right after its step-3 checkpoint, then rerun the same command.
+    import laden.engine.local as local
+
+    original = local.LocalEngine.train_batch
+    calls = {"n": 0}
+
+    def crash_after_three(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalEngine, "train_batch", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(_cfg(tmp_path, "resumed"), progress=False)
+    monkeypatch.setattr(local.LocalEngine, "train_batch", original)
+    resumed = run_sft(_cfg(tmp_path, "resumed"), progress=False)
+
+    a, b = _final_state(straight.run_dir), _final_state(resumed.run_dir)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for pid, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][pid][k]), (pid, k)
+    rows = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    straight_rows = [json.loads(x) for x in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in straight_rows]
+
+
+def test_export_loads_with_transformers(tmp_path):
+    result = run_sft(
+        _cfg(tmp_path, "export", "actor.dtype=bfloat16", "checkpoint.save_freq_steps=null"), progress=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(result.run_dir / "hf")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert not (result.run_dir / "checkpoints").exists()  # none was asked for
+    assert (result.run_dir / "hf" / "tokenizer_config.json").exists()
+    written = json.loads((result.run_dir / "data_stats.json").read_text())
+    assert written["num_kept"] == written["num_records"] == 400
+
+
+def test_cli_embedded_default_loss_falls(tmp_path, capsys):
+    code = main(["sft", "--no-progress", f"cluster.fileroot={tmp_path}", "total_train_steps=40"])
+    assert code == 0
+    rows = [
+        json.loads(x) for x in (tmp_path / "sft-tiny" / "run0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 40
+    first = sum(r["loss"] for r in rows[:5]) / 5
+    last = sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_cli_reports_every_config_error(tmp_path, capsys):
+    code = main(
+        [
+            "sft",
+            "--config",
+            "examples/sft_tiny.yaml",
+            "actor.mb_spec.max_tokens_per_mb=16",
+            "actor.optimizer.type=adamw",
+            "actor.mb_spec.max_token_per_mb=3",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "actor.mb_spec.max_tokens_per_mb=16 is smaller than train_dataset.max_length = 64" in err
+    assert "adam_bf16" in err  # the valid choices are listed
+    assert "did you mean" in err and "max_tokens_per_mb" in err
