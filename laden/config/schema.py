@@ -153,8 +153,8 @@ class ActorConfig:
     """Attention kernel; `auto` picks varlen (padding-free) when available."""
     chunked_loss: bool = True
     """Compute the LM head + cross-entropy in token chunks so full logits never exist."""
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the chunked linear + cross-entropy."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the chunked linear + cross-entropy (a [chunk, vocab] fp32 buffer each)."""
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024
