@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Literal
 from importlib import resources
 
 ASSETS = resources.files("laden") / "assets"
@@ -18,7 +19,7 @@ def _embedded_default() -> tuple[str, list[str]]:
     ]
 
 
-def _load(args: argparse.Namespace, job: str):
+def _load(args: argparse.Namespace, job: Literal["sft", "rl", "any"]):
     from laden.config import load_config
 
     config, overrides = args.config, list(args.overrides)

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ LossFn = Callable[[nn.Module, PackedBatch], torch.Tensor]
 class OptimSettings:
     """Optimizer and schedule settings, mapped from `actor.optimizer.*`."""
 
-    type: str = "adam"
+    type: Literal["adam", "sgd", "adam_bf16"] = "adam"
     """adam | sgd | adam_bf16."""
     lr: float = 1e-5
     """Peak learning rate."""
@@ -46,7 +46,7 @@ class OptimSettings:
     """Adam epsilon."""
     momentum: float = 0.0
     """SGD momentum."""
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """constant | linear | cosine, after warm-up."""
     warmup_steps: int = 0
     """Linear warm-up steps from 0 to the peak learning rate."""

@@ -40,7 +40,7 @@ from laden.model.loss import chunked_linear_cross_entropy, linear_cross_entropy
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - depends on the installed torch
-    _varlen_attn = None
+    _varlen_attn = None  # type: ignore[assignment]
 
 __all__ = [
     "LADEN_VARLEN",
@@ -137,7 +137,9 @@ def _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, sliding_window) -> 
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    out = _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    assert isinstance(out, torch.Tensor), "no auxiliary outputs were requested"
+    return out
 
 
 def varlen_attention_forward(

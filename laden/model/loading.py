@@ -118,7 +118,7 @@ def load_causal_lm(
     else:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     set_attention(model, attn_impl)
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` with a narrower type
 
 
 def load_tokenizer(path: str, *, gguf_file: str | None = None):

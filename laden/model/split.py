@@ -84,7 +84,12 @@ class DecoderState:
 
 def _flatten_state(state: DecoderState):
     keys = tuple(sorted(state.packed))
-    children = [state.hidden_states, state.position_ids, state.attention_mask, *(state.packed[k] for k in keys)]
+    children = [
+        state.hidden_states,
+        state.position_ids,
+        state.attention_mask,
+        *(state.packed[k] for k in keys),
+    ]
     return children, keys
 
 
@@ -282,5 +287,7 @@ def _mask_kwargs(fn, config: Any, state: DecoderState) -> dict[str, Any]:
     if "position_ids" in names:
         kwargs["position_ids"] = state.position_ids
     if "cache_position" in names:
-        kwargs["cache_position"] = torch.arange(state.hidden_states.shape[1], device=state.hidden_states.device)
+        kwargs["cache_position"] = torch.arange(
+            state.hidden_states.shape[1], device=state.hidden_states.device
+        )
     return kwargs
