@@ -147,7 +147,7 @@ def test_export_loads_with_transformers(tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16
     assert not (result.run_dir / "checkpoints").exists()  # none was asked for
     assert (result.run_dir / "hf" / "tokenizer_config.json").exists()
-    written = json.loads((result.run_dir / "data_stats.json").read_text())
+    written = json.loads((result.run_dir / "train_data_stats.json").read_text())
     assert written["num_kept"] == written["num_records"] == 400
 
 
@@ -180,3 +180,45 @@ def test_cli_reports_every_config_error(tmp_path, capsys):
     assert "actor.mb_spec.max_tokens_per_mb=16 is smaller than train_dataset.max_length = 64" in err
     assert "adam_bf16" in err  # the valid choices are listed
     assert "did you mean" in err and "max_tokens_per_mb" in err
+
+
+def test_oom_retry_equals_never_failed(tmp_path, monkeypatch):
+    """oom_policy=auto: a step that OOMs at 512 tokens/mb is re-split to 256 and retried."""
+    never = run_sft(_cfg(tmp_path, "small", "actor.mb_spec.max_tokens_per_mb=256"), progress=False)
+
+    import laden.engine.local as local
+
+    original = local.accumulate_microbatches
+    failures = {"n": 0}
+
+    def oom_on_big_microbatches(model, micro_batches, **kwargs):
+        if kwargs.get("backward", True) and max(mb.input_ids.numel() for mb in micro_batches) > 256:
+            failures["n"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return original(model, micro_batches, **kwargs)
+
+    monkeypatch.setattr(local, "accumulate_microbatches", oom_on_big_microbatches)
+    retried = run_sft(_cfg(tmp_path, "retried", "oom_policy=auto"), progress=False)
+    assert failures["n"] == 6  # every step first failed at 512 tokens per micro-batch
+    a, b = _final_state(never.run_dir), _final_state(retried.run_dir)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+
+    with pytest.raises(RuntimeError, match=r"max_tokens_per_mb=256 \(now 512"):
+        run_sft(_cfg(tmp_path, "raised"), progress=False)
+
+
+def test_validation_loss_is_logged(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "valid",
+        f"valid_dataset.path={ASSETS_DATA}",
+        "valid_dataset.batch_size=64",
+        "valid_dataset.max_length=64",
+        "checkpoint.save_freq_steps=null",
+        "checkpoint.export_hf=false",
+    )
+    result = run_sft(cfg, progress=False)
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "eval_loss" in rows[-1] and 0 < rows[-1]["eval_loss"] < 10
+    assert (result.run_dir / "valid_data_stats.json").exists()

@@ -114,7 +114,7 @@ def config_reference_markdown() -> str:
                 shown = f"see `{dotted}`"
             else:
                 shown = f"`{yaml_scalar(default)}`"
-            lines.append(f"| `{dotted}` | `{row.type}` | {shown} | {_escape(row.doc)} |")
+            lines.append(f"| `{dotted}` | `{_escape(row.type)}` | {shown} | {_escape(row.doc)} |")
     return "\n".join(lines) + "\n"
 
 

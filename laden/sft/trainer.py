@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from laden.config import ConfigError, LadenConfig, dump_config, run_dir, validate_against_model
+from laden.config import ConfigError, DatasetConfig, LadenConfig, dump_config, run_dir, validate_against_model
 from laden.data import (
     GlobalBatchIterator,
     build_sft_samples,
@@ -37,6 +37,7 @@ from laden.data import (
 )
 from laden.engine.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from laden.engine.factory import DTYPES, build_engine, default_device
+from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
 from laden.model.loading import load_causal_lm, load_tokenizer
 
 log = logging.getLogger("laden.sft")
@@ -67,8 +68,8 @@ def budget(cfg: LadenConfig) -> int:
     return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
 
 
-def prepare_data(cfg: LadenConfig, tokenizer: Any, out_dir: Path):
-    ds = cfg.train_dataset
+def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str):
+    """Tokenize a dataset, apply its length policy and write the counts to `<name>_data_stats.json`."""
     records = load_records(ds.path, split=ds.split)
     samples, stats = build_sft_samples(
         records,
@@ -79,31 +80,35 @@ def prepare_data(cfg: LadenConfig, tokenizer: Any, out_dir: Path):
         completion_key=ds.completion_key,
         messages_key=ds.messages_key,
     )
-    (out_dir / "data_stats.json").write_text(json.dumps(stats.to_dict(), indent=2))
-    log.info("train_dataset: %s", stats.to_dict())
+    stats_path = out_dir / f"{name}_data_stats.json"
+    stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
+    log.info("%s_dataset: %s", name, stats.to_dict())
     if stats.num_filtered or stats.num_truncated:
         log.warning(
-            "train_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
+            "%s_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
+            name,
             ds.max_length,
             stats.num_filtered,
             stats.num_truncated,
             ds.length_policy,
-            out_dir / "data_stats.json",
+            stats_path,
         )
     if len(samples) < ds.batch_size:
         raise ValueError(
-            f"train_dataset.batch_size={ds.batch_size} but only {len(samples)} samples remain after the "
-            f"length policy; lower train_dataset.batch_size or raise train_dataset.max_length"
+            f"{name}_dataset.batch_size={ds.batch_size} but only {len(samples)} samples remain after the "
+            f"length policy; lower {name}_dataset.batch_size or raise {name}_dataset.max_length"
         )
     return samples
 
 
-def step_micro_batches(cfg: LadenConfig, samples, indices: list[int], device: torch.device):
+def step_micro_batches(
+    cfg: LadenConfig, samples, indices: list[int], device: torch.device, tokens_per_mb: int
+):
     """Pack the samples of one global batch into token-budget micro-batches on `device`."""
     seqlens = [len(samples[i][0]) for i in indices]
     bins = partition_microbatches(
         seqlens,
-        max_tokens_per_mb=budget(cfg),
+        max_tokens_per_mb=tokens_per_mb,
         n_mbs=cfg.actor.mb_spec.n_mbs,
         algorithm=cfg.actor.mb_spec.packing_algorithm,
     )
@@ -111,6 +116,48 @@ def step_micro_batches(cfg: LadenConfig, samples, indices: list[int], device: to
     num_loss_tokens = sum(p.num_loss_tokens for p in packed)
     num_tokens = sum(seqlens)
     return [p.to(device, non_blocking=True) for p in packed], num_loss_tokens, num_tokens
+
+
+def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: torch.device, *, step: int):
+    """One optimizer step; under `oom_policy: auto` an OOM halves the micro-batch budget and retries.
+
+    The retry uses the same samples, so nothing is dropped, and the engine zeroes gradients at
+    the start of every attempt, so a retried step equals one that never failed.
+    """
+    tokens_per_mb = budget(cfg)
+    longest = max(len(samples[i][0]) for i in indices)
+    while True:
+        try:
+            mbs, num_loss_tokens, num_tokens = step_micro_batches(
+                cfg, samples, indices, device, tokens_per_mb
+            )
+            return engine.train_batch(mbs, global_num_loss_tokens=num_loss_tokens), len(mbs), num_tokens
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            mbs = None  # drop the failed attempt's tensors before retrying
+            release_cached_memory()
+            if cfg.oom_policy != "auto" or tokens_per_mb <= longest:
+                raise TrainingOOMError(
+                    cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc
+                ) from exc
+            tokens_per_mb = max(longest, tokens_per_mb // 2)
+            log.warning(
+                "step %d ran out of memory; retrying with %d tokens per micro-batch", step, tokens_per_mb
+            )
+
+
+def evaluate(cfg: LadenConfig, engine, valid, device: torch.device) -> torch.Tensor:
+    """Token-mean loss over the whole validation set, `valid_dataset.batch_size` samples at a time."""
+    assert cfg.valid_dataset is not None
+    size = cfg.valid_dataset.batch_size
+    total_loss_tokens = sum(sum(mask[1:]) for _, mask in valid)
+    loss = torch.zeros((), device=device)
+    for start in range(0, len(valid), size):
+        indices = list(range(start, min(start + size, len(valid))))
+        mbs, _, _ = step_micro_batches(cfg, valid, indices, device, budget(cfg))
+        loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(device)
+    return loss
 
 
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
@@ -122,7 +169,8 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     device = default_device()
 
     tokenizer = load_tokenizer(cfg.actor.path)
-    samples = prepare_data(cfg, tokenizer, out_dir)
+    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train")
+    valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid") if cfg.valid_dataset else None
     model = load_causal_lm(
         cfg.actor.path,
         dtype=DTYPES[cfg.actor.optimizer_dtype],
@@ -168,12 +216,13 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     with metrics_path.open("a") as metrics_file:
         for step in range(start_step, total_steps):
             indices = next(batches)
-            mbs, num_loss_tokens, num_tokens = step_micro_batches(cfg, samples, indices, device)
-            out = engine.train_batch(mbs, global_num_loss_tokens=num_loss_tokens)
+            out, num_mbs, num_tokens = train_step(cfg, engine, samples, indices, device, step=step + 1)
             window_tokens += num_tokens
             done = step + 1
+            if valid is not None and (done % batches.steps_per_epoch == 0 or done == total_steps):
+                out["eval_loss"] = evaluate(cfg, engine, valid, device)
             if done % cfg.log_freq_steps == 0 or done == total_steps:
-                record = _log_record(out, done, len(mbs), num_tokens, window_tokens, window_start, device)
+                record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, device)
                 window_tokens, window_start = 0, time.perf_counter()
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
