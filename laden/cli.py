@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Literal
 from importlib import resources
+from typing import Literal
 
 ASSETS = resources.files("laden") / "assets"
 

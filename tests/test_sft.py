@@ -103,7 +103,7 @@ def _cfg(tmp_path, trial: str, *extra: str):
 
 
 def _final_state(run_dir):
-    return torch.load(run_dir / "checkpoints" / "step_6" / "state.pt", weights_only=False)
+    return torch.load(run_dir / "checkpoints" / "step_6" / "engine" / "state.pt", weights_only=False)
 
 
 def test_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch):
@@ -222,3 +222,42 @@ def test_validation_loss_is_logged(tmp_path):
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "eval_loss" in rows[-1] and 0 < rows[-1]["eval_loss"] < 10
     assert (result.run_dir / "valid_data_stats.json").exists()
+
+
+def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={port}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
+        f"cluster.fileroot={tmp_path}", f"trial_name={trial}", "total_train_steps=4",
+        "train_dataset.batch_size=8", "checkpoint.save_freq_steps=null", "cluster.n_gpus_per_node=2", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp_path / "sft-tiny" / trial
+
+
+def test_torchrun_data_parallel_d2_equals_single_process(tmp_path):
+    """`laden sft` under torchrun with actor.backend=fsdp:d2 (gloo) == one process, same global batches."""
+    from safetensors.torch import load_file
+
+    single = run_sft(
+        _cfg(tmp_path, "d1", "total_train_steps=4", "checkpoint.save_freq_steps=null"), progress=False
+    )
+    d2 = _torchrun_sft(tmp_path, "d2", 2, "actor.backend=fsdp:d2")
+    a = load_file(single.run_dir / "hf" / "model.safetensors")
+    b = load_file(d2 / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    la = [json.loads(x)["loss"] for x in (single.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (d2 / "metrics.jsonl").read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)

@@ -7,6 +7,10 @@ Normalising each micro-batch's summed token loss by the *global* count is what m
 loss the token mean over the whole batch however it is split across micro-batches, ranks
 or calls (micro-batched == one batch).
 
+Data-parallel engines also expose `dp_rank` and `dp_size`: the trainer gives each rank its
+share of the global batch (engines without them are one replica), while the normaliser
+stays the loss-token count of the whole global batch.
+
 Metrics come back as tensors, not floats, so an engine never forces a host sync; the
 trainer syncs once per logged step.
 """

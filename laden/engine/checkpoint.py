@@ -1,13 +1,13 @@
-"""Resumable training checkpoints for single-process engines.
+"""Resumable training checkpoints.
 
-A checkpoint is one directory `step_<N>/` holding `state.pt` (engine state: model,
-optimizer, LR scheduler), `trainer.json` (step, data-iterator position) and `rng.pt`
-(Python, NumPy, torch CPU and CUDA generators). It is written into a temporary directory
-and renamed into place, so a crash mid-save never leaves a half checkpoint that resume
-would pick up. Resuming restores every generator, which is what makes resumed ==
-uninterrupted bitwise on the CPU. Trade-off: `torch.save` of the full state is simple and
-exact but holds one host copy of the state while writing; the sharded engines use
-`torch.distributed.checkpoint` instead.
+A checkpoint is one directory `step_<N>/` holding the engine's state (`engine/`: model,
+optimizer, LR scheduler; a `torch.save` file for single-process engines, a
+`torch.distributed.checkpoint` directory for sharded ones, which reshards on load),
+`trainer.json` (step, data-iterator position) and `rng_rank<R>.pt` (Python, NumPy, torch
+CPU and CUDA generators of every rank). Everything is written into a temporary directory
+that rank 0 renames into place after all ranks finished, so a crash mid-save never leaves a
+half checkpoint that resume would pick up. Restoring every generator is what makes resumed
+== uninterrupted bitwise on the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +44,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def save_engine(engine: Any, path: Path) -> None:
+    """Sharded engines write their own (collective) checkpoint; others a single `torch.save` file."""
+    if hasattr(engine, "save_checkpoint"):
+        engine.save_checkpoint(path)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(engine.state_dict(), path / "state.pt")
+
+
+def load_engine(engine: Any, path: Path) -> None:
+    if hasattr(engine, "load_checkpoint"):
+        engine.load_checkpoint(path)
+    else:
+        engine.load_state_dict(torch.load(path / "state.pt", map_location="cpu", weights_only=False))
+
+
 def save_checkpoint(
-    ckpt_root: Path, *, step: int, engine_state: dict[str, Any], trainer_state: dict[str, Any], keep_last: int
+    ckpt_root: Path,
+    *,
+    step: int,
+    engine: Any,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    rank: int = 0,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Path:
-    """Atomically write checkpoint `step` under `ckpt_root` and prune to the newest `keep_last`."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    """Atomically write checkpoint `step` under `ckpt_root` (every rank calls this) and prune old ones."""
     final = ckpt_root / f"{_PREFIX}{step}"
     tmp = ckpt_root / f".tmp_{_PREFIX}{step}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(engine_state, tmp / "state.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in list_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old)
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    save_engine(engine, tmp / "engine")
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old)
+    barrier()
     return final
 
 
@@ -73,9 +102,10 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return (engine_state, trainer_state) and restore the RNG state saved with them."""
-    engine_state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    trainer_state = json.loads((path / "trainer.json").read_text())
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return engine_state, trainer_state
+def load_checkpoint(path: Path, engine: Any, *, rank: int = 0) -> dict[str, Any]:
+    """Restore the engine and this rank's RNG state; return the trainer state."""
+    load_engine(engine, path / "engine")
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.exists():  # a different world size has no file for this rank: keep the seeded state
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((path / "trainer.json").read_text())

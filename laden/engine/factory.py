@@ -46,7 +46,8 @@ def build_engine(
     actor = cfg.actor
     settings = optim_settings(cfg, total_steps)
     loss_fn = packed_loss_fn(chunked=actor.chunked_loss, chunk_size=actor.loss_chunk_size)
-    if mode.backend == "fsdp" and mode.num_gpus == 1 and not _distributed():
+    needs_fsdp = actor.fsdp.offload_params or actor.fsdp.per_layer_optim_step
+    if mode.backend == "fsdp" and mode.num_gpus == 1 and not _distributed() and not needs_fsdp:
         return LocalEngine(
             model,
             device=device,

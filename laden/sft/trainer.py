@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -101,10 +102,28 @@ def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str):
     return samples
 
 
+def loss_tokens(samples, indices: list[int]) -> int:
+    """Tokens that carry a loss (a label) in these samples: the global normaliser of a step."""
+    return sum(sum(samples[i][1][1:]) for i in indices)
+
+
+def shard_for_rank(samples, indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """This data-parallel rank's share of a global batch, balanced by tokens (longest first, to the lightest rank)."""
+    if dp_size == 1:
+        return indices
+    loads = [0] * dp_size
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(indices, key=lambda i: (-len(samples[i][0]), i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        loads[r] += len(samples[i][0])
+        shares[r].append(i)
+    return sorted(shares[dp_rank])
+
+
 def step_micro_batches(
     cfg: LadenConfig, samples, indices: list[int], device: torch.device, tokens_per_mb: int
 ):
-    """Pack the samples of one global batch into token-budget micro-batches on `device`."""
+    """Pack the given samples into token-budget micro-batches on `device`; also return their token count."""
     seqlens = [len(samples[i][0]) for i in indices]
     bins = partition_microbatches(
         seqlens,
@@ -113,31 +132,33 @@ def step_micro_batches(
         algorithm=cfg.actor.mb_spec.packing_algorithm,
     )
     packed = [pack_samples([samples[indices[j]] for j in b]) for b in bins]
-    num_loss_tokens = sum(p.num_loss_tokens for p in packed)
-    num_tokens = sum(seqlens)
-    return [p.to(device, non_blocking=True) for p in packed], num_loss_tokens, num_tokens
+    return [p.to(device, non_blocking=True) for p in packed], sum(seqlens)
 
 
 def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: torch.device, *, step: int):
     """One optimizer step; under `oom_policy: auto` an OOM halves the micro-batch budget and retries.
 
-    The retry uses the same samples, so nothing is dropped, and the engine zeroes gradients at
-    the start of every attempt, so a retried step equals one that never failed.
+    Each data-parallel rank packs its share of the global batch; the loss is normalised by
+    the loss tokens of the whole global batch, which every rank computes from host data.
+    The retry uses the same samples, so nothing is dropped, and the engine zeroes gradients
+    at the start of every attempt, so a retried step equals one that never failed.
     """
+    global_loss_tokens = loss_tokens(samples, indices)
+    mine = shard_for_rank(samples, indices, getattr(engine, "dp_rank", 0), getattr(engine, "dp_size", 1))
     tokens_per_mb = budget(cfg)
-    longest = max(len(samples[i][0]) for i in indices)
+    longest = max(len(samples[i][0]) for i in mine)
     while True:
         try:
-            mbs, num_loss_tokens, num_tokens = step_micro_batches(
-                cfg, samples, indices, device, tokens_per_mb
-            )
-            return engine.train_batch(mbs, global_num_loss_tokens=num_loss_tokens), len(mbs), num_tokens
+            mbs, _ = step_micro_batches(cfg, samples, mine, device, tokens_per_mb)
+            out = engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens)
+            return out, len(mbs), sum(len(samples[i][0]) for i in indices)
         except Exception as exc:
             if not is_oom(exc):
                 raise
             mbs = None  # drop the failed attempt's tensors before retrying
             release_cached_memory()
-            if cfg.oom_policy != "auto" or tokens_per_mb <= longest:
+            # Under torch.distributed the ranks would have to agree on a retry; there the OOM is reported.
+            if cfg.oom_policy != "auto" or tokens_per_mb <= longest or _world_size() > 1:
                 raise TrainingOOMError(
                     cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc
                 ) from exc
@@ -151,56 +172,124 @@ def evaluate(cfg: LadenConfig, engine, valid, device: torch.device) -> torch.Ten
     """Token-mean loss over the whole validation set, `valid_dataset.batch_size` samples at a time."""
     assert cfg.valid_dataset is not None
     size = cfg.valid_dataset.batch_size
-    total_loss_tokens = sum(sum(mask[1:]) for _, mask in valid)
+    total_loss_tokens = loss_tokens(valid, list(range(len(valid))))
+    dp_rank, dp_size = getattr(engine, "dp_rank", 0), getattr(engine, "dp_size", 1)
     loss = torch.zeros((), device=device)
     for start in range(0, len(valid), size):
-        indices = list(range(start, min(start + size, len(valid))))
-        mbs, _, _ = step_micro_batches(cfg, valid, indices, device, budget(cfg))
+        indices = shard_for_rank(valid, list(range(start, min(start + size, len(valid)))), dp_rank, dp_size)
+        mbs, _ = step_micro_batches(cfg, valid, indices, device, budget(cfg))
         loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(device)
     return loss
 
 
-def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
-    """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
-    out_dir = run_dir(cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out_dir / "config.yaml")
-    seed_everything(cfg.seed)
-    device = default_device()
+@dataclass(kw_only=True, slots=True)
+class Runtime:
+    """Where this process runs: its rank under torchrun (0 of 1 otherwise) and its device."""
 
-    tokenizer = load_tokenizer(cfg.actor.path)
-    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train")
-    valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid") if cfg.valid_dataset else None
-    model = load_causal_lm(
-        cfg.actor.path,
-        dtype=DTYPES[cfg.actor.optimizer_dtype],
-        init_from_config=cfg.actor.init_from_config,
-        seed=cfg.seed,
-        attn_impl=cfg.actor.attn_impl,
-    )
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    device: torch.device
+    """This process's device."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start_runtime() -> Runtime:
+    """Join torchrun's process group when launched by it; otherwise a single process."""
+    if _world_size() == 1:
+        return Runtime(rank=0, world_size=1, device=default_device())
+    from laden.engine.fsdp.launch import init_distributed
+
+    rank, world_size, _, device = init_distributed()
+    return Runtime(rank=rank, world_size=world_size, device=device)
+
+
+def load_model(cfg: LadenConfig, rt: Runtime):
+    """The model this rank hands its engine (a meta-device skeleton on ranks > 0 with memory_efficient_load)."""
+    dtype = DTYPES[cfg.actor.optimizer_dtype]
+    if rt.world_size > 1:
+        from laden.engine.fsdp.load import load_model_for_rank
+
+        model = load_model_for_rank(
+            cfg.actor.path,
+            dtype=dtype,
+            memory_efficient_load=cfg.actor.fsdp.memory_efficient_load,
+            init_from_config=cfg.actor.init_from_config,
+            seed=cfg.seed,
+            attn_impl=cfg.actor.attn_impl,
+        )
+    else:
+        model = load_causal_lm(
+            cfg.actor.path,
+            dtype=dtype,
+            init_from_config=cfg.actor.init_from_config,
+            seed=cfg.seed,
+            attn_impl=cfg.actor.attn_impl,
+        )
+    mc = model.config
     errors = validate_against_model(
         cfg,
-        num_attention_heads=model.config.num_attention_heads,
-        num_key_value_heads=getattr(model.config, "num_key_value_heads", model.config.num_attention_heads),
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
     )
     if errors:
         raise ConfigError(errors)
+    return model
 
+
+def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
+    """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
+    rt = start_runtime()
+    out_dir = run_dir(cfg)
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out_dir / "config.yaml")
+    rt.barrier()
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.actor.path)
+    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train")
+    valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid") if cfg.valid_dataset else None
+    model = load_model(cfg, rt)
     batches = GlobalBatchIterator(
         len(samples),
         batch_size=cfg.train_dataset.batch_size,
         shuffle=cfg.train_dataset.shuffle,
         seed=cfg.seed,
     )
-    total_steps = cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs
-    total_steps = min(total_steps, batches.steps_per_epoch * cfg.total_train_epochs)
-    engine = build_engine(cfg, model, total_steps=total_steps, device=device)
+    total_steps = min(
+        cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs,
+        batches.steps_per_epoch * cfg.total_train_epochs,
+    )
+    engine = build_engine(cfg, model, total_steps=total_steps, device=rt.device)
     log.info(
-        "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, device
+        "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, rt.device
     )
 
-    ckpt_root = out_dir / "checkpoints"
-    start_step = _maybe_resume(cfg, engine, batches, ckpt_root)
+    start_step = _maybe_resume(cfg, engine, batches, out_dir / "checkpoints", rt)
+    losses = _train_loop(cfg, engine, samples, valid, batches, rt, start_step, total_steps, progress)
+    if cfg.checkpoint.save_freq_steps and start_step < total_steps:
+        _save(cfg, engine, batches, out_dir / "checkpoints", total_steps, rt)
+    if cfg.checkpoint.export_hf:
+        engine.export_hf(out_dir / "hf", tokenizer=tokenizer)
+    rt.barrier()
+    return SFTResult(run_dir=out_dir, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
+
+
+def _train_loop(cfg, engine, samples, valid, batches, rt: Runtime, start_step, total_steps, progress):
+    """The optimizer steps; rank 0 logs metrics and drives the progress bar. Returns (first, last) loss."""
+    out_dir = run_dir(cfg)
     if start_step >= total_steps:
         log.warning(
             "run directory %s already holds a finished run (step %d of %d); nothing to train. "
@@ -210,35 +299,37 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
             total_steps,
         )
     first_loss = last_loss = None
-    metrics_path = out_dir / "metrics.jsonl"
-    bar = tqdm(total=total_steps, initial=start_step, disable=not progress, desc="sft", unit="step")
+    bar = tqdm(
+        total=total_steps, initial=start_step, disable=not (progress and rt.is_main), desc="sft", unit="step"
+    )
     window_tokens, window_start = 0, time.perf_counter()
-    with metrics_path.open("a") as metrics_file:
+    metrics_file = (out_dir / "metrics.jsonl").open("a") if rt.is_main else None
+    try:
         for step in range(start_step, total_steps):
             indices = next(batches)
-            out, num_mbs, num_tokens = train_step(cfg, engine, samples, indices, device, step=step + 1)
+            out, num_mbs, num_tokens = train_step(cfg, engine, samples, indices, rt.device, step=step + 1)
             window_tokens += num_tokens
             done = step + 1
             if valid is not None and (done % batches.steps_per_epoch == 0 or done == total_steps):
-                out["eval_loss"] = evaluate(cfg, engine, valid, device)
+                out["eval_loss"] = evaluate(cfg, engine, valid, rt.device)
             if done % cfg.log_freq_steps == 0 or done == total_steps:
-                record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, device)
+                record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt.device)
                 window_tokens, window_start = 0, time.perf_counter()
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
                 first_loss = record["loss"] if first_loss is None else first_loss
                 last_loss = record["loss"]
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             freq = cfg.checkpoint.save_freq_steps
             if freq and done % freq == 0 and done < total_steps:
-                _save(cfg, engine, batches, ckpt_root, done)
-    bar.close()
-    if cfg.checkpoint.save_freq_steps:
-        _save(cfg, engine, batches, ckpt_root, total_steps)
-    if cfg.checkpoint.export_hf:
-        engine.export_hf(out_dir / "hf", tokenizer=tokenizer)
-    return SFTResult(run_dir=out_dir, num_steps=total_steps, first_loss=first_loss, last_loss=last_loss)
+                _save(cfg, engine, batches, out_dir / "checkpoints", done, rt)
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    return first_loss, last_loss
 
 
 def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, device) -> dict[str, Any]:
@@ -256,22 +347,27 @@ def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, dev
     return record
 
 
-def _save(cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, step: int) -> None:
+def _save(
+    cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, step: int, rt: Runtime
+) -> None:
     save_checkpoint(
         ckpt_root,
         step=step,
-        engine_state=engine.state_dict(),
+        engine=engine,
         trainer_state={"data": batches.state_dict()},
         keep_last=cfg.checkpoint.keep_last,
+        rank=rt.rank,
+        barrier=rt.barrier,
     )
 
 
-def _maybe_resume(cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path) -> int:
+def _maybe_resume(
+    cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, rt: Runtime
+) -> int:
     found = list_checkpoints(ckpt_root)
     if cfg.checkpoint.resume == "never" or not found:
         return 0
-    engine_state, trainer_state = load_checkpoint(found[-1])
-    engine.load_state_dict(engine_state)
+    trainer_state = load_checkpoint(found[-1], engine, rank=rt.rank)
     batches.load_state_dict(trainer_state["data"])
     log.info("resumed from %s", found[-1])
     return int(trainer_state["step"])
