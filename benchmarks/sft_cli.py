@@ -30,6 +30,16 @@ SHAPES = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -75,8 +85,10 @@ def write_dataset(path: Path, *, num_docs: int, seq_len: int, overhead: int, see
 
 
 def run_variant(work: Path, args, *, gc: bool, chunked: bool) -> dict:
-    name = f"sft-{args.model}-gc{int(gc)}-chunked{int(chunked)}"
+    name = f"sft-{args.model}-{args.backend.replace(':', '-')}-gc{int(gc)}-chunked{int(chunked)}"
     overrides = [
+        f"actor.backend={args.backend}",
+        f"cluster.n_gpus_per_node={max(args.nproc, 1)}",
         f"experiment_name={name}",
         f"cluster.fileroot={work / 'runs'}",
         f"actor.path={work / 'model'}",
@@ -93,9 +105,25 @@ def run_variant(work: Path, args, *, gc: bool, chunked: bool) -> dict:
         "checkpoint.export_hf=false",
         "actor.optimizer.lr=1e-4",
     ]
-    cmd = [sys.executable, "-m", "laden.cli", "sft", "--no-progress", *overrides]
+    launcher = [sys.executable, "-m", "laden.cli"]
+    if args.nproc > 1:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.nproc}",
+            "-m",
+            "laden.cli",
+        ]
+    cmd = [*launcher, "sft", "--no-progress", *overrides, *args.extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    result = {"name": name, "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size}
+    result = {
+        "name": name,
+        "model": args.model,
+        "backend": args.backend,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+    }
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout)[-1500:]
         return {**result, "error": "OOM" if "out of memory" in tail.lower() else tail}
@@ -106,6 +134,7 @@ def run_variant(work: Path, args, *, gc: bool, chunked: bool) -> dict:
         **result,
         "tokens_per_s": round(tokens_per_s, 1),
         "peak_gpu_gib": round(max(r.get("peak_gpu_gib", 0.0) for r in rows), 2),
+        "peak_host_gib": round(max(r.get("peak_host_gib", 0.0) for r in rows), 2),
         "first_loss": rows[0]["loss"],
         "last_loss": rows[-1]["loss"],
     }
@@ -121,6 +150,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--variants", default="00,01,10,11", help="gc,chunked bit pairs")
+    p.add_argument("--backend", default="fsdp:d1", help="actor.backend")
+    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun) for the backend")
+    p.add_argument("--extra", nargs="*", default=[], help="more dotted overrides")
     args = p.parse_args()
     args.tokens_per_mb = args.tokens_per_mb or args.seq_len
     import torch

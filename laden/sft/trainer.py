@@ -342,9 +342,17 @@ def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, dev
     record["tokens_per_s"] = window_tokens / elapsed
     if device.type == "cuda":
         record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    record["peak_host_gib"] = peak_rss_bytes() / 2**30
     if not math.isfinite(record["loss"]):
         raise RuntimeError(f"loss became {record['loss']} at step {step}; lower actor.optimizer.lr")
     return record
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _save(

@@ -1,0 +1,247 @@
+"""Training throughput on the reference workload: tokens/s, MFU/HFU, GPU and host peaks.
+
+One JSON object per result on stdout. Systems:
+- `laden`: `RoundPipeEngine` (CPU-resident model, stages streamed through the GPU), under
+  `--gpu-mem-cap-gib` (default 24, as if on a 24 GB card);
+- `plain`: laden's `LocalEngine` (model resident on the GPU, fp32 master + bf16 autocast,
+  per-layer gradient checkpointing, fused AdamW), not capped unless `--cap-plain`.
+
+Both train on the same random packed micro-batches: `--num-seqs` sequences of `--seq-len`
+tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per row.
+MFU = 6 N tokens/s / 989e12 and HFU = 8 N tokens/s / 989e12 (H200 dense bf16 peak, N =
+parameters, embeddings included, tied ones once); attention FLOPs are not counted.
+
+    python benchmarks/train_throughput.py --system laden --model qwen3-1.7b --steps 6 --warmup 2
+    python benchmarks/train_throughput.py --system laden --model tiny --steps 2   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_FLOPS = 989e12
+GIB = 1 << 30
+SHAPES = {  # Qwen3 shapes (random init)
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}  # fmt: skip
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--system", choices=["laden", "plain"], default="laden")
+    p.add_argument("--model", choices=[*SHAPES, "tiny"], default="qwen3-1.7b")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--num-seqs", type=int, default=16, help="sequences per optimizer step")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gpu-mem-cap-gib", type=float, default=24.0)
+    p.add_argument("--cap-plain", action="store_true", help="apply the GPU cap to the plain system too")
+    p.add_argument("--num-microbatch", type=int, default=4)
+    p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
+    p.add_argument("--model-memory-limit", type=float, default=None, help="GiB; default 1/3 of the cap")
+    p.add_argument("--pin-model", choices=["alloc", "register", "off"], default="alloc")
+    p.add_argument("--optim-step", choices=["sync", "async"], default="async")
+    p.add_argument("--optimizer-dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--optimizer", choices=["adam", "adam_bf16"], default="adam")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="compute dtype (default bf16 on GPU)")
+    p.add_argument("--attn", choices=["auto", "sdpa", "eager"], default="auto")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from laden.model.attention import set_attention
+    from laden.model.tiny import tiny_qwen3_config
+
+    torch.manual_seed(args.seed)
+    if args.model == "tiny":
+        config = tiny_qwen3_config(vocab_size=128)
+    else:
+        config = Qwen3Config(**SHAPES[args.model])
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.bfloat16 if args.model != "tiny" else torch.float32
+    )
+    set_attention(model, args.attn)
+    return model
+
+
+def make_steps(args: argparse.Namespace, vocab_size: int, num_steps: int) -> list[list]:
+    """Random packed micro-batches: `num_seqs / num_microbatch` sequences per row."""
+    from laden.data.batch import pack_samples
+
+    gen = torch.Generator().manual_seed(args.seed)
+    per_row = max(1, args.num_seqs // args.num_microbatch)
+    steps = []
+    for _ in range(num_steps):
+        rows = []
+        for start in range(0, args.num_seqs, per_row):
+            samples = []
+            for _ in range(min(per_row, args.num_seqs - start)):
+                ids = torch.randint(0, vocab_size, (args.seq_len,), generator=gen).tolist()
+                samples.append((ids, [1] * len(ids)))
+            rows.append(pack_samples(samples))
+        steps.append(rows)
+    return steps
+
+
+def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
+    from laden.engine.local import LocalEngine, OptimSettings, packed_loss_fn
+
+    compute = (
+        DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    optim = OptimSettings(type=args.optimizer, lr=1e-5, weight_decay=0.01, gradient_clipping=args.clip,
+                          total_steps=args.steps + args.warmup)  # fmt: skip
+    if args.system == "plain":
+        return LocalEngine(
+            model, device=device, dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype], optim=optim,
+            gradient_checkpointing=True, loss_fn=packed_loss_fn(chunked=True, chunk_size=4096),
+        )  # fmt: skip
+    from laden.engine.roundpipe import RoundPipeEngine
+
+    limit = args.model_memory_limit
+    if limit is None and device.type == "cuda":
+        limit = args.gpu_mem_cap_gib / 3
+    return RoundPipeEngine(
+        model, optim=optim, compute_dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype],
+        num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain, model_memory_limit=limit,
+        pin_model=args.pin_model, optim_step=args.optim_step,
+        devices=[device] if device.type == "cpu" else None,
+    )  # fmt: skip
+
+
+def cap_gpu(args: argparse.Namespace, device: torch.device) -> None:
+    if device.type != "cuda" or (args.system == "plain" and not args.cap_plain):
+        return
+    for i in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(i).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem_cap_gib * GIB / total), i)
+
+
+def finish(engine) -> None:
+    """Wait for everything a step queued (the async engine's optimizer thread, the GPU)."""
+    pipe = getattr(engine, "pipe", None)
+    if pipe is not None:
+        pipe.jobs.drain()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    cap_gpu(args, device)
+    model = build_model(args)
+    num_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    steps = make_steps(args, model.config.vocab_size, args.warmup + args.steps)
+    engine = build_engine(args, model, device)
+    for mbs in steps[: args.warmup]:
+        engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+    finish(engine)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for mbs in steps[args.warmup :]:
+        metrics = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+    finish(engine)
+    seconds = time.perf_counter() - start
+    tokens = sum(mb.num_tokens for mbs in steps[args.warmup :] for mb in mbs)
+    tok_s = tokens / seconds
+    return {
+        "name": f"train_throughput/{args.system}",
+        "model": args.model,
+        "shape": {
+            "seq_len": args.seq_len,
+            "num_seqs": args.num_seqs,
+            "num_microbatch": args.num_microbatch,
+            "recompute_grain": args.recompute_grain,
+            "optim_step": args.optim_step,
+            "pin_model": args.pin_model,
+            "optimizer": args.optimizer,
+            "optimizer_dtype": args.optimizer_dtype,
+            "attn": args.attn,
+        },  # fmt: skip
+        "plan": repr(getattr(engine, "plan", None)),
+        "tokens_per_s": round(tok_s, 1),
+        "step_s": round(seconds / args.steps, 4),
+        "num_params": num_params,
+        "mfu": round(6 * num_params * tok_s / PEAK_FLOPS, 4),
+        "hfu": round(8 * num_params * tok_s / PEAK_FLOPS, 4),
+        "last_loss": float(metrics["loss"]),
+        **memory_peaks(),
+        "git_commit": git_commit(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "gpu_mem_cap_gib": args.gpu_mem_cap_gib if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+    }
+
+
+def memory_peaks() -> dict:
+    rss_gib = _peak_rss_gib()
+    pinned_gib = 0.0
+    out = {}
+    if torch.cuda.is_available():
+        out["peak_gpu_allocated_gib"] = round(max(torch.cuda.max_memory_allocated(i) for i in
+                                                  range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
+        out["peak_gpu_reserved_gib"] = round(max(torch.cuda.max_memory_reserved(i) for i in
+                                                 range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
+        stats = torch.cuda.host_memory_stats()
+        pinned_gib = (
+            stats.get("reserved_bytes.current", stats.get("reserved_bytes", {}).get("current", 0)) / GIB
+        )
+    out.update(peak_rss_gib=round(rss_gib, 3), pinned_gib=round(pinned_gib, 3),
+               peak_host_gib=round(rss_gib + pinned_gib, 3))  # fmt: skip
+    return out
+
+
+def _peak_rss_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / GIB
+    return 0.0
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main(argv: list[str] | None = None) -> dict:
+    result = run(parse_args(argv))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
