@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
     p.add_argument("--model-memory-limit", type=float, default=None, help="GiB; default 1/3 of the cap")
+    p.add_argument("--min-stages", type=int, default=None, help="auto plan: at least this many stages")
+    p.add_argument("--stage-layers", type=int, default=None, help="uniform plan: layers per backward stage")
+    p.add_argument("--fused-layers", type=int, default=None, help="uniform plan: layers of the fused stage")
+    p.add_argument(
+        "--fwd-stage-layers", type=int, default=None, help="uniform plan: layers per forward stage"
+    )
     p.add_argument("--pin-model", choices=["alloc", "register", "off"], default="alloc")
     p.add_argument("--optim-step", choices=["sync", "async"], default="async")
     p.add_argument("--optimizer-dtype", choices=list(DTYPES), default="float32")
@@ -111,15 +117,21 @@ def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch
             model, device=device, dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype], optim=optim,
             gradient_checkpointing=True, loss_fn=packed_loss_fn(chunked=True, chunk_size=4096),
         )  # fmt: skip
-    from laden.engine.roundpipe import RoundPipeEngine
+    from laden.engine.roundpipe import ModelExecutePlan, RoundPipeEngine
 
     limit = args.model_memory_limit
     if limit is None and device.type == "cuda":
         limit = args.gpu_mem_cap_gib / 3
+    plan = None
+    if args.stage_layers is not None:  # pipeline layers: embedding + decoder layers + head
+        plan = ModelExecutePlan.uniform(
+            model.config.num_hidden_layers + 2, stage_layers=args.stage_layers,
+            fused_layers=args.fused_layers, fwd_stage_layers=args.fwd_stage_layers,
+        )  # fmt: skip
     return RoundPipeEngine(
         model, optim=optim, compute_dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype],
         num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain, model_memory_limit=limit,
-        pin_model=args.pin_model, optim_step=args.optim_step,
+        pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan, min_stages=args.min_stages,
         devices=[device] if device.type == "cpu" else None,
     )  # fmt: skip
 

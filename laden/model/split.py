@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -188,7 +188,9 @@ class HeadStep(nn.Module):
         self.lm_head = lm_head
 
     def forward(self, state: DecoderState) -> LMHeadOutput:
-        return LMHeadOutput(self.norm(state.hidden_states), self.lm_head.weight)
+        weight = self.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        return LMHeadOutput(self.norm(state.hidden_states), weight)
 
 
 @dataclass(slots=True)
@@ -226,7 +228,7 @@ def split_causal_lm(model: nn.Module) -> SplitModel:
     steps: list[nn.Module] = [EmbedStep(base.embed_tokens)]
     for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
         steps.append(DecoderStep(layer, base.rotary_emb, config, i))
-    steps.append(HeadStep(base.norm, model.lm_head))
+    steps.append(HeadStep(base.norm, cast(nn.Module, model.lm_head)))
     return SplitModel(layers=nn.Sequential(*steps), model=model, config=config)
 
 

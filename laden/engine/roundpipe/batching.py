@@ -1,0 +1,100 @@
+"""Splitting a call's inputs and labels into micro-batches, and merging outputs back.
+
+Default rule: the batch size is dim 0 of the first tensor argument; every tensor argument
+whose dim 0 has that size is split into `num_microbatch` nearly equal pieces
+(`torch.tensor_split`), everything else (scalars, flags, tensors of other sizes) is passed
+whole to every micro-batch. When the batch is smaller than `num_microbatch`, there are as
+many micro-batches as rows. Custom `split_input` / `split_label` callables replace the rule.
+
+Packed rows (`[1, T]` with `cu_seq_lens_*`) cannot be split along dim 0: pass several rows
+yourself, or use the config-driven engine, which takes one packed row per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def batch_size_of(tree: Any) -> int | None:
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            return leaf.shape[0]
+    return None
+
+
+def split_tree(tree: Any, num: int, batch: int) -> list[Any]:
+    """`num` copies of `tree` with batch-sized tensors split along dim 0."""
+    leaves, spec = pytree.tree_flatten(tree)
+    columns = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == batch:
+            columns.append(list(torch.tensor_split(leaf, num, dim=0)))
+        else:
+            columns.append([leaf] * num)
+    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(num)]
+
+
+def split_microbatches(
+    args: tuple,
+    kwargs: dict[str, Any],
+    label: Any,
+    num_microbatch: int,
+    *,
+    split_input: Callable | None = None,
+    split_label: Callable | None = None,
+) -> tuple[list[tuple[tuple, dict[str, Any]]], list[Any]]:
+    """Per micro-batch `(args, kwargs)` and labels (see the module docstring)."""
+    if split_input is not None:
+        args_list, kwargs_list = split_input(args, kwargs, num_microbatch)
+        if not (
+            isinstance(args_list, list)
+            and isinstance(kwargs_list, list)
+            and len(args_list) == len(kwargs_list)
+        ):
+            raise ValueError(
+                "split_input must return two lists of equal length (args per micro-batch, kwargs)"
+            )
+        inputs = [(tuple(a), dict(k)) for a, k in zip(args_list, kwargs_list)]
+    else:
+        batch = batch_size_of((args, kwargs))
+        if batch is None or min(num_microbatch, batch) <= 1:
+            inputs = [(tuple(args), dict(kwargs))]
+        else:
+            inputs = split_tree((tuple(args), dict(kwargs)), min(num_microbatch, batch), batch)
+    num = len(inputs)
+    if split_label is not None:
+        labels = split_label(label, num)
+        if not (isinstance(labels, list) and len(labels) == num):
+            raise ValueError(f"split_label must return a list of {num} labels (one per micro-batch)")
+    elif num == 1:
+        labels = [label]
+    else:
+        label_batch = batch_size_of(label)
+        labels = split_tree(label, num, label_batch) if label_batch is not None else [label] * num
+    for args_i, kwargs_i in inputs:
+        for leaf in pytree.tree_leaves((args_i, kwargs_i)):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                raise ValueError(
+                    "an input tensor requires grad; RoundPipe computes gradients for the model's "
+                    "parameters only. Pass inputs that do not require grad (detach them)"
+                )
+    return inputs, labels
+
+
+def merge_outputs(outputs: list[Any]) -> Any:
+    """Concatenate micro-batch outputs along dim 0 (tensors with a batch dim); others from the first."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    merged = []
+    for i, first in enumerate(flat[0][0]):
+        if isinstance(first, torch.Tensor) and first.ndim > 0:
+            merged.append(torch.cat([leaves[i] for leaves, _ in flat], dim=0))
+        else:
+            merged.append(first)
+    return pytree.tree_unflatten(merged, spec)

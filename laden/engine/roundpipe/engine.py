@@ -1,0 +1,369 @@
+"""`RoundPipeEngine`: the config-driven roundpipe backend (`actor.backend: roundpipe:...`).
+
+It implements `TrainEngine` over the same pipeline as the library API, with the optimizer
+driven internally, parameter group by parameter group, as soon as a group's gradient is
+complete:
+
+- the gradient norm is summed group by group on the landing thread while the device still
+  runs the backward of earlier layers (and, data parallel, each group is all-reduced there,
+  in a fixed order so every replica issues the same collectives);
+- without gradient clipping each group's AdamW update starts right away on the optimizer
+  thread, overlapping the rest of the backward; with clipping the updates wait for the
+  global norm and then run in forward order, so the next step's first stages can start
+  uploading as soon as their own weights are updated (per-group generation counters);
+- the update writes the bf16 upload copy in the same pass (`HostAdamW.step_params(...,
+  params_out_bf16=...)`), so there is no separate cast pass.
+
+`optim_step="sync"` is exact: step k+1 reads the weights of update k (it waits per group).
+`optim_step="async"` is one-step stale: step k+1 reads the upload buffer holding the
+weights of update k-1 while update k writes the other one, so the whole optimizer step
+hides behind the next step's compute; it costs a second upload buffer and a second
+gradient inbox in host memory.
+
+Each `PackedBatch` is one micro-batch (a packed row `[1, T]`); `num_microbatch` is the
+planner's hint to the trainer for how many rows to pack per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from laden.data.batch import PackedBatch
+from laden.engine.local import OptimSettings
+from laden.engine.roundpipe.distributed import host_grad_group
+from laden.engine.roundpipe.host import ParamGroup, PinMode
+from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
+from laden.engine.roundpipe.plan import ModelExecutePlan
+from laden.engine.roundpipe.step_state import StepGrads
+from laden.model.split import causal_lm_loss, split_causal_lm
+from laden.optim import HostAdamW, build_lr_scheduler
+
+OptimStep = Literal["sync", "async"]
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.ndim < 2 or name.endswith("bias")
+
+
+class RoundPipeEngine:
+    """A causal LM in host memory, trained by streaming stages through the device pool."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optim: OptimSettings,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        optimizer_dtype: torch.dtype = torch.float32,
+        num_microbatch: int | None = None,
+        recompute_grain: Literal["stage", "layer"] = "stage",
+        model_memory_limit: float | None = None,
+        pin_model: PinMode = "alloc",
+        optim_step: OptimStep = "sync",
+        devices: Sequence[torch.device] | None = None,
+        loss_chunk_size: int = 4096,
+        process_group: Any = None,
+        execute_plan: ModelExecutePlan | None = None,
+        min_stages: int | None = None,
+    ) -> None:
+        if optim_step not in ("sync", "async"):
+            raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
+        if recompute_grain not in ("stage", "layer"):
+            raise ValueError(
+                f"actor.roundpipe.recompute_grain={recompute_grain!r} must be 'stage' or 'layer'"
+            )
+        self.model = model.train()
+        self.compute_dtype = compute_dtype
+        self.optim_settings = optim
+        self.num_microbatch = num_microbatch
+        self.recompute_grain = recompute_grain
+        self.optim_step = optim_step
+        self.loss_chunk_size = loss_chunk_size
+        master_dtype = _master_dtype(optim.type, optimizer_dtype)
+        split = split_causal_lm(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.pipe = Pipeline(
+            list(split.layers), param_names=names, devices=devices, pin_model=pin_model,
+            compute_dtype=compute_dtype, master_dtype=master_dtype, create_masters=True,
+            group_key=lambda name, p: _no_decay(name, p), name="roundpipe-engine",
+        )  # fmt: skip
+        if execute_plan is None:
+            execute_plan = ModelExecutePlan.auto(
+                "fused", self.pipe, model_memory_limit=model_memory_limit, min_stages=min_stages
+            )
+        execute_plan.check_valid(self.pipe.num_layers, "fused")
+        self.plan = execute_plan
+        self.optimizer = _build_optimizer(self.pipe, optim, any(lane.is_cuda for lane in self.pipe.lanes))
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, type=optim.lr_scheduler_type, total_steps=optim.total_steps,
+            warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio,
+        )  # fmt: skip
+        self.process_group = host_grad_group(process_group)
+        self.preserve_rng = _has_dropout(model)  # recompute must replay dropout masks
+        self._num_steps = 0
+        if optim_step == "async":
+            self.pipe.store.add_upload_buffer()
+            self.pipe.store.ensure_inboxes(2)
+
+    # ---- TrainEngine --------------------------------------------------------------------
+    def train_batch(
+        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
+    ) -> dict[str, torch.Tensor]:
+        pipe = self.pipe
+        buf = pipe.read_buf
+        clipping = self.optim_settings.gradient_clipping > 0
+        grads = StepGrads(
+            pipe, self.plan, buf, process_group=self.process_group,
+            update=None if clipping else (lambda g: self._submit_update(g, buf, 1.0)),
+        )  # fmt: skip
+        try:
+            run = pipe.run_call(
+                inputs=[((), _packed_kwargs(mb)) for mb in micro_batches],
+                labels=[mb.labels[None] for mb in micro_batches],
+                loss_fn=_ScaledLoss(global_num_loss_tokens, self.loss_chunk_size),
+                plan=self.plan, grain=self.recompute_grain, backward=True, preserve_rng=self.preserve_rng,
+                on_landing=grads.on_landing,
+            )  # fmt: skip
+        except BaseException as error:
+            self._abandon_step(grads, buf, error)
+            raise
+        grads.check_complete()
+        pipe.store.mark_pending(pipe.trainable_groups(), buf)
+        norm = grads.norm()
+        coef = _clip_coef(norm, self.optim_settings.gradient_clipping) if clipping else 1.0
+        for group in grads.pending_updates():  # forward order: the next step's first stages first
+            self._submit_update(group, buf, coef)
+        lr = self.scheduler.base_lrs[0] * self.scheduler.lr_lambdas[0](self._num_steps)
+        pipe.jobs.submit_optim(_scheduler_step, self.scheduler)
+        self._num_steps += 1
+        if self.optim_step == "async":
+            pipe.read_buf = 1 - buf
+        return {"loss": sum_losses(run), "grad_norm": norm, "lr": torch.tensor(lr)}  # type: ignore[dict-item]
+
+    @torch.no_grad()
+    def eval_batch(
+        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
+    ) -> dict[str, torch.Tensor]:
+        self.model.eval()  # shells copy the mode: no dropout
+        try:
+            run = self.pipe.run_call(
+                inputs=[((), _packed_kwargs(mb)) for mb in micro_batches],
+                labels=[mb.labels[None] for mb in micro_batches],
+                loss_fn=_ScaledLoss(global_num_loss_tokens, self.loss_chunk_size),
+                plan=self.plan, grain=self.recompute_grain, backward=False, preserve_rng=False,
+            )  # fmt: skip
+        finally:
+            self.model.train()
+        return {"loss": sum_losses(run)}  # type: ignore[dict-item]
+
+    def state_dict(self) -> dict[str, Any]:
+        self.pipe.jobs.drain()
+        masters = {
+            hp.name: hp.master.detach().clone() for hp in self.pipe.store.params if hp.master is not None
+        }
+        return {
+            "model": masters,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "num_steps": self._num_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipe.jobs.drain()
+        store = self.pipe.store
+        with torch.no_grad():
+            for hp in store.params:
+                if hp.master is not None:
+                    hp.master.copy_(state["model"][hp.name])
+        groups = self.pipe.trainable_groups()
+        for buf in range(store.num_upload_buffers):
+            self.pipe.refresh_uploads(groups, buf)
+        self.optimizer.load_state_dict(state["optimizer"])
+        _repoint_host_adamw_groups(self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._num_steps = state.get("num_steps", 0)
+
+    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+        from laden.model.export import export_hf
+
+        self.pipe.jobs.drain()
+        masters = {id(hp.param): hp.master for hp in self.pipe.store.params if hp.master is not None}
+        state = dict(self.model.state_dict())
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in masters:
+                state[name] = masters[id(p)]
+        export_hf(self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, state_dict=state)
+
+    @property
+    def num_params(self) -> int:
+        return sum(hp.numel for hp in self.pipe.store.params)
+
+    def _abandon_step(self, grads: StepGrads, buf: int, error: BaseException) -> None:
+        """A failed step (e.g. out of memory) leaves no gradients behind, so a retry is exact."""
+        for lane in self.pipe.lanes:
+            lane.synchronize()  # deliberate: let queued copies finish before the buffers are reused
+        with contextlib.suppress(RuntimeError):  # a failed landing is re-raised by the next call
+            self.pipe.jobs.drain_landing()
+        for hp in self.pipe.store.params:
+            hp.filled[buf] = False
+        if grads.updated:
+            raise RuntimeError(
+                f"the step failed after {len(grads.updated)} parameter groups were already updated "
+                "(early per-group updates run when gradient clipping is off), so it cannot be retried "
+                "exactly; set actor.optimizer.gradient_clipping > 0 to update only complete steps"
+            ) from error
+
+    # ---- updates ------------------------------------------------------------------------
+    def _submit_update(self, group: ParamGroup, buf: int, coef: float) -> None:
+        self.pipe.jobs.submit_optim(self._update_group, group, buf, coef)
+
+    @torch.no_grad()
+    def _update_group(self, group: ParamGroup, buf: int, coef: float) -> None:
+        """Optimizer thread: update one group's masters and write its upload copy `buf`."""
+        members = group.members
+        grads = [hp.grad(buf) for hp in members]
+        if coef < 1.0:
+            group.grad_flats[buf].mul_(coef)
+        masters = [hp.master for hp in members if hp.master is not None]
+        opt = self.optimizer
+        if isinstance(opt, HostAdamW):
+            fused_out = opt.state_dtype == torch.float32 and group.compute_dtype == torch.bfloat16
+            outs = [hp.uploads[buf] for hp in members] if fused_out else None
+            opt.step_params(masters, grads=grads, params_out_bf16=outs)
+        else:
+            fused_out = False
+            _subset_step(opt, masters, grads)
+        if not fused_out:
+            self.pipe.refresh_uploads([group], buf)
+        for hp in members:
+            hp.filled[buf] = False
+        self.pipe.store.mark_done([group], buf)
+
+
+class _ScaledLoss:
+    """Summed token cross-entropy of a micro-batch over the step's global loss-token count."""
+
+    def __init__(self, global_num_loss_tokens: int, chunk_size: int) -> None:
+        self.denom = float(max(global_num_loss_tokens, 1))
+        self.chunk_size = chunk_size
+
+    def __call__(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(outputs, labels, chunk_size=self.chunk_size) / self.denom
+
+
+def _packed_kwargs(mb: PackedBatch) -> dict[str, Any]:
+    """One packed row as the split model's inputs (labels are already shifted per document)."""
+    return {
+        "input_ids": mb.input_ids[None],  # [1, T]
+        "position_ids": mb.position_ids[None],  # [1, T]
+        "cu_seq_lens_q": mb.cu_seqlens,
+        "cu_seq_lens_k": mb.cu_seqlens,
+        "max_length_q": mb.max_seqlen,
+        "max_length_k": mb.max_seqlen,
+    }
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, 0.0) for name in ("attention_dropout", "hidden_dropout", "dropout")):
+        return True
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def _master_dtype(optimizer_type: str, optimizer_dtype: torch.dtype) -> torch.dtype:
+    if optimizer_type == "adam_bf16":
+        return torch.bfloat16
+    if optimizer_type == "adam" and optimizer_dtype == torch.bfloat16:
+        warnings.warn(
+            "actor.optimizer.type=adam with actor.optimizer_dtype=bfloat16: the roundpipe engine uses the "
+            "Kahan-compensated bf16 update (adam_bf16) for it; set type=adam_bf16 to say so",
+            stacklevel=3,
+        )
+    return optimizer_dtype
+
+
+def _build_optimizer(pipe: Pipeline, o: OptimSettings, on_gpu: bool) -> torch.optim.Optimizer:
+    masters = [hp for hp in pipe.store.params if hp.master is not None]
+    decay = [hp.master for hp in masters if not hp.group.key]  # type: ignore[union-attr]
+    no_decay = [hp.master for hp in masters if hp.group.key]  # type: ignore[union-attr]
+    groups: list[dict[str, Any]] = [
+        {"params": params, "weight_decay": wd}
+        for params, wd in ((decay, o.weight_decay), (no_decay, 0.0))
+        if params
+    ]
+    if o.type == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.type not in ("adam", "adam_bf16"):
+        raise ValueError(f"actor.optimizer.type={o.type!r} is not supported; use adam, adam_bf16 or sgd")
+    state_dtype = groups[0]["params"][0].dtype
+    # Leave two cores to the thread feeding the GPU and to the gradient landings.
+    threads = max(1, torch.get_num_threads() - 2) if on_gpu else None
+    return HostAdamW(
+        groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, state_dtype=state_dtype,
+        num_threads=threads,
+    )  # fmt: skip
+
+
+def _repoint_host_adamw_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Workaround: `HostAdamW.load_state_dict` replaces the param-group dicts but its param -> group
+    map keeps the old ones, so step_params would miss the scheduler's learning rates. Re-point it
+    (harmless once HostAdamW does this itself)."""
+    group_of = getattr(optimizer, "_group_of", None)
+    if isinstance(group_of, dict):
+        group_of.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
+
+
+def _subset_step(
+    optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], grads: list[torch.Tensor]
+) -> None:
+    """A torch optimizer steps only params with a gradient: give one only to this group's masters."""
+    for p, g in zip(masters, grads):
+        p.grad = g
+    optimizer.step()
+    for p in masters:
+        p.grad = None
+
+
+def _scheduler_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the LR schedule after this step's updates (optimizer thread, after them in order)."""
+    # The updates call step_params, not step(); tell the scheduler the optimizer did step.
+    scheduler.optimizer._opt_called = True  # type: ignore[attr-defined]
+    scheduler.step()
+
+
+def _clip_coef(norm: torch.Tensor, max_norm: float) -> float:
+    """The factor torch's clip_grad_norm_ applies: max_norm / (norm + 1e-6), at most 1."""
+    return min(1.0, max_norm / (float(norm) + 1e-6))  # host tensor: no device sync
+
+
+def build_roundpipe_engine(
+    cfg: Any, model: nn.Module, *, mode: Any, optim: OptimSettings, device: Any
+) -> RoundPipeEngine:
+    """Map `actor.*` and `actor.roundpipe.*` onto a `RoundPipeEngine` (called by the engine factory).
+
+    Devices: the CPU when `device` is the CPU; one process per node (the `roundpipe:dN` layout:
+    N data-parallel replicas) pools every visible GPU; several processes per node each keep
+    to their own `device`.
+    """
+    from laden.engine.factory import DTYPES
+
+    actor, rp = cfg.actor, cfg.actor.roundpipe
+    devices = None
+    if device is not None and torch.device(device).type == "cpu":
+        devices = [torch.device("cpu")]
+    elif device is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        devices = [torch.device(device)]
+    return RoundPipeEngine(
+        model, optim=optim, compute_dtype=DTYPES[actor.dtype], optimizer_dtype=DTYPES[actor.optimizer_dtype],
+        num_microbatch=rp.num_microbatch, recompute_grain=rp.recompute_grain,
+        model_memory_limit=rp.model_memory_limit, pin_model=rp.pin_model, optim_step=rp.optim_step,
+        devices=devices, loss_chunk_size=actor.loss_chunk_size,
+    )  # fmt: skip

@@ -1,0 +1,80 @@
+"""The two host threads of a RoundPipe model: gradient landings and optimizer updates.
+
+`landing` takes every gradient copy as it is queued: it waits for the copy's event,
+applies staged additions into the inbox, and (engine) notices when a parameter group's
+gradient is complete. `optim` runs what reads or writes master weights: the user's
+`step(fn)`, the engine's per-group updates, refreshing the upload copies. Both are
+single-thread executors, so jobs run in submission order; the heavy tensor work inside
+them (torch CPU ops, the C++ Adam kernel) releases the GIL and overlaps the main thread
+feeding the GPU.
+
+Two threads instead of one keep a long optimizer step from delaying the landings of the
+next step's gradients (which the next `forward_backward` waits for before returning).
+Errors are kept and re-raised at every later call into the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+def _shutdown(*executors: ThreadPoolExecutor) -> None:
+    for executor in executors:
+        executor.shutdown(wait=False)
+
+
+class HostJobs:
+    """Landing and optimizer executors (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.landing = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-landing")
+        self.optim = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-optim")
+        self._futures: list[Future] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # jobs are submitted from worker and host threads too
+        weakref.finalize(self, _shutdown, self.landing, self.optim)
+
+    def submit_landing(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._track(self.landing.submit(fn, *args))
+
+    def submit_optim(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._track(self.optim.submit(fn, *args))
+
+    def _track(self, future: Future) -> Future:
+        with self._lock:
+            self._futures.append(future)
+        return future
+
+    def drain_landing(self) -> None:
+        """Block until every landing queued so far has been applied (deliberate host sync)."""
+        self.landing.submit(lambda: None).result()
+        self.raise_errors()
+
+    def drain(self) -> None:
+        """Block until every host job queued so far has finished."""
+        self.drain_landing()
+        self.optim.submit(lambda: None).result()
+        self.raise_errors()
+
+    def failed(self) -> bool:
+        """Whether a job raised (device-side waits give up then). Sticky: the model's host state
+        is inconsistent after a failed update, so every later call re-raises it."""
+        if self._error is None:
+            with self._lock:
+                futures = list(self._futures)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    self._error = f.exception()
+                    break
+        return self._error is not None
+
+    def raise_errors(self) -> None:
+        """Re-raise the first failure of a host job; forget finished jobs."""
+        if self.failed():
+            raise RuntimeError("a roundpipe host job failed (see the chained error)") from self._error
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done()]

@@ -1,0 +1,164 @@
+"""A model as a pipeline of layers over a device pool: the core both front-ends share.
+
+`Pipeline` owns the host store (weights, masters, gradients), the device lanes and the
+host threads, and runs one call (`run_call`): tasks over the pool, then one deliberate
+device synchronisation (the caller reads losses on the host, and the host may rewrite
+upload buffers afterwards), then it waits for the call's gradient landings. The library
+API (`RoundPipe`) and the config-driven engine (`RoundPipeEngine`) differ only in what
+happens to the gradients afterwards: a user `step(fn)`, or per-group updates.
+
+Upload-buffer and inbox indices: a call reads upload buffer `read_buf` and writes gradient
+inbox `read_buf`. The synchronous step keeps both at 0. The asynchronous step writes the
+new weights into the buffer the finished call read and flips `read_buf`, so the next call
+reads the other buffer (the weights from one update earlier) while the update runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from laden.engine.roundpipe.device import Lane, default_devices, lanes_for, wait_host
+from laden.engine.roundpipe.host import HostStore, ParamGroup, PinMode
+from laden.engine.roundpipe.host_jobs import HostJobs
+from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_gib
+from laden.engine.roundpipe.residency import GradLanding
+from laden.engine.roundpipe.runner import AutocastState, CallSpec, Grain, Run
+from laden.engine.roundpipe.scheduler import run_tasks
+from laden.engine.roundpipe.transfer import Aborted, Handoff
+
+LandingHook = Callable[[GradLanding], None]
+
+
+class Pipeline:
+    """Layers, their host state, a device pool and host threads (see the module docstring)."""
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        *,
+        param_names: dict[int, str],
+        devices: Sequence[torch.device] | None,
+        pin_model: PinMode,
+        compute_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        group_key: Callable[[str, nn.Parameter], Hashable] | None = None,
+        create_masters: bool = False,
+        name: str = "roundpipe",
+    ) -> None:
+        self.lanes: list[Lane] = lanes_for(list(devices) if devices else default_devices())
+        self.store = HostStore(
+            layers, param_names=param_names, pin_mode=pin_model, pin=any(lane.is_cuda for lane in self.lanes),
+            compute_dtype=compute_dtype, master_dtype=master_dtype, group_key=group_key,
+            create_masters=create_masters,
+        )  # fmt: skip
+        self.jobs = HostJobs(name)
+        self.read_buf = 0
+
+    # ---- what ModelExecutePlan.auto asks -----------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.store.layers)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.lanes)
+
+    def layer_bytes(self, *, with_grads: bool) -> list[int]:
+        return self.store.layer_bytes(with_grads=with_grads)
+
+    def default_memory_limit_gib(self) -> float:
+        return default_memory_limit_gib([lane.device for lane in self.lanes])
+
+    # ---- one call ----------------------------------------------------------------------
+    def run_call(
+        self,
+        *,
+        inputs: list[Any],
+        labels: list[Any] | None,
+        loss_fn: Callable[[Any, Any], Any] | None,
+        plan: ModelExecutePlan,
+        grain: Grain,
+        backward: bool,
+        preserve_rng: bool,
+        on_landing: LandingHook | None = None,
+    ) -> Run:
+        """Run every micro-batch through the plan; gradients land in inbox `read_buf`."""
+        self.jobs.raise_errors()
+        if loss_fn is None and not backward:  # inference: a fused plan's last stage runs forward too
+            plan = ModelExecutePlan(fwd_plan=plan.forward_stages(self.num_layers))
+        plan.check_valid(self.num_layers, "infer" if loss_fn is None and not backward else "fused")
+        if backward:
+            self.store.ensure_inboxes(self.read_buf + 1)
+        pin = self.store.pin
+        spec = CallSpec(
+            inputs=[Handoff.of_host(x, pin=pin) for x in inputs],
+            labels=None if labels is None else [Handoff.of_host(y, pin=pin) for y in labels],
+            loss_fn=loss_fn, plan=plan, grain=grain, backward=backward, preserve_rng=preserve_rng,
+            autocast=AutocastState.capture(), buf=self.read_buf, inbox=self.read_buf,
+            required=self.store.required_gens(self.read_buf),
+        )  # fmt: skip
+        run = Run(
+            self.store,
+            spec,
+            on_landed=lambda landing: self._submit_landing(landing, on_landing),
+            host_failed=self.jobs.failed,
+        )
+        try:
+            run_tasks(run, self.lanes)
+        except Aborted:
+            self.jobs.raise_errors()  # the host job whose failure stopped the run
+            raise
+        for lane in self.lanes:
+            lane.synchronize()  # deliberate: losses are read on the host next
+        self.jobs.drain_landing()
+        return run
+
+    def _submit_landing(self, landing: GradLanding, hook: LandingHook | None) -> None:
+        self.jobs.submit_landing(_land, landing, hook)
+
+    # ---- host-side helpers ---------------------------------------------------------------
+    def trainable_groups(self) -> list[ParamGroup]:
+        return [g for g in self.store.groups if g.trainable]
+
+    def refresh_uploads(self, groups: Sequence[ParamGroup], buf: int) -> None:
+        """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype)."""
+        with torch.no_grad():
+            for group in groups:
+                flat = group.upload_flats[buf]
+                assert group.master_flat is not None, "refreshing a group without master weights"
+                if flat is not None:
+                    flat.copy_(group.master_flat)
+                else:
+                    for hp in group.members:
+                        hp.uploads[buf].copy_(hp.master.detach())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        self.jobs.drain()
+
+
+def _land(landing: GradLanding, hook: LandingHook | None) -> None:
+    """Landing job: wait for the copy, add a staged gradient into its inbox, tell the hook."""
+    wait_host(landing.event)  # deliberate: the host reads the gradient next
+    if landing.staged:
+        with torch.no_grad():
+            if landing.group is not None:
+                staging = landing.group.staging_flat
+                assert staging is not None
+                landing.group.grad_flats[landing.inbox].add_(staging)
+            else:
+                hp = landing.param
+                assert hp is not None and hp.staging is not None
+                hp.grad(landing.inbox).add_(hp.staging)
+    if hook is not None:
+        hook(landing)
+
+
+def sum_losses(run: Run) -> torch.Tensor | list[torch.Tensor]:
+    """Sum the micro-batch losses (host tensors; the call already synchronised)."""
+    per_mb = [h.host_tree() for h in run.losses if h is not None]
+    totals = [sum(parts[i] for parts in per_mb) for i in range(len(per_mb[0]))]
+    return totals[0] if len(totals) == 1 else totals

@@ -1,0 +1,245 @@
+"""A stage resident on one device: its weights uploaded once for all micro-batches, its gradients.
+
+Uploading: each owned parameter group is one host-to-device copy of its flat upload buffer
+(or one copy per tensor when the weights are not packed), issued on the device's `weights`
+stream so that it overlaps the previous stage's compute; the compute stream waits on one
+event before the stage's first micro-batch. Parameters shared with another stage (tied
+embeddings) and buffers (rotary frequencies) are copied per tensor, once per residency.
+
+The layers run as *shells*: shallow copies of the host modules (same code, same config
+objects, same hooks) whose parameter and buffer slots point at the device tensors. A shell
+costs a few dictionary copies, so each residency makes its own; two residencies of one
+layer (forward on one device, backward on another) never share mutable state.
+
+Gradients: device parameters of a backward residency are leaves; their gradients are
+accumulated over the micro-batches in the optimizer's dtype. When that is the compute
+dtype, `.grad` is pre-set to a view of a flat accumulator and autograd adds into it in
+place; otherwise (bf16 compute, fp32 master) each micro-batch's gradient is added into an
+fp32 accumulator after its backward, so accumulation over micro-batches does not round to
+bf16 at every step. At the end of the residency each group's accumulator goes back to the
+host in one copy, on the `d2h` stream.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from laden.engine.roundpipe.device import Event, Lane
+from laden.engine.roundpipe.host import HostParam, HostStore, LayerInfo, ParamGroup
+
+
+def make_shell(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """A structural copy of `module` sharing everything but its parameter/buffer/submodule dicts."""
+    by_path: dict[str, nn.Module] = {}
+
+    def visit(mod: nn.Module, path: str) -> nn.Module:
+        shell = copy.copy(mod)
+        shell._parameters = dict(mod._parameters)
+        shell._buffers = dict(mod._buffers)
+        shell._modules = {}
+        by_path[path] = shell
+        for name, child in mod._modules.items():
+            child_path = f"{path}.{name}" if path else name
+            shell._modules[name] = None if child is None else visit(child, child_path)
+        return shell
+
+    return visit(module, ""), by_path
+
+
+@dataclass(eq=False)
+class GradLanding:
+    """One device-to-host gradient copy: where it went and what must happen on the host after it."""
+
+    group: ParamGroup | None  # a whole group (its flat accumulator), or
+    param: HostParam | None  # one parameter used outside its owner layer
+    staged: bool  # copied into a staging buffer: the host adds it into the inbox
+    inbox: int
+    event: Event
+
+
+@dataclass(eq=False)
+class Residency:
+    """Device copies of a stage's layers (see the module docstring)."""
+
+    lane: Lane
+    layer_ids: list[int]
+    trainable: bool
+    modules: dict[int, nn.Module] = field(default_factory=dict)
+    device_params: dict[int, torch.Tensor] = field(default_factory=dict)  # HostParam.index -> device
+    group_accs: dict[int, torch.Tensor] = field(default_factory=dict)  # ParamGroup.index -> flat acc
+    param_accs: dict[int, torch.Tensor] = field(default_factory=dict)  # foreign HostParam.index -> acc
+    late_adds: list[tuple[torch.Tensor, nn.Parameter]] = field(default_factory=list)
+    ready: Event = None
+
+    def layer(self, layer_id: int) -> nn.Module:
+        return self.modules[layer_id]
+
+
+def upload_stage(
+    store: HostStore, lane: Lane, layer_ids: Sequence[int], *, buf: int, trainable: bool
+) -> Residency:
+    """Queue the uploads of `layer_ids` (weights from upload buffer `buf`) and build their shells."""
+    res = Residency(lane=lane, layer_ids=list(layer_ids), trainable=trainable)
+    buffers: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), lane.on(lane.weights):
+        for layer_id in layer_ids:
+            info = store.layers[layer_id]
+            for group in info.groups:
+                _upload_group(res, group, buf)
+            for hp in info.foreign:
+                if hp.index not in res.device_params:
+                    res.device_params[hp.index] = _to_device(lane, hp.uploads[buf])
+            for _, _, b in info.buffer_slots:
+                if id(b) not in buffers:
+                    buffers[id(b)] = _to_device(lane, b)
+        if trainable:
+            _make_leaves_and_accs(store, res)
+        # Everything above is on the weights stream: compute waits on this one event at execute
+        # time, never earlier, so preparing the next stage does not stall the current one.
+        res.ready = lane.record(lane.weights)
+    for layer_id in layer_ids:
+        res.modules[layer_id] = _bind_shell(store.layers[layer_id], res, buffers)
+    return res
+
+
+def _upload_group(res: Residency, group: ParamGroup, buf: int) -> None:
+    lane = res.lane
+    flat = group.upload_flats[buf] if buf < len(group.upload_flats) else None
+    if flat is not None:
+        dev = _to_device(lane, flat)  # one copy for the whole group
+        for hp in group.members:
+            res.device_params[hp.index] = dev[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
+    else:
+        for hp in group.members:
+            res.device_params[hp.index] = _to_device(lane, hp.uploads[buf])
+
+
+def _to_device(lane: Lane, host: torch.Tensor) -> torch.Tensor:
+    dev = torch.empty(host.shape, dtype=host.dtype, device=lane.device)
+    dev.copy_(host, non_blocking=True)
+    lane.keep_alive(dev, lane.compute)  # allocated on the weights stream, read on compute
+    return dev
+
+
+def _make_leaves_and_accs(store: HostStore, res: Residency) -> None:
+    """Turn trainable device params into leaves with zeroed gradient accumulators (weights stream)."""
+    owned = [g for layer_id in res.layer_ids for g in store.layers[layer_id].groups if g.trainable]
+    owned_ids = {g.index for g in owned}
+    for group in owned:
+        acc = _zeros(res.lane, (group.numel,), group.grad_dtype)
+        res.group_accs[group.index] = acc
+        for hp in group.members:
+            view = acc[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
+            _make_leaf(res, hp, view)
+    for layer_id in res.layer_ids:
+        for hp in store.layers[layer_id].foreign:
+            if hp.trainable and hp.group.index not in owned_ids and hp.index not in res.param_accs:  # type: ignore[union-attr]
+                acc = _zeros(res.lane, hp.param.shape, hp.grad_dtype)
+                res.param_accs[hp.index] = acc
+                _make_leaf(res, hp, acc)
+
+
+def _zeros(lane: Lane, shape, dtype: torch.dtype) -> torch.Tensor:
+    acc = torch.zeros(shape, dtype=dtype, device=lane.device)
+    lane.keep_alive(acc, lane.compute)  # allocated on the weights stream, accumulated on compute
+    return acc
+
+
+def _make_leaf(res: Residency, hp: HostParam, acc: torch.Tensor) -> None:
+    leaf = nn.Parameter(res.device_params[hp.index], requires_grad=True)
+    if acc.dtype == leaf.dtype:
+        leaf.grad = acc  # autograd accumulates in place into the flat accumulator
+    else:
+        res.late_adds.append((acc, leaf))
+    res.device_params[hp.index] = leaf
+
+
+def _bind_shell(info: LayerInfo, res: Residency, buffers: dict[int, torch.Tensor]) -> nn.Module:
+    shell, by_path = make_shell(info.module)
+    for path, attr, hp in info.param_slots:
+        by_path[path]._parameters[attr] = res.device_params[hp.index]  # type: ignore[assignment]
+    for path, attr, b in info.buffer_slots:
+        by_path[path]._buffers[attr] = buffers[id(b)]
+    return shell
+
+
+def accumulate_microbatch(res: Residency) -> None:
+    """After a micro-batch's backward: fold gradients kept in the compute dtype into the accumulators."""
+    if not res.late_adds:
+        return
+    with torch.no_grad():
+        for acc, leaf in res.late_adds:
+            if leaf.grad is not None:
+                acc.add_(leaf.grad)
+                leaf.grad = None
+
+
+def download_grads(
+    store: HostStore, res: Residency, inbox: int, on_landed: Callable[[GradLanding], None]
+) -> None:
+    """Queue the gradient copies of a finished backward residency and report each one.
+
+    A group copies straight into its inbox unless the inbox already holds a gradient of this
+    accumulation window (an earlier call, or the other use of a tied weight); then it copies
+    into a staging buffer and the host adds it. Decisions and reports happen under the
+    store lock, so the host sees a direct copy before any staged add into the same inbox.
+    """
+    lane = res.lane
+    with torch.no_grad():
+        lane.wait(lane.d2h, lane.record(lane.compute))
+        with lane.on(lane.d2h), store.lock:
+            landings: list[GradLanding] = []
+            for gid, acc in res.group_accs.items():
+                group = store.groups[gid]
+                staged = any(inbox_busy(hp, inbox) for hp in group.members)
+                # A staging buffer is free again: the previous call's staged adds were applied
+                # before that call returned (RoundPipe waits for its landings).
+                target = store.staging_for_group(group) if staged else group.grad_flats[inbox]
+                target.copy_(acc, non_blocking=True)
+                lane.keep_alive(acc, lane.d2h)
+                for hp in group.members:
+                    hp.filled[inbox] = True
+                landings.append(GradLanding(group, None, staged, inbox, None))
+            for pid, acc in res.param_accs.items():
+                hp = store.params[pid]
+                staged = inbox_busy(hp, inbox)
+                target = store.staging_for_param(hp) if staged else hp.grad(inbox)
+                target.copy_(acc, non_blocking=True)
+                lane.keep_alive(acc, lane.d2h)
+                hp.filled[inbox] = True
+                landings.append(GradLanding(None, hp, staged, inbox, None))
+            event = lane.record(lane.d2h)
+            for landing in landings:
+                landing.event = event
+                on_landed(landing)
+
+
+def inbox_busy(hp: HostParam, inbox: int) -> bool:
+    """Whether a new gradient must be added to (not copied over) `hp`'s inbox.
+
+    True when this window already wrote it, or when the optimizer's master still points at
+    it with a gradient the user did not clear (accumulation across steps).
+    """
+    if hp.filled[inbox]:
+        return True
+    grad = hp.master.grad if hp.master is not None else None
+    return grad is not None and grad.data_ptr() == hp.grad(inbox).data_ptr()
+
+
+def release(res: Residency) -> None:
+    """Drop the device tensors; the allocator reuses them once the streams that used them are done."""
+    res.modules.clear()
+    res.device_params.clear()
+    res.group_accs.clear()
+    res.param_accs.clear()
+    res.late_adds.clear()
+
+
+def leaf_params(res: Residency) -> list[Any]:
+    return [p for p in res.device_params.values() if isinstance(p, nn.Parameter)]

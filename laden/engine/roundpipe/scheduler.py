@@ -1,0 +1,81 @@
+"""The device pool: every device takes the next stage task as soon as it is free.
+
+Tasks sit in one queue in execution order. One worker thread per device queues a task's
+work, then takes the next task and queues that task's weight upload on its `weights`
+stream: while stage k computes, stage k+1's weights cross the bus (double buffering; hence
+two stages' weights per device in the memory budget). Before allocating stage k+1, the
+worker waits until stage k-1 has finished on the device, so a host running far ahead of
+the GPU never piles up more than two stages of device memory. If stage k+1's weights are
+still being rewritten by the host optimizer, the worker waits for that, with stage k queued.
+
+Deadlock freedom: a task only waits on tasks earlier in the queue, and every earlier task
+is running or queued on a worker, so the earliest unfinished task always makes progress.
+With one device the pool degenerates to "run the tasks in order, prefetching one ahead".
+
+A failure in any worker sets the run's `failed` flag; the others stop at their next wait
+and the first error is re-raised in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from laden.engine.roundpipe.device import Lane, wait_host
+from laden.engine.roundpipe.runner import Run, StageTask
+from laden.engine.roundpipe.transfer import Aborted
+
+
+class _Queue:
+    def __init__(self, tasks: list[StageTask]) -> None:
+        self._tasks = deque(tasks)
+        self._lock = threading.Lock()
+
+    def take(self) -> StageTask | None:
+        with self._lock:
+            return self._tasks.popleft() if self._tasks else None
+
+
+def run_tasks(run: Run, lanes: list[Lane]) -> None:
+    """Execute `run.tasks` on the pool `lanes`; returns when all are done (re-raises a failure)."""
+    queue = _Queue(run.tasks)
+    errors: list[BaseException] = []
+    workers = [
+        threading.Thread(target=_worker, args=(run, lane, queue, errors), daemon=True) for lane in lanes
+    ]
+    if len(workers) == 1:
+        _worker(run, lanes[0], queue, errors)  # no thread hop for a single device
+    else:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    real = [e for e in errors if not isinstance(e, Aborted)]
+    if real or errors:
+        raise (real or errors)[0]
+    if run.aborted():
+        raise Aborted  # a host job failed: the caller re-raises its error
+
+
+def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException]) -> None:
+    try:
+        with lane.thread_context():
+            current = queue.take()
+            res = current.prepare(lane) if current else None
+            previous_done = None
+            while current is not None and not run.aborted():
+                current.execute(lane, res)  # type: ignore[arg-type]  # queues the stage's work
+                done = lane.record(lane.compute)
+                nxt = queue.take()
+                nxt_res = None
+                if nxt is not None:
+                    # Deliberate sync, with `current` still queued on the device: the stage before it
+                    # has finished, so its memory is free again before the next weights are allocated
+                    # (at most two stages resident however far the host runs ahead).
+                    wait_host(previous_done)
+                    nxt_res = nxt.prepare(lane)
+                previous_done = done
+                current, res = nxt, nxt_res
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        errors.append(e)
+        run.failed.set()

@@ -1,0 +1,241 @@
+"""The bodies of the three stage tasks: forward, fused (forward + loss + backward), backward.
+
+Every body loops over all micro-batches inside one residency. The next micro-batch's input
+is fetched (queued on the `h2d` stream) before the current one computes whenever its
+producer has already parked it, so the copy overlaps compute; otherwise it is fetched just
+in time. Outputs and gradients are parked on the `d2h` stream as soon as they exist.
+
+Recompute: a backward stage recomputes its forward from the saved input of its first layer
+(`recompute_grain="stage"`: the stage's activations of one micro-batch are alive at once),
+or layer by layer from each layer's saved input (`"layer"`: one layer's activations alive
+at once, at the price of moving every layer's input through host memory). The fused stage
+needs no recompute with stage grain; with layer grain it runs forward without a graph,
+keeping each layer's input on the device for the current micro-batch only, and then
+recomputes and backpropagates one layer at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from laden.engine.roundpipe.device import Lane
+from laden.engine.roundpipe.residency import Residency, accumulate_microbatch, download_grads, release
+from laden.engine.roundpipe.runner import StageTask, capture_rng, restored_rng
+from laden.engine.roundpipe.transfer import Handoff, as_leaves, fetch, float_leaves, input_grads, park
+
+
+def call_layer(res: Residency, layer_id: int, x: Any) -> Any:
+    """Layer 0 receives the call's `(args, kwargs)`; every later layer the previous output."""
+    module = res.layer(layer_id)
+    if layer_id == 0:
+        args, kwargs = x
+        return module(*args, **kwargs)
+    return module(x)
+
+
+class _Prefetcher:
+    """Fetch a task's inputs in consumption order, one ahead when the producer is done.
+
+    Handoffs are looked up, not removed, from the run's tables (the producer may not have
+    filled them yet); each one's host copy is dropped once fetched, unless `keep` says a
+    later task reads it again (a stage input that is also saved for the backward).
+    """
+
+    def __init__(
+        self,
+        task: StageTask,
+        lane: Lane,
+        handoffs: list[Handoff],
+        *,
+        grad_leaves: bool | list[bool],
+        keep: list[bool] | None = None,
+    ) -> None:
+        self.task, self.lane, self.handoffs = task, lane, handoffs
+        self.grad_leaves = grad_leaves if isinstance(grad_leaves, list) else [grad_leaves] * len(handoffs)
+        self.keep = keep or [False] * len(handoffs)
+        self.pending: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, i: int) -> Any:
+        """Input number `i` on the device, with the compute stream ordered after its copy."""
+        data, event = self.pending.pop(i) if i in self.pending else self._fetch(i)
+        nxt = i + 1
+        if nxt < len(self.handoffs) and self.handoffs[nxt].is_ready():
+            self.pending[nxt] = self._fetch(nxt)
+        self.lane.wait(self.lane.compute, event)
+        if not self.keep[i]:
+            self.handoffs[i].release()  # the queued copy keeps what it needs alive
+        return data
+
+    def _fetch(self, i: int) -> tuple[Any, Any]:
+        return fetch(self.lane, self.handoffs[i], self.task.run.aborted, grad_leaves=self.grad_leaves[i])
+
+
+def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
+    run, spec = task.run, task.run.spec
+    first, stop = task.layers.start, task.layers.stop
+    inputs = _stage_inputs(task, lane, grad_leaves=False)
+    for mb in range(run.num_microbatches):
+        x = inputs.get(mb)
+        with torch.no_grad(), spec.autocast.enter(), lane.on(lane.compute):
+            for layer in task.layers:
+                if (layer, mb) in run.saved:
+                    if layer != first:
+                        park(lane, x, into=run.saved[(layer, mb)])
+                    if spec.preserve_rng:
+                        run.rng[(layer, mb)] = capture_rng(lane)
+                x = call_layer(res, layer, x)
+            if task.final:
+                run.outputs[mb] = park(lane, _host_output(x))
+            else:
+                park(lane, x, into=run.acts[(stop, mb)])
+    release(res)
+
+
+def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
+    run, spec = task.run, task.run.spec
+    loss_fn = spec.loss_fn
+    assert loss_fn is not None, "the fused stage computes the loss"
+    first = task.layers.start
+    grad_leaves = spec.backward and spec.grain == "stage" and first > 0  # no gradient for the call's inputs
+    inputs = _stage_inputs(task, lane, grad_leaves=grad_leaves)
+    for mb in range(run.num_microbatches):
+        x = inputs.get(mb)
+        label = _fetch_now(task, lane, run.spec.labels[mb]) if run.spec.labels is not None else None
+        with spec.autocast.enter(), lane.on(lane.compute):
+            if not spec.backward:
+                with torch.no_grad():
+                    losses = _losses(loss_fn(_run_layers(res, task.layers, x), label))
+                grad_in = None
+            elif spec.grain == "stage":
+                with torch.enable_grad():
+                    losses = _losses(loss_fn(_run_layers(res, task.layers, x), label))
+                    torch.autograd.backward(losses)
+                grad_in = input_grads(x)
+            else:
+                losses, grad_in = _fused_layerwise(task, lane, res, x, label)
+            run.losses[mb] = park(lane, [loss.detach() for loss in losses], flat=True)
+            if spec.backward and first > 0:
+                park(lane, grad_in, into=run.grads[(first, mb)], flat=True)
+        del x, grad_in, losses
+        if spec.backward:
+            accumulate_microbatch(res)
+    _finish_backward(task, res)
+
+
+def _fused_layerwise(
+    task: StageTask, lane: Lane, res: Residency, x: Any, label: Any
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """Layer grain in the fused stage: forward without a graph, then recompute + backward per layer."""
+    run, layers = task.run, list(task.layers)
+    loss_fn = run.spec.loss_fn
+    assert loss_fn is not None, "the fused stage computes the loss"
+    kept: dict[int, tuple[Any, Any]] = {}
+    with torch.no_grad():
+        for layer in layers[:-1]:
+            kept[layer] = (x, capture_rng(lane) if run.spec.preserve_rng else None)
+            x = call_layer(res, layer, x)
+    kept[layers[-1]] = (x, None)
+    grads: list[Any] | None = None
+    losses: list[torch.Tensor] = []
+    for layer in reversed(layers):
+        x_in, rng = kept.pop(layer)
+        x_in = as_leaves(x_in) if layer > 0 else x_in
+        with torch.enable_grad(), restored_rng(lane, rng):
+            out = call_layer(res, layer, x_in)
+            if grads is None:
+                losses = _losses(loss_fn(out, label))
+                torch.autograd.backward(losses)
+            else:
+                _backward(out, grads)
+        grads = input_grads(x_in)
+    return losses, grads  # type: ignore[return-value]
+
+
+def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
+    run, spec = task.run, task.run.spec
+    first, stop = task.layers.start, task.layers.stop
+    num_mb = run.num_microbatches
+    grads_in = _Prefetcher(task, lane, [run.grads[(stop, mb)] for mb in range(num_mb)], grad_leaves=False)
+    # The layers recomputed from a saved input, in order; their inputs in consumption order.
+    starts = [first] if spec.grain == "stage" else list(reversed(task.layers))
+    order = [(mb, layer) for mb in range(num_mb) for layer in starts]
+    saved = _Prefetcher(
+        task,
+        lane,
+        [run.saved[(layer, mb)] for mb, layer in order],
+        grad_leaves=[layer > 0 for _, layer in order],
+    )
+    for mb in range(num_mb):
+        grads = grads_in.get(mb)
+        with spec.autocast.enter(), lane.on(lane.compute):
+            for j, start in enumerate(starts):
+                x = saved.get(mb * len(starts) + j)
+                end = stop if spec.grain == "stage" else start + 1
+                with torch.enable_grad(), restored_rng(lane, run.rng.pop((start, mb), None)):
+                    _backward(_run_layers(res, range(start, end), x), grads)
+                grads = input_grads(x)
+            if first > 0:
+                park(lane, grads, into=run.grads[(first, mb)], flat=True)
+        del x, grads
+        accumulate_microbatch(res)
+    _finish_backward(task, res)
+
+
+def _stage_inputs(task: StageTask, lane: Lane, *, grad_leaves: bool) -> _Prefetcher:
+    run, first = task.run, task.layers.start
+    handoffs = [run.acts[(first, mb)] for mb in range(run.num_microbatches)]
+    keep = [(first, mb) in run.saved for mb in range(run.num_microbatches)]
+    return _Prefetcher(task, lane, handoffs, grad_leaves=grad_leaves, keep=keep)
+
+
+def _finish_backward(task: StageTask, res: Residency) -> None:
+    run = task.run
+    if run.spec.backward and res.trainable:
+        download_grads(run.store, res, run.spec.inbox, run.on_landed)
+    release(res)
+
+
+def _run_layers(res: Residency, layers: range, x: Any) -> Any:
+    for layer in layers:
+        x = call_layer(res, layer, x)
+    return x
+
+
+def _backward(outputs: Any, grads: list[Any]) -> None:
+    """Backpropagate `grads` (aligned with the flattened outputs) through `outputs`."""
+    leaves = float_leaves(outputs)
+    if len(leaves) != len(grads):
+        raise RuntimeError(
+            f"a stage produced {len(leaves)} output leaves but the next stage returned {len(grads)} "
+            "gradients; the layer outputs changed structure between forward and recompute"
+        )
+    pairs = [
+        (o, g)
+        for o, g in zip(leaves, grads)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _losses(loss: Any) -> list[torch.Tensor]:
+    if isinstance(loss, torch.Tensor):
+        return [loss]
+    if isinstance(loss, (list, tuple)) and loss and all(isinstance(t, torch.Tensor) for t in loss):
+        return list(loss)
+    raise TypeError(f"loss_fn must return a tensor or a sequence of tensors; got {type(loss).__name__}")
+
+
+def _fetch_now(task: StageTask, lane: Lane, handoff: Handoff) -> Any:
+    data, event = fetch(lane, handoff, task.run.aborted)
+    lane.wait(lane.compute, event)
+    return data
+
+
+def _host_output(x: Any) -> Any:
+    """Inference outputs go to the host; a causal-LM head output becomes its logits first."""
+    from laden.model.split import LMHeadOutput
+
+    return x.logits if isinstance(x, LMHeadOutput) else x

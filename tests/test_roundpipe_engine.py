@@ -1,0 +1,326 @@
+"""RoundPipeEngine (the config-driven roundpipe backend) == a resident plain-PyTorch reference.
+
+The reference runs the Hugging Face model on each packed document separately, sums the
+token losses over the step's global loss-token count, clips with torch's
+`clip_grad_norm_` and steps torch's AdamW / SGD on decay / no-decay groups. The engine
+streams the same model stage by stage on the CPU device with its host optimizer updating
+parameter groups as their gradients land.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from laden.data.batch import pack_samples
+from laden.engine.local import OptimSettings
+from laden.engine.roundpipe import ModelExecutePlan, RoundPipeEngine
+from laden.model.loss import chunked_linear_cross_entropy
+from laden.model.split import shift_labels
+from laden.model.tiny import tiny_qwen3_config
+from laden.optim import AdamWBF16, param_groups_with_decay
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core box they lose a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tied_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    cfg = tiny_qwen3_config(vocab_size=64, num_hidden_layers=3)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def make_steps(num_steps: int, seed: int = 0, *, docs_per_row: int = 2) -> list[list]:
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(num_steps):
+        docs = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (6, 4, 7, 3, 5)]
+        samples = [(d, [1] * len(d)) for d in docs]
+        steps.append(
+            [pack_samples(samples[i : i + docs_per_row]) for i in range(0, len(samples), docs_per_row)]
+        )
+    return steps
+
+
+def reference_loss(model: nn.Module, micro_batches: list, num_tokens: int) -> torch.Tensor:
+    """Per-document HF forward, summed token cross-entropy over the global count; backward included.
+
+    The head uses the same chunked linear + cross-entropy kernel as the engine (tested against
+    F.cross_entropy in test_loss), so that bf16 runs round identically.
+    """
+    total = torch.zeros(())
+    for mb in micro_batches:
+        for doc in mb.input_ids.split(mb.seqlens):
+            hidden = model.model(input_ids=doc[None]).last_hidden_state[0]  # [T, H]
+            loss = chunked_linear_cross_entropy(hidden, model.lm_head.weight, shift_labels(doc[None])[0])
+            (loss / num_tokens).backward()
+            total = total + loss.detach() / num_tokens
+    return total
+
+
+def settings(**overrides) -> OptimSettings:
+    # eps well above the tiny model's smallest gradients: Adam's m / (sqrt(v) + eps) amplifies the
+    # last-bit differences of packed vs per-document attention on entries with |g| ~ eps.
+    base = dict(type="adam", lr=1e-2, eps=1e-4, weight_decay=0.1, gradient_clipping=0.0, total_steps=10)
+    return OptimSettings(**{**base, **overrides})
+
+
+def reference_optimizer(model: nn.Module, o: OptimSettings) -> torch.optim.Optimizer:
+    groups = param_groups_with_decay(model.named_parameters(), o.weight_decay)
+    if o.type == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    if o.type == "adam_bf16":
+        return AdamWBF16(groups, lr=o.lr, eps=o.eps)
+    return torch.optim.AdamW(groups, lr=o.lr, eps=o.eps)
+
+
+SMALL_STAGES = 0.0004  # GiB: about one layer per stage for the tiny model
+
+
+@pytest.mark.parametrize(
+    ("optim_type", "clip", "grain"),
+    [("adam", 0.0, "stage"), ("adam", 0.05, "layer"), ("adam", 0.05, "stage"), ("sgd", 0.05, "stage")],
+)
+def test_sync_engine_equals_resident_reference(optim_type, clip, grain):
+    o = settings(type=optim_type, gradient_clipping=clip, momentum=0.9 if optim_type == "sgd" else 0.0)
+    ref = tied_model()
+    opt = reference_optimizer(ref, o)
+    with pytest.warns(UserWarning, match="largest layer"):
+        engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, recompute_grain=grain,
+                                 model_memory_limit=SMALL_STAGES)  # fmt: skip
+    assert len(engine.plan.bwd_plan) > 2
+    for mbs in make_steps(3):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        ref_loss = reference_loss(ref, mbs, num_tokens)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
+        torch.testing.assert_close(out["loss"], ref_loss)
+        torch.testing.assert_close(out["grad_norm"], ref_norm)
+    masters = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), msg=name)
+
+
+def test_async_engine_equals_one_step_stale_reference():
+    o = settings(gradient_clipping=0.05)
+    current = tied_model()  # the weights the optimizer updates (w_k)
+    opt = reference_optimizer(current, o)
+    stale = copy.deepcopy(current)  # the weights the next step computes on (w_{k-1})
+    engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, optim_step="async",
+                             model_memory_limit=0.01)  # fmt: skip
+    for mbs in make_steps(4):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        ref_loss = reference_loss(stale, mbs, num_tokens)
+        previous = copy.deepcopy(current)
+        for p, q in zip(current.parameters(), stale.parameters()):
+            p.grad = q.grad
+        torch.nn.utils.clip_grad_norm_(current.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        stale = previous
+        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
+        torch.testing.assert_close(out["loss"], ref_loss)
+    masters = engine.state_dict()["model"]
+    for name, p in current.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), msg=name)
+
+
+def test_adam_bf16_engine_matches_kahan_reference():
+    """bf16 weights, Kahan-compensated bf16 states. One document per row, so that the engine and the
+    per-document reference run the same bf16 computation (packing would change bf16 rounding)."""
+    o = settings(type="adam_bf16", lr=1e-3)
+    ref = tied_model(torch.bfloat16)
+    opt = reference_optimizer(ref, o)
+    engine = RoundPipeEngine(tied_model(torch.bfloat16), optim=o, compute_dtype=torch.bfloat16,
+                             model_memory_limit=0.01)  # fmt: skip
+    for mbs in make_steps(2, docs_per_row=1):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        ref_loss = reference_loss(ref, mbs, num_tokens)
+        opt.step()
+        opt.zero_grad()
+        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
+        torch.testing.assert_close(out["loss"], ref_loss)
+    masters = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        assert masters[name].dtype == torch.bfloat16
+        torch.testing.assert_close(masters[name], p.detach(), msg=name)
+
+
+def test_eval_batch_equals_resident_loss():
+    ref = tied_model()
+    engine = RoundPipeEngine(
+        tied_model(), optim=settings(), compute_dtype=torch.float32, model_memory_limit=0.01
+    )
+    mbs = make_steps(1)[0]
+    num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+    expected = reference_loss(ref, mbs, num_tokens)
+    torch.testing.assert_close(engine.eval_batch(mbs, global_num_loss_tokens=num_tokens)["loss"], expected)
+
+
+def test_resumed_equals_uninterrupted():
+    steps = make_steps(3)
+    o = settings(gradient_clipping=1.0, lr_scheduler_type="cosine", warmup_steps=1)
+    whole = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    first = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    for mbs in steps[:2]:
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        whole.train_batch(mbs, global_num_loss_tokens=n)
+        first.train_batch(mbs, global_num_loss_tokens=n)
+    state = copy.deepcopy(first.state_dict())
+    resumed = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    resumed.load_state_dict(state)
+    n = sum(mb.num_loss_tokens for mb in steps[2])
+    a = whole.train_batch(steps[2], global_num_loss_tokens=n)
+    b = resumed.train_batch(steps[2], global_num_loss_tokens=n)
+    torch.testing.assert_close(b["loss"], a["loss"])
+    torch.testing.assert_close(b["lr"], a["lr"])
+    for name, t in whole.state_dict()["model"].items():
+        torch.testing.assert_close(resumed.state_dict()["model"][name], t, msg=name)
+
+
+def test_export_hf_roundtrip(tmp_path):
+    engine = RoundPipeEngine(
+        tied_model(), optim=settings(), compute_dtype=torch.float32, model_memory_limit=0.01
+    )
+    mbs = make_steps(1)[0]
+    engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+    engine.export_hf(tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    masters = engine.state_dict()["model"]
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p.detach(), masters[name], msg=name)
+    assert engine.num_params == sum(p.numel() for p in loaded.parameters())
+
+
+def test_plans_protocol_and_config_errors():
+    from laden.engine.base import TrainEngine
+
+    engine = RoundPipeEngine(tied_model(), optim=settings(), compute_dtype=torch.float32)
+    assert isinstance(engine, TrainEngine)
+    assert engine.plan == ModelExecutePlan.auto("fused", engine.pipe)  # one CPU device: one stage fits
+    hand = ModelExecutePlan.uniform(5, stage_layers=2, fused_layers=1)
+    assert RoundPipeEngine(tied_model(), optim=settings(), execute_plan=hand).plan == hand
+    with pytest.raises(ValueError, match="fused stage"):
+        RoundPipeEngine(
+            tied_model(),
+            optim=settings(),
+            execute_plan=ModelExecutePlan([range(0, 2)], [range(3, 5), range(0, 3)]),
+        )
+    with pytest.raises(ValueError, match="optim_step"):
+        RoundPipeEngine(tied_model(), optim=settings(), optim_step="later")
+    with pytest.raises(ValueError, match="model_type"):
+        RoundPipeEngine(nn.Sequential(nn.Linear(2, 2)), optim=settings())
+
+
+def test_built_from_laden_config():
+    from laden.config import config_from_dict
+    from laden.engine.factory import build_engine
+
+    cfg = config_from_dict(
+        {"actor": {"backend": "roundpipe:d1", "dtype": "float32",
+                   "roundpipe": {"recompute_grain": "layer", "pin_model": "off", "optim_step": "async"}}}
+    )  # fmt: skip
+    engine = build_engine(cfg, tied_model(), total_steps=4, device=torch.device("cpu"))
+    assert isinstance(engine, RoundPipeEngine)
+    assert (engine.recompute_grain, engine.optim_step) == ("layer", "async")
+    mbs = make_steps(1)[0]
+    out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+    assert torch.isfinite(out["loss"]) and out["grad_norm"] > 0
+
+
+def test_fp32_masters_with_bf16_compute_match_mixed_precision_reference():
+    """bf16 working copy, fp32 masters and moments; gradients summed over micro-batches in fp32.
+
+    The engine's upload copies (the wrapped model's parameters) must be bf16(master) after
+    each step: the host update writes them in the same pass.
+    """
+    o = settings()
+    master = tied_model()
+    opt = reference_optimizer(master, o)
+    engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.bfloat16, model_memory_limit=0.01)
+    for mbs in make_steps(2, docs_per_row=1):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        work = copy.deepcopy(master)  # the bf16 copy the step computes on (buffers stay fp32)
+        for p in work.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        for mb in mbs:  # one micro-batch at a time, summed in fp32 like the engine's accumulators
+            reference_loss(work, [mb], num_tokens)
+            for g, p in zip(grads, work.parameters()):
+                g.add_(p.grad)
+                p.grad = None
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
+    masters = engine.state_dict()["model"]
+    for (name, p), (_, q) in zip(master.named_parameters(), engine.model.named_parameters()):
+        torch.testing.assert_close(masters[name], p.detach(), msg=name)
+        assert q.dtype == torch.bfloat16
+        torch.testing.assert_close(q.detach(), masters[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
+
+
+def test_engine_on_a_pool_of_two_workers_equals_one_worker():
+    o = settings(gradient_clipping=0.5)
+    one = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    with pytest.warns(UserWarning, match="largest layer"):
+        two = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=SMALL_STAGES,
+                              devices=[torch.device("cpu")] * 2, recompute_grain="layer")  # fmt: skip
+    for mbs in make_steps(2):
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        a = one.train_batch(mbs, global_num_loss_tokens=n)
+        b = two.train_batch(mbs, global_num_loss_tokens=n)
+        torch.testing.assert_close(b["loss"], a["loss"])
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"])
+    for name, t in one.state_dict()["model"].items():
+        torch.testing.assert_close(two.state_dict()["model"][name], t, msg=name)
+
+
+def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
+    """An out-of-memory error in a late backward stage, after earlier stages' gradients landed,
+    must not leak partial gradients into the retried step."""
+    from laden.engine.roundpipe import stages
+
+    steps = make_steps(2)
+    o = settings(gradient_clipping=1.0)
+    clean = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    with pytest.warns(UserWarning, match="largest layer"):
+        retried = RoundPipeEngine(
+            tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=SMALL_STAGES
+        )
+    assert len(retried.plan.bwd_plan) >= 4
+    real_backward, calls = stages.run_backward, []
+
+    def oom_on_third_stage(task, lane, res):
+        calls.append(task.layers)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected")
+        real_backward(task, lane, res)
+
+    monkeypatch.setattr(stages, "run_backward", oom_on_third_stage)
+    n = sum(mb.num_loss_tokens for mb in steps[0])
+    with pytest.raises(torch.OutOfMemoryError):
+        retried.train_batch(steps[0], global_num_loss_tokens=n)
+    monkeypatch.setattr(stages, "run_backward", real_backward)
+    for mbs in steps:
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        a = clean.train_batch(mbs, global_num_loss_tokens=n)
+        b = retried.train_batch(mbs, global_num_loss_tokens=n)
+        torch.testing.assert_close(b["loss"], a["loss"])
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"])
+    for name, t in clean.state_dict()["model"].items():
+        torch.testing.assert_close(retried.state_dict()["model"][name], t, msg=name)

@@ -1,0 +1,116 @@
+"""ModelExecutePlan: validation of hand-written plans and the byte-balanced automatic plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from laden.engine.roundpipe import ModelExecutePlan
+from laden.engine.roundpipe.plan import GIB, balanced_partition
+
+
+class FakeModel:
+    """Layer sizes as `ModelExecutePlan.auto` sees them (weights; weights + fp32 grads for bf16)."""
+
+    def __init__(self, weight_bytes: list[int], num_devices: int = 1) -> None:
+        self.weights = weight_bytes
+        self.num_layers = len(weight_bytes)
+        self._devices = num_devices
+
+    def layer_bytes(self, *, with_grads: bool) -> list[int]:
+        return [3 * w if with_grads else w for w in self.weights]
+
+    @property
+    def num_devices(self) -> int:
+        return self._devices
+
+    def default_memory_limit_gib(self) -> float:
+        return 1000.0
+
+
+@pytest.mark.parametrize(
+    ("plan", "run_type", "message"),
+    [
+        (
+            ModelExecutePlan([range(0, 2), range(3, 4)], [range(4, 6), range(0, 4)]),
+            "fused",
+            "starts at layer 3",
+        ),
+        (ModelExecutePlan([range(0, 2)], [range(3, 6), range(0, 3)]), "fused", "fused stage"),
+        (ModelExecutePlan([range(0, 4)], [range(4, 6), range(0, 3)]), "fused", "expected layer 3"),
+        (ModelExecutePlan([range(0, 4)], []), "fused", "bwd_plan is empty"),
+        (ModelExecutePlan([range(0, 0), range(0, 6)]), "infer", "non-empty"),
+        (ModelExecutePlan([range(0, 5)]), "infer", "all 6 layers"),
+        (ModelExecutePlan([range(0, 6)], [range(0, 6)]), "lol", "run_type"),
+    ],
+)
+def test_invalid_plans_are_explained(plan, run_type, message):
+    with pytest.raises(ValueError, match=message):
+        plan.check_valid(6, run_type)
+
+
+def test_valid_hand_written_plans():
+    fused = ModelExecutePlan(
+        fwd_plan=[range(0, 2), range(2, 4)], bwd_plan=[range(4, 6), range(1, 4), range(0, 1)]
+    )
+    fused.check_valid(6, "fused")
+    assert fused.forward_stages(6) == [range(0, 2), range(2, 4), range(4, 6)]
+    ModelExecutePlan(fwd_plan=[range(0, 6)], bwd_plan=[range(3, 6), range(0, 3)]).check_valid(6, "train")
+    ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 6)]).check_valid(6, "fused")
+
+
+@pytest.mark.parametrize("run_type", ["fused", "train", "infer"])
+@pytest.mark.parametrize("limit_gib", [3.0, 6.0, 100.0])
+@pytest.mark.parametrize("min_stages", [1, 3])
+def test_auto_plan_fits_the_limit_and_covers_every_layer(run_type, limit_gib, min_stages):
+    weights = [GIB // 2] + [GIB // 4] * 10 + [GIB // 2]  # embedding, ten layers, head
+    model = FakeModel(weights)
+    plan = ModelExecutePlan.auto(run_type, model, model_memory_limit=limit_gib, min_stages=min_stages)
+    plan.check_valid(len(weights), run_type)
+    cap = limit_gib * GIB / 2
+    for stage in plan.fwd_plan:
+        assert sum(weights[i] for i in stage) <= cap
+    for stage in plan.bwd_plan:
+        assert sum(3 * weights[i] for i in stage) <= cap
+    stages = plan.bwd_plan if run_type != "infer" else plan.fwd_plan
+    assert len(stages) >= min_stages
+    if run_type == "fused":
+        assert plan.bwd_plan[0].stop == len(weights)
+
+
+def test_auto_plan_uses_few_balanced_stages():
+    model = FakeModel([100] * 12)
+    plan = ModelExecutePlan.auto("fused", model, model_memory_limit=12 * 300 / GIB, min_stages=1)
+    assert [len(s) for s in plan.bwd_plan] == [6, 6]  # needs 2 stages of 1800 B; split evenly
+    assert plan.fwd_plan == [range(0, 6)]
+
+
+def test_auto_plan_warns_when_a_layer_exceeds_half_the_limit():
+    model = FakeModel([GIB, GIB // 8, GIB // 8])
+    with pytest.warns(UserWarning, match="largest layer"):
+        plan = ModelExecutePlan.auto("fused", model, model_memory_limit=1.0)
+    plan.check_valid(3, "fused")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "cap", "parts", "expected"),
+    [
+        ([1, 1, 1, 1], 10, 2, [range(0, 2), range(2, 4)]),
+        ([5, 1, 1, 1, 1, 1], 5, 1, [range(0, 1), range(1, 6)]),
+        ([1, 2, 3], 100, 5, [range(0, 1), range(1, 2), range(2, 3)]),
+        ([4, 4, 4, 4, 4, 4], 8, 1, [range(0, 2), range(2, 4), range(4, 6)]),
+    ],
+)
+def test_balanced_partition(sizes, cap, parts, expected):
+    assert balanced_partition(sizes, cap, parts) == expected
+
+
+def test_uniform_plan_counts_layers():
+    plan = ModelExecutePlan.uniform(30, stage_layers=4, fused_layers=6, fwd_stage_layers=12)
+    plan.check_valid(30, "fused")
+    assert plan.bwd_plan[0] == range(24, 30)
+    assert [len(s) for s in plan.bwd_plan[1:]] == [4, 4, 4, 4, 4, 4]
+    assert plan.fwd_plan == [range(0, 12), range(12, 24)]
+    small = ModelExecutePlan.uniform(3, stage_layers=4)
+    assert small == ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 3)])
+    with pytest.raises(ValueError, match="stage_layers"):
+        ModelExecutePlan.uniform(8, stage_layers=0)

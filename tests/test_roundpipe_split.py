@@ -1,0 +1,98 @@
+"""laden.model.split: a causal LM as embed / decoder steps / head == the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from laden.model.split import causal_lm_loss, shift_labels, split_causal_lm
+from laden.model.tiny import tiny_qwen3_config
+
+SMALL = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+def build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen3":
+        from transformers import Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=48, hidden_size=32, intermediate_size=64))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL))
+    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=4))  # windows shorter than the text
+
+
+def run_split(model: nn.Module, **inputs):
+    split = split_causal_lm(model)
+    x = split.layers[0](**inputs)
+    for layer in split.layers[1:]:
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_split_equals_model_forward_on_padded_batch(family, attn):
+    model = build(family)
+    model.config._attn_implementation = attn
+    ids = torch.randint(0, 48, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    out = run_split(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(out.logits[mask.bool()], expected[mask.bool()])
+    labels = shift_labels(torch.where(mask.bool(), ids, -100))
+    loss = causal_lm_loss(out, labels)
+    ref = nn.functional.cross_entropy(expected.reshape(-1, 48), labels.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss, ref)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "laden_varlen"])
+def test_packed_row_equals_documents_run_alone(attn):
+    model = build("qwen3")
+    if attn == "laden_varlen":
+        from laden.model.attention import set_attention
+
+        set_attention(model, "varlen")
+    else:
+        model.config._attn_implementation = attn
+    lengths = [4, 3, 5]
+    docs = [torch.randint(0, 48, (n,)) for n in lengths]
+    cu = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
+    out = run_split(
+        model, input_ids=torch.cat(docs)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5,
+    )  # fmt: skip
+    expected = torch.cat([model(input_ids=d[None]).logits for d in docs], dim=1)
+    torch.testing.assert_close(out.logits, expected)
+
+
+def test_tied_embedding_stays_one_parameter():
+    cfg = tiny_qwen3_config(vocab_size=48)
+    cfg.tie_word_embeddings = True
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(cfg)
+    split = split_causal_lm(model)
+    assert split.layers[-1].lm_head.weight is split.layers[0].embed_tokens.weight
+    assert split.num_decoder_layers == cfg.num_hidden_layers
+
+
+def test_unsupported_models_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="supported model types"):
+        split_causal_lm(nn.Sequential(nn.Linear(2, 2)))
+    model = build("llama")
+    with pytest.raises(ValueError, match="unexpected model inputs"):
+        run_split(model, input_ids=torch.zeros(1, 3, dtype=torch.long), token_type_ids=torch.zeros(1, 3))
