@@ -57,6 +57,28 @@ class OptimSettings:
     gradient_clipping: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
 
+    def build_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """The optimizer these settings name, over `params` (tensors, named pairs or groups)."""
+        return build_optimizer(
+            params,
+            type=self.type,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            eps=self.eps,
+            momentum=self.momentum,
+        )
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warm-up then the configured decay, over `total_steps`."""
+        return build_lr_scheduler(
+            optimizer,
+            type=self.lr_scheduler_type,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+
 
 def packed_loss_fn(*, chunked: bool, chunk_size: int) -> LossFn:
     """The SFT loss: summed next-token cross-entropy of a packed micro-batch."""
@@ -144,22 +166,8 @@ class LocalEngine:
         self.loss_fn = loss_fn or packed_loss_fn(chunked=True, chunk_size=4096)
         self.optim_settings = optim
         groups = param_groups_with_decay(list(self.model.named_parameters()), optim.weight_decay)
-        self.optimizer = build_optimizer(
-            groups,
-            type=optim.type,
-            lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            betas=optim.betas,
-            eps=optim.eps,
-            momentum=optim.momentum,
-        )
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            type=optim.lr_scheduler_type,
-            total_steps=optim.total_steps,
-            warmup_steps=optim.warmup_steps,
-            min_lr_ratio=optim.min_lr_ratio,
-        )
+        self.optimizer = optim.build_optimizer(groups)
+        self.scheduler = optim.build_scheduler(self.optimizer)
 
     def _autocast(self):
         return autocast_context(self.device, self.param_dtype, self.compute_dtype)

@@ -44,7 +44,7 @@ from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, che
 from laden.engine.fsdp.shard_optim import ShardedAdamW
 from laden.engine.fsdp.ulysses import shard_packed_row
 from laden.engine.local import OptimSettings, autocast_context
-from laden.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, param_groups_with_decay
+from laden.optim import clip_grad_norm_, param_groups_with_decay
 
 log = logging.getLogger("laden.fsdp")
 
@@ -183,22 +183,8 @@ class FSDPEngine:
                 prefetch_layers=prefetch_layers,
             )
         else:
-            self.optimizer = build_optimizer(
-                groups,
-                type=o.type,  # type: ignore[arg-type]  # validated by the config loader
-                lr=o.lr,
-                weight_decay=o.weight_decay,
-                betas=o.betas,
-                eps=o.eps,
-                momentum=o.momentum,
-            )
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            type=o.lr_scheduler_type,  # type: ignore[arg-type]
-            total_steps=o.total_steps,
-            warmup_steps=o.warmup_steps,
-            min_lr_ratio=o.min_lr_ratio,
-        )
+            self.optimizer = o.build_optimizer(groups)
+        self.scheduler = o.build_scheduler(self.optimizer)
 
     def _layer_param_groups(self) -> list[list[nn.Parameter]]:
         """Parameters in streaming order: one list per decoder layer, then the rest."""
