@@ -238,12 +238,10 @@ def load_model(cfg: LadenConfig, rt: Runtime):
             seed=cfg.seed,
             attn_impl=cfg.actor.attn_impl,
         )
-    mc = model.config
-    errors = validate_against_model(
-        cfg,
-        num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
-    )
+    mc: Any = model.config
+    num_heads = int(mc.num_attention_heads)
+    num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)
+    errors = validate_against_model(cfg, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
     if errors:
         raise ConfigError(errors)
     return model
