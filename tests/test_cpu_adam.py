@@ -315,3 +315,18 @@ def test_backend_env_and_fallback(monkeypatch, caplog):
 def test_backend_is_cpp_when_built(cpp_built, monkeypatch):
     monkeypatch.delenv("LADEN_CPU_ADAM", raising=False)
     assert backend_name() == "cpp"
+
+
+def test_step_params_after_load_state_dict_follows_live_groups():
+    """After load_state_dict an LR schedule's change reaches step_params (groups are re-pointed)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = HostAdamW([p], lr=1e-2, backend="torch")
+    p.grad = torch.randn(64)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.0  # what a scheduler does
+    before = p.detach().clone()
+    p.grad = torch.randn(64)
+    opt.step_params([p])
+    torch.testing.assert_close(p.detach(), before, rtol=0, atol=0)

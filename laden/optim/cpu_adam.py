@@ -241,6 +241,9 @@ class HostAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # torch replaces every group dict on load: re-point params at the live groups, or
+        # step_params would keep reading the old hyper-parameters (an LR schedule's included).
+        self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         normalize_step_state(self.state)
         if self.pin_memory:
             for param_state in self.state.values():
