@@ -11,6 +11,10 @@ tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per 
 MFU = 6 N tokens/s / 989e12 and HFU = 8 N tokens/s / 989e12 (H200 dense bf16 peak, N =
 parameters, embeddings included, tied ones once); attention FLOPs are not counted.
 
+A result is only valid if every step's loss and gradient norm are finite (and, for laden on
+a GPU with `--pin-model alloc|register`, the upload copies are page-locked): otherwise the
+JSON is still printed, with `"valid": false` and the reason, and the script exits non-zero.
+
     python benchmarks/train_throughput.py --system laden --model qwen3-1.7b --steps 6 --warmup 2
     python benchmarks/train_throughput.py --system laden --model tiny --steps 2   # CPU smoke run
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import time
@@ -63,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="compute dtype (default bf16 on GPU)")
     p.add_argument("--attn", choices=["auto", "sdpa", "eager"], default="auto")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0 = off)")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=1024,
+        help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -110,12 +122,12 @@ def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch
     compute = (
         DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    optim = OptimSettings(type=args.optimizer, lr=1e-5, weight_decay=0.01, gradient_clipping=args.clip,
+    optim = OptimSettings(type=args.optimizer, lr=args.lr, weight_decay=0.01, gradient_clipping=args.clip,
                           total_steps=args.steps + args.warmup)  # fmt: skip
     if args.system == "plain":
         return LocalEngine(
             model, device=device, dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype], optim=optim,
-            gradient_checkpointing=True, loss_fn=packed_loss_fn(chunked=True, chunk_size=4096),
+            gradient_checkpointing=True, loss_fn=packed_loss_fn(chunked=True, chunk_size=args.loss_chunk_size),
         )  # fmt: skip
     from laden.engine.roundpipe import ModelExecutePlan, RoundPipeEngine
 
@@ -132,7 +144,8 @@ def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch
         model, optim=optim, compute_dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype],
         num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain, model_memory_limit=limit,
         pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan, min_stages=args.min_stages,
-        devices=[device] if device.type == "cpu" else None,
+        devices=[device] if device.type == "cpu" else None, loss_chunk_size=args.loss_chunk_size,
+        max_tokens_per_mb=args.seq_len * max(1, args.num_seqs // args.num_microbatch),
     )  # fmt: skip
 
 
@@ -164,18 +177,23 @@ def run(args: argparse.Namespace) -> dict:
     num_params = sum(p.numel() for p in model.parameters())  # tied weights once
     steps = make_steps(args, model.config.vocab_size, args.warmup + args.steps)
     engine = build_engine(args, model, device)
+    history = []  # every step's metrics, read after the timing (device tensors for `plain`)
     for mbs in steps[: args.warmup]:
-        engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+        history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
     finish(engine)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for mbs in steps[args.warmup :]:
-        metrics = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+        history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
     finish(engine)
     seconds = time.perf_counter() - start
     tokens = sum(mb.num_tokens for mbs in steps[args.warmup :] for mb in mbs)
     tok_s = tokens / seconds
+    losses = [float(m["loss"]) for m in history]
+    grad_norms = [float(m["grad_norm"]) for m in history if "grad_norm" in m]
+    uploads_pinned = _uploads_pinned(engine)
+    problems = _problems(losses, grad_norms, uploads_pinned, args.pin_model)
     return {
         "name": f"train_throughput/{args.system}",
         "model": args.model,
@@ -189,15 +207,21 @@ def run(args: argparse.Namespace) -> dict:
             "optimizer": args.optimizer,
             "optimizer_dtype": args.optimizer_dtype,
             "attn": args.attn,
+            "loss_chunk_size": args.loss_chunk_size,
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
+        "valid": not problems,
+        "problems": problems,
         "tokens_per_s": round(tok_s, 1),
         "step_s": round(seconds / args.steps, 4),
         "num_params": num_params,
         "mfu": round(6 * num_params * tok_s / PEAK_FLOPS, 4),
         "hfu": round(8 * num_params * tok_s / PEAK_FLOPS, 4),
-        "last_loss": float(metrics["loss"]),
-        **memory_peaks(),
+        "last_loss": losses[-1],
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "uploads_pinned": uploads_pinned,
+        **memory_peaks(engine),
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "gpu_mem_cap_gib": args.gpu_mem_cap_gib if device.type == "cuda" else None,
@@ -206,22 +230,69 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def memory_peaks() -> dict:
+def _problems(
+    losses: list[float], grad_norms: list[float], uploads_pinned: bool | None, pin_model: str
+) -> list[str]:
+    """Why a result is not valid (empty when it is)."""
+    problems = []
+    for name, values in (("loss", losses), ("grad_norm", grad_norms)):
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            problems.append(f"{name} is not finite from step {bad[0]} on (warm-up included): {values}")
+    if uploads_pinned is False and pin_model != "off":
+        problems.append(f"pin_model={pin_model!r} but the weights are uploaded from pageable host memory")
+    return problems
+
+
+def _uploads_pinned(engine) -> bool | None:
+    """Whether every upload copy of the laden engine is page-locked (None: no GPU, or not laden)."""
+    pipe = getattr(engine, "pipe", None)
+    if pipe is None or not torch.cuda.is_available():
+        return None
+    return all(view.is_pinned() for hp in pipe.store.params for view in hp.uploads)
+
+
+def memory_peaks(engine=None) -> dict:
+    """GPU peaks, host RSS peak and page-locked host memory.
+
+    Page-locked memory comes two ways: through PyTorch's pinned allocator (laden's upload copies
+    with pin_model=alloc, activations parked between stages), reported by
+    `torch.cuda.host_memory_stats()` with each block rounded up to a power of two; and page-locked
+    in place (`cudaHostRegister`: gradient inboxes, pin_model=register), which only the engine
+    knows about. The second kind is ordinary process memory, already in the RSS; the first is
+    added to the RSS for `peak_host_gib` (an upper bound if the driver's pages also show in RSS).
+    """
     rss_gib = _peak_rss_gib()
-    pinned_gib = 0.0
+    allocator_gib = registered_gib = 0.0
     out = {}
     if torch.cuda.is_available():
         out["peak_gpu_allocated_gib"] = round(max(torch.cuda.max_memory_allocated(i) for i in
                                                   range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
         out["peak_gpu_reserved_gib"] = round(max(torch.cuda.max_memory_reserved(i) for i in
                                                  range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
-        stats = torch.cuda.host_memory_stats()
-        pinned_gib = (
-            stats.get("reserved_bytes.current", stats.get("reserved_bytes", {}).get("current", 0)) / GIB
-        )
+        allocator_gib = pinned_allocator_bytes(torch.cuda.host_memory_stats()) / GIB
+        store = getattr(getattr(engine, "pipe", None), "store", None)
+        registered_gib = getattr(store, "registered_bytes", 0) / GIB
+    pinned_gib = allocator_gib + registered_gib
     out.update(peak_rss_gib=round(rss_gib, 3), pinned_gib=round(pinned_gib, 3),
-               peak_host_gib=round(rss_gib + pinned_gib, 3))  # fmt: skip
+               pinned_allocator_gib=round(allocator_gib, 3), pinned_registered_gib=round(registered_gib, 3),
+               peak_host_gib=round(rss_gib + allocator_gib, 3))  # fmt: skip
     return out
+
+
+def pinned_allocator_bytes(stats: dict) -> int:
+    """Peak bytes held by PyTorch's pinned host allocator, from `torch.cuda.host_memory_stats()`.
+
+    Its keys are `allocated_bytes.{current,peak,...}` (flattened); there is no `reserved_bytes`
+    key, which is why an earlier version of this script always reported 0.
+    """
+    for key in ("allocated_bytes.peak", "allocated_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    nested = stats.get("allocated_bytes")
+    if isinstance(nested, dict):
+        return int(nested.get("peak", nested.get("current", 0)))
+    return 0
 
 
 def _peak_rss_gib() -> float:
@@ -250,8 +321,11 @@ def _transformers_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Print the result as one JSON line; exit non-zero (SystemExit) if it is not valid."""
     result = run(parse_args(argv))
     print(json.dumps(result), flush=True)
+    if not result["valid"]:
+        raise SystemExit("train_throughput: INVALID RESULT: " + "; ".join(result["problems"]))
     return result
 
 

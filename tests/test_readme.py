@@ -17,13 +17,11 @@ def _readme_reference() -> str:
 
 
 def test_readme_reference_matches_generated():
-    expected = []
-    for line in config_reference_markdown().strip().splitlines():
-        if line.startswith("# Configuration reference"):
-            line = "#" + line
-        elif line.startswith("## "):
-            line = "#" + line
-        expected.append(line)
+    # The reference sits one heading level deeper in the README than `laden config docs` prints it.
+    expected = [
+        "#" + line if line.startswith("#") else line
+        for line in config_reference_markdown().strip().splitlines()
+    ]
     assert _readme_reference() == "\n".join(expected), (
         "README is stale: regenerate it from `laden config docs`"
     )

@@ -332,6 +332,37 @@ def test_qwen3_inference_returns_logits(tiny_model):
     torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()])
 
 
+def test_tied_weight_sharing_a_group_with_other_params():
+    """The first Linear's weight is reused by the last one; its bias shares the weight's parameter
+    group. The group's landing (staged: the tied weight's inbox already holds the last stage's
+    contribution) must add into the weight but overwrite the bias, whose inbox still holds the
+    previous step's gradient (or uninitialised memory on the first step)."""
+
+    def tied_mlp() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        model[2].weight = model[0].weight
+        return model
+
+    ref, model = tied_mlp(), tied_mlp()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rp = RoundPipe(model)
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    cfg = RoundPipeRunConfig(
+        num_microbatch=2,
+        execute_plan=ModelExecutePlan(fwd_plan=[range(0, 2)], bwd_plan=[range(2, 3), range(0, 2)]),
+    )
+    for _ in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 4)
+        mse_sum(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(p, p_ref, msg=name)
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 

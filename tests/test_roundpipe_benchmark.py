@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "train_throughput.py"
 
@@ -34,3 +35,35 @@ def test_train_throughput_runs_on_cpu_with_tiny_model(system, capsys):
     expected_mfu = 6 * result["num_params"] * result["tokens_per_s"] / 989e12
     assert result["mfu"] == pytest.approx(expected_mfu, abs=1e-4)
     assert result["hfu"] == pytest.approx(expected_mfu * 8 / 6, abs=1e-4)
+
+
+@pytest.mark.parametrize("system", ["laden", "plain"])
+def test_non_finite_loss_fails_loudly(system, capsys, monkeypatch):
+    """A NaN in the final norm's weight makes every loss NaN: the result is printed, marked invalid,
+    and the script exits non-zero naming the first bad step (how the H200 NaN run should have ended)."""
+    bench = load_script()
+    real_build = bench.build_model
+
+    def poisoned(args):
+        model = real_build(args)
+        with torch.no_grad():
+            model.model.norm.weight[0] = float("nan")
+        return model
+
+    monkeypatch.setattr(bench, "build_model", poisoned)
+    with pytest.raises(SystemExit, match="loss is not finite from step 0") as exit_info:
+        bench.main(["--system", system, "--model", "tiny", "--steps", "1", "--warmup", "1",
+                    "--seq-len", "32", "--num-seqs", "4", "--num-microbatch", "2"])  # fmt: skip
+    assert exit_info.value.code not in (0, None)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["valid"] is False and printed["problems"]
+    assert not math.isfinite(printed["last_loss"])
+
+
+def test_pinned_allocator_bytes_reads_the_flattened_host_stats():
+    """`torch.cuda.host_memory_stats()` keys are `allocated_bytes.<metric>` (no `reserved_bytes`)."""
+    bench = load_script()
+    stats = {"allocated_bytes.current": 3 << 30, "allocated_bytes.peak": 5 << 30, "allocations.current": 7}
+    assert bench.pinned_allocator_bytes(stats) == 5 << 30
+    assert bench.pinned_allocator_bytes({"allocated_bytes": {"current": 1 << 20}}) == 1 << 20
+    assert bench.pinned_allocator_bytes({}) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from laden.engine.roundpipe import ModelExecutePlan
 from laden.engine.roundpipe.plan import GIB, balanced_partition
@@ -114,3 +115,73 @@ def test_uniform_plan_counts_layers():
     assert small == ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 3)])
     with pytest.raises(ValueError, match="stage_layers"):
         ModelExecutePlan.uniform(8, stage_layers=0)
+
+
+class FakeLM(FakeModel):
+    """FakeModel plus an activation estimate: per layer (kept, transient) bytes per token."""
+
+    def __init__(self, weight_bytes: list[int], kept_per_token: list[int], transient_per_token: list[int]):
+        super().__init__(weight_bytes)
+        self.kept, self.transient = kept_per_token, transient_per_token
+
+    def layer_activation_bytes(self, num_tokens: int) -> list[tuple[int, int]]:
+        return [(k * num_tokens, t * num_tokens) for k, t in zip(self.kept, self.transient)]
+
+
+def stage_cost(model: FakeLM, stage: range, num_tokens: int, grain: str) -> int:
+    """What a backward stage holds at its peak (the reference for the planner's accounting)."""
+    acts = model.layer_activation_bytes(num_tokens)
+    weights = sum(3 * model.weights[i] for i in stage)
+    if grain == "stage":  # every layer's kept activations, one layer's backward transient
+        return weights + sum(acts[i][0] for i in stage) + max(acts[i][1] for i in stage)
+    return weights + max(acts[i][0] + acts[i][1] for i in stage)  # one layer recomputed at a time
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("num_tokens", [None, 1024, 8192])
+def test_auto_plan_counts_the_activations_of_a_microbatch(grain, num_tokens):
+    model = FakeLM([GIB // 16] * 12, kept_per_token=[64 << 10] * 12, transient_per_token=[96 << 10] * 12)
+    limit_gib = 4.0
+    plan = ModelExecutePlan.auto(
+        "fused", model, model_memory_limit=limit_gib, tokens_per_microbatch=num_tokens, recompute_grain=grain
+    )
+    plan.check_valid(12, "fused")
+    cap = limit_gib * GIB / 2
+    for stage in plan.bwd_plan:
+        assert stage_cost(model, stage, num_tokens or 0, grain) <= cap
+    weights_only = ModelExecutePlan.auto("fused", model, model_memory_limit=limit_gib)
+    if num_tokens is None:
+        assert plan == weights_only
+    elif num_tokens == 8192 and grain == "stage":  # 0.5 GiB kept per layer: weights only blows the limit
+        assert len(plan.bwd_plan) > len(weights_only.bwd_plan)
+        assert max(stage_cost(model, s, num_tokens, grain) for s in weights_only.bwd_plan) > limit_gib * GIB
+
+
+def test_auto_plan_fits_a_qwen3_1_7b_shape_with_long_microbatches():
+    """The H200 run's out-of-memory case: 4 x 4096 tokens per micro-batch, an 8 GiB limit. Planned
+    by weights only, the fused stage holds 8 decoder layers and ~30 GiB of activations; planned with
+    them, every multi-layer stage fits half the limit (single layers past it get their own stage)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from laden import RoundPipe
+
+    shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.bfloat16)
+    rp = RoundPipe(model, optim_dtype=torch.float32, pin_model="off", devices=[torch.device("cpu")])
+    num_tokens, limit_gib = 4 * 4096, 8.0
+    bwd, acts = rp.layer_bytes(with_grads=True), rp.layer_activation_bytes(num_tokens)
+
+    def cost(stage: range) -> int:
+        return sum(bwd[i] + acts[i][0] for i in stage) + max(acts[i][1] for i in stage)
+
+    with pytest.warns(UserWarning, match="activations of 16384 tokens"):
+        plan = ModelExecutePlan.auto(
+            "fused", rp, model_memory_limit=limit_gib, tokens_per_microbatch=num_tokens
+        )
+    plan.check_valid(rp.num_layers, "fused")
+    assert all(cost(stage) <= limit_gib * GIB / 2 for stage in plan.bwd_plan if len(stage) > 1)
+    assert all(cost(stage) <= limit_gib * GIB for stage in plan.bwd_plan)
+    weights_only = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit_gib)
+    assert max(cost(stage) for stage in weights_only.bwd_plan) > 3 * limit_gib * GIB

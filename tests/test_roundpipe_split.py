@@ -96,3 +96,55 @@ def test_unsupported_models_are_refused_with_the_fix():
     model = build("llama")
     with pytest.raises(ValueError, match="unexpected model inputs"):
         run_split(model, input_ids=torch.zeros(1, 3, dtype=torch.long), token_type_ids=torch.zeros(1, 3))
+
+
+def saved_activation_bytes(fn, params) -> int:
+    """Bytes of the tensors autograd saves while `fn` runs, parameters excluded (storages once)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_estimate_matches_what_autograd_saves(dtype):
+    """The planner's per-layer estimate (kept bytes) against the tensors a decoder step and the head
+    (norm + chunked loss) really save for backward, on a packed row of two documents."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from laden.model.attention import set_attention
+    from laden.model.split import activation_bytes
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=500, tie_word_embeddings=True)  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    set_attention(model, "varlen")
+    split = split_causal_lm(model)
+    num_tokens = 256
+    ids = torch.randint(0, 500, (1, num_tokens))
+    cu = torch.tensor([0, 100, num_tokens], dtype=torch.int32)
+    state = split.layers[0](
+        input_ids=ids, position_ids=torch.cat([torch.arange(100), torch.arange(num_tokens - 100)])[None],
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=156, max_length_k=156,
+    )  # fmt: skip
+    state = state.with_hidden(state.hidden_states.detach().requires_grad_(True))
+    decoder, head = split.layers[1], split.layers[-1]
+    cases = [
+        (decoder, lambda: decoder(state), {}),
+        (head, lambda: causal_lm_loss(head(state), ids, chunk_size=64), {"loss_chunk_size": 64}),
+    ]
+    for step, run, extra in cases:
+        measured = saved_activation_bytes(run, model.parameters())
+        kept, transient = activation_bytes(step, num_tokens, dtype=dtype, **extra)
+        assert 0.9 * measured <= kept <= 1.25 * measured, (type(step).__name__, kept, measured)
+        assert transient > 0
+    assert activation_bytes(nn.Linear(2, 2), num_tokens, dtype=dtype) == (0, 0)

@@ -21,6 +21,10 @@ The head does not materialise logits: `causal_lm_loss` runs the chunked linear +
 cross-entropy on the normed hidden states and the lm_head weight, so `[T, V]` logits never
 exist. `LMHeadOutput.logits` builds them for callers that want them (inference).
 
+`activation_bytes` estimates each step's activation memory for one micro-batch, so that
+the roundpipe planner can size stages by weights and activations; it is an analytic count
+of what the transformers layers save for backward, not a measurement.
+
 Supported: the Qwen3, Qwen2, Llama and Mistral families as laid out by transformers 5.x
 (`model.model.embed_tokens/layers/norm/rotary_emb`, `model.lm_head`, decoder layers called
 with `position_embeddings=(cos, sin)`). Anything else is refused with a ValueError rather
@@ -37,9 +41,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from laden.config.schema import ActorConfig
 from laden.model.loss import chunked_linear_cross_entropy
 
 __all__ = [
+    "DEFAULT_LOSS_CHUNK_SIZE",
     "PACKED_KWARGS",
     "SUPPORTED_MODEL_TYPES",
     "DecoderState",
@@ -48,6 +54,7 @@ __all__ = [
     "HeadStep",
     "LMHeadOutput",
     "SplitModel",
+    "activation_bytes",
     "causal_lm_loss",
     "shift_labels",
     "split_causal_lm",
@@ -56,6 +63,8 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _VARLEN_IMPL = "laden_varlen"
+DEFAULT_LOSS_CHUNK_SIZE = cast(int, ActorConfig.__dataclass_fields__["loss_chunk_size"].default)
+"""Tokens per chunk of the chunked loss when none is given: `actor.loss_chunk_size`'s default."""
 
 
 class DecoderState:
@@ -233,7 +242,11 @@ def split_causal_lm(model: nn.Module) -> SplitModel:
 
 
 def causal_lm_loss(
-    outputs: LMHeadOutput, labels: torch.Tensor, *, chunk_size: int = 4096, ignore_index: int = -100
+    outputs: LMHeadOutput,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    ignore_index: int = -100,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32 scalar) of a head output; labels `[B, T]` already shifted.
 
@@ -245,6 +258,59 @@ def causal_lm_loss(
     return chunked_linear_cross_entropy(
         flat, outputs.lm_head_weight, labels.reshape(-1), chunk_size=chunk_size, ignore_index=ignore_index
     )
+
+
+def activation_bytes(
+    step: nn.Module, num_tokens: int, *, dtype: torch.dtype, loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+) -> tuple[int, int]:
+    """(kept, transient) device bytes of one pipeline step for a micro-batch of `num_tokens` tokens.
+
+    kept: what the step's forward saves for its backward; transient: the most it allocates on
+    top while its forward or backward runs. `dtype` is the compute dtype. (0, 0) for modules
+    that `split_causal_lm` did not make.
+    """
+    b = dtype.itemsize
+    if isinstance(step, DecoderStep):
+        kept = num_tokens * _decoder_bytes_per_token(step.config, b)
+        return kept, kept  # backward: the gradients of the layer's activations, as large again
+    if isinstance(step, EmbedStep):
+        vocab, hidden = _weight(step.embed_tokens).shape
+        # the output; backward builds a dense [V, H] weight gradient in the compute dtype
+        return num_tokens * hidden * b, vocab * hidden * b + num_tokens * hidden * b
+    if isinstance(step, HeadStep):
+        vocab, hidden = _weight(step.lm_head).shape
+        chunk = min(num_tokens, loss_chunk_size)
+        # the norm's fp32 input and its output; the loss's hidden and weight gradients, computed in
+        # forward and held until backward
+        kept = num_tokens * hidden * (4 + 2 * b) + vocab * hidden * b
+        # one chunk's fp32 logits and their compute-dtype copy; the fp32 [V, H] accumulator and a
+        # chunk's [V, H] product (laden.model.loss)
+        return kept, chunk * vocab * (4 + b) + vocab * hidden * (4 + b)
+    return 0, 0
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _decoder_bytes_per_token(config: Any, b: int) -> int:
+    """Activations a decoder layer saves per token (compute dtype `b` bytes, fp32 norm inputs).
+
+    In the compute dtype: the layer input, both norm outputs, the q/k/v projections, the
+    normed and the rotated q and k, the attention output, the attention and MLP outputs
+    (residual adds) and gate, up, act(gate), act(gate) * up: 5H + 4q + 4kv + 4I. In fp32:
+    the inputs RMSNorm upcasts (two of width H, q- and k-norm), and a softmax statistic per
+    head.
+    """
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q = heads * head_dim
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    kv *= head_dim
+    inter = config.intermediate_size
+    return b * (5 * hidden + 4 * q + 4 * kv + 4 * inter) + 4 * (2 * hidden + q + kv + heads)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from laden.engine.roundpipe.batching import merge_outputs, split_microbatches
+from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
 from laden.engine.roundpipe.config import RoundPipeRunConfig, resolve
 from laden.engine.roundpipe.distributed import host_grad_group
 from laden.engine.roundpipe.host import PinMode
@@ -115,6 +115,9 @@ class RoundPipe(nn.Module):
     def default_memory_limit_gib(self) -> float:
         return self.pipe.default_memory_limit_gib()
 
+    def layer_activation_bytes(self, num_tokens: int) -> list[tuple[int, int]]:
+        return self.pipe.layer_activation_bytes(num_tokens)
+
     # ---- optimizer parameters ----------------------------------------------------------
     def optim_named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
         """(name, master weight) for every trainable parameter: build the optimizer on these.
@@ -155,7 +158,9 @@ class RoundPipe(nn.Module):
             tuple(input_args), dict(input_kwargs or {}), label, cfg.num_microbatch,
             split_input=cfg.split_input, split_label=cfg.split_label,
         )  # fmt: skip
-        plan = cfg.execute_plan or ModelExecutePlan.auto("fused", self)
+        plan = cfg.execute_plan or ModelExecutePlan.auto(
+            "fused", self, tokens_per_microbatch=num_tokens(inputs), recompute_grain=cfg.recompute_grain
+        )
         run = self.pipe.run_call(
             inputs=inputs, labels=labels, loss_fn=loss_fn, plan=plan, grain=cfg.recompute_grain,
             backward=True, preserve_rng=cfg.preserve_rng_state,
@@ -174,7 +179,9 @@ class RoundPipe(nn.Module):
         """
         cfg = resolve(roundpipe_run_config, self.model_run_config, num_devices=self.num_devices)
         inputs, _ = split_microbatches(args, kwargs, None, cfg.num_microbatch, split_input=cfg.split_input)
-        plan = cfg.execute_plan or ModelExecutePlan.auto("infer", self)
+        plan = cfg.execute_plan or ModelExecutePlan.auto(
+            "infer", self, tokens_per_microbatch=num_tokens(inputs)
+        )
         run = self.pipe.run_call(
             inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain,
             backward=False, preserve_rng=False,

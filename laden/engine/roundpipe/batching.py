@@ -85,6 +85,25 @@ def split_microbatches(
     return inputs, labels
 
 
+def num_tokens(inputs: list[tuple[tuple, dict[str, Any]]]) -> int | None:
+    """Tokens of the largest micro-batch: the size of its `input_ids` (else of its first integer
+    tensor argument). None when there is none (not a language model): the planner then counts
+    weights only.
+    """
+    counts = []
+    for args, kwargs in inputs:
+        ids = kwargs.get("input_ids")
+        if not _is_token_ids(ids):
+            ids = next((t for t in pytree.tree_leaves((args, kwargs)) if _is_token_ids(t)), None)
+        if ids is not None:
+            counts.append(ids.numel())
+    return max(counts) if counts else None
+
+
+def _is_token_ids(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and not leaf.is_floating_point()
+
+
 def merge_outputs(outputs: list[Any]) -> Any:
     """Concatenate micro-batch outputs along dim 0 (tensors with a batch dim); others from the first."""
     if len(outputs) == 1:

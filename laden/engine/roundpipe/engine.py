@@ -22,6 +22,10 @@ gradient inbox in host memory.
 
 Each `PackedBatch` is one micro-batch (a packed row `[1, T]`); `num_microbatch` is the
 planner's hint to the trainer for how many rows to pack per step.
+
+Without an explicit `execute_plan` the stages are planned by `ModelExecutePlan.auto` for
+`max_tokens_per_mb` tokens per micro-batch (weights and activations); a step whose longest
+micro-batch is longer than planned for is re-planned first (deterministically, from sizes).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from laden.engine.roundpipe.host import ParamGroup, PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.step_state import StepGrads
-from laden.model.split import causal_lm_loss, split_causal_lm
+from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss, split_causal_lm
 from laden.optim import HostAdamW, build_lr_scheduler
 
 OptimStep = Literal["sync", "async"]
@@ -69,10 +73,11 @@ class RoundPipeEngine:
         pin_model: PinMode = "alloc",
         optim_step: OptimStep = "sync",
         devices: Sequence[torch.device] | None = None,
-        loss_chunk_size: int = 4096,
+        loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
         process_group: Any = None,
         execute_plan: ModelExecutePlan | None = None,
         min_stages: int | None = None,
+        max_tokens_per_mb: int | None = None,
     ) -> None:
         if optim_step not in ("sync", "async"):
             raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
@@ -80,6 +85,8 @@ class RoundPipeEngine:
             raise ValueError(
                 f"actor.roundpipe.recompute_grain={recompute_grain!r} must be 'stage' or 'layer'"
             )
+        if loss_chunk_size < 1:
+            raise ValueError(f"actor.loss_chunk_size={loss_chunk_size} must be >= 1 token, e.g. 1024")
         self.model = model.train()
         self.compute_dtype = compute_dtype
         self.optim_settings = optim
@@ -94,11 +101,13 @@ class RoundPipeEngine:
             list(split.layers), param_names=names, devices=devices, pin_model=pin_model,
             compute_dtype=compute_dtype, master_dtype=master_dtype, create_masters=True,
             group_key=lambda name, p: _no_decay(name, p), name="roundpipe-engine",
+            loss_chunk_size=loss_chunk_size,
         )  # fmt: skip
+        self._auto_plan = execute_plan is None
+        self._plan_limits = (model_memory_limit, min_stages)
+        self._planned_tokens = max_tokens_per_mb
         if execute_plan is None:
-            execute_plan = ModelExecutePlan.auto(
-                "fused", self.pipe, model_memory_limit=model_memory_limit, min_stages=min_stages
-            )
+            execute_plan = self._make_plan(max_tokens_per_mb)
         execute_plan.check_valid(self.pipe.num_layers, "fused")
         self.plan = execute_plan
         self.optimizer = _build_optimizer(self.pipe, optim, any(lane.is_cuda for lane in self.pipe.lanes))
@@ -113,10 +122,28 @@ class RoundPipeEngine:
             self.pipe.store.add_upload_buffer()
             self.pipe.store.ensure_inboxes(2)
 
+    # ---- plan -------------------------------------------------------------------------
+    def _make_plan(self, num_tokens: int | None) -> ModelExecutePlan:
+        limit, min_stages = self._plan_limits
+        return ModelExecutePlan.auto(
+            "fused", self.pipe, model_memory_limit=limit, min_stages=min_stages,
+            tokens_per_microbatch=num_tokens, recompute_grain=self.recompute_grain,
+        )  # fmt: skip
+
+    def _fit_plan(self, micro_batches: Sequence[PackedBatch]) -> None:
+        """Re-plan an automatic plan for micro-batches longer than it was planned for."""
+        if not self._auto_plan or not micro_batches:
+            return
+        longest = max(mb.num_tokens for mb in micro_batches)
+        if self._planned_tokens is None or longest > self._planned_tokens:
+            self.plan = self._make_plan(longest)
+            self._planned_tokens = longest
+
     # ---- TrainEngine --------------------------------------------------------------------
     def train_batch(
         self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
     ) -> dict[str, torch.Tensor]:
+        self._fit_plan(micro_batches)
         pipe = self.pipe
         buf = pipe.read_buf
         clipping = self.optim_settings.gradient_clipping > 0
@@ -152,6 +179,7 @@ class RoundPipeEngine:
     def eval_batch(
         self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
     ) -> dict[str, torch.Tensor]:
+        self._fit_plan(micro_batches)
         self.model.eval()  # shells copy the mode: no dropout
         try:
             run = self.pipe.run_call(
@@ -365,5 +393,5 @@ def build_roundpipe_engine(
         model, optim=optim, compute_dtype=DTYPES[actor.dtype], optimizer_dtype=DTYPES[actor.optimizer_dtype],
         num_microbatch=rp.num_microbatch, recompute_grain=rp.recompute_grain,
         model_memory_limit=rp.model_memory_limit, pin_model=rp.pin_model, optim_step=rp.optim_step,
-        devices=devices, loss_chunk_size=actor.loss_chunk_size,
+        devices=devices, loss_chunk_size=actor.loss_chunk_size, max_tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
     )  # fmt: skip

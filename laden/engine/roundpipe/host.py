@@ -141,6 +141,8 @@ class HostStore:
         self.groups: list[ParamGroup] = []
         self.num_upload_buffers = 1
         self.num_inboxes = 0
+        self.pinned_alloc_bytes = 0  # requested from the pinned allocator (which rounds up to 2^k)
+        self.registered_bytes = 0  # page-locked in place (cudaHostRegister)
         self._registered: list[int] = []  # page-locked pointers, unregistered when the store dies
         self._registered_refs: list[torch.Tensor] = []  # keeps those storages alive until then
         weakref.finalize(self, _unregister_all, self._registered, self._registered_refs)
@@ -277,7 +279,9 @@ class HostStore:
         if not self.pin or self.pin_mode == "off":
             return torch.empty(numel, dtype=dtype)
         if self.pin_mode == "alloc" and not exact:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            t = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.pinned_alloc_bytes += t.numel() * t.element_size()
+            return t
         t = _page_aligned_empty(numel, dtype)
         self._register([t])
         return t
@@ -302,6 +306,7 @@ class HostStore:
                 )
                 continue
             self._registered.append(ptr)
+            self.registered_bytes += size
         self._registered_refs.extend(tensors)
 
     # ---- ordering of host writes and device reads --------------------------------------
@@ -337,6 +342,14 @@ class HostStore:
         return True
 
     # ---- sizes --------------------------------------------------------------------------
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this store holds (upload copies, gradient inboxes, staging).
+
+        Allocator-pinned buffers are counted as requested; the pinned allocator rounds each
+        one up to a power of two (see `torch.cuda.host_memory_stats()` for what it holds).
+        """
+        return self.pinned_alloc_bytes + self.registered_bytes
+
     def layer_bytes(self, *, with_grads: bool) -> list[int]:
         """Device bytes per layer: weights in the compute dtype, plus gradient accumulators if asked."""
         sizes = []

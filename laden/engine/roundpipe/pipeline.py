@@ -48,6 +48,7 @@ class Pipeline:
         group_key: Callable[[str, nn.Parameter], Hashable] | None = None,
         create_masters: bool = False,
         name: str = "roundpipe",
+        loss_chunk_size: int | None = None,
     ) -> None:
         self.lanes: list[Lane] = lanes_for(list(devices) if devices else default_devices())
         self.store = HostStore(
@@ -57,6 +58,7 @@ class Pipeline:
         )  # fmt: skip
         self.jobs = HostJobs(name)
         self.read_buf = 0
+        self.loss_chunk_size = loss_chunk_size  # for activation estimates; None: laden's default
 
     # ---- what ModelExecutePlan.auto asks -----------------------------------------------
     @property
@@ -72,6 +74,22 @@ class Pipeline:
 
     def default_memory_limit_gib(self) -> float:
         return default_memory_limit_gib([lane.device for lane in self.lanes])
+
+    def layer_activation_bytes(self, num_tokens: int) -> list[tuple[int, int]]:
+        """Per layer, (kept, transient) activation bytes of a `num_tokens` micro-batch (0 if unknown).
+
+        Layers of a split causal LM have an estimate (`laden.model.split.activation_bytes`), at
+        the dtype their weights are uploaded in; other modules count as zero.
+        """
+        from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, activation_bytes
+
+        chunk = self.loss_chunk_size or DEFAULT_LOSS_CHUNK_SIZE
+        out = []
+        for info in self.store.layers:
+            floating = [g.compute_dtype for g in info.weight_deps() if g.compute_dtype.is_floating_point]
+            dtype = floating[0] if floating else torch.get_default_dtype()
+            out.append(activation_bytes(info.module, num_tokens, dtype=dtype, loss_chunk_size=chunk))
+        return out
 
     # ---- one call ----------------------------------------------------------------------
     def run_call(
@@ -146,15 +164,30 @@ def _land(landing: GradLanding, hook: LandingHook | None) -> None:
     if landing.staged:
         with torch.no_grad():
             if landing.group is not None:
-                staging = landing.group.staging_flat
-                assert staging is not None
-                landing.group.grad_flats[landing.inbox].add_(staging)
+                _apply_staged_group(landing)
             else:
                 hp = landing.param
                 assert hp is not None and hp.staging is not None
                 hp.grad(landing.inbox).add_(hp.staging)
     if hook is not None:
         hook(landing)
+
+
+def _apply_staged_group(landing: GradLanding) -> None:
+    """Add a staged group gradient into its inbox; members new to this window are copied instead."""
+    group = landing.group
+    assert group is not None and group.staging_flat is not None
+    staging, inbox = group.staging_flat, group.grad_flats[landing.inbox]
+    if not landing.overwrite:
+        inbox.add_(staging)
+        return
+    fresh = {id(hp) for hp in landing.overwrite}
+    for hp in group.members:
+        part = slice(hp.offset, hp.offset + hp.numel)
+        if id(hp) in fresh:
+            inbox[part].copy_(staging[part])
+        else:
+            inbox[part].add_(staging[part])
 
 
 def sum_losses(run: Run) -> torch.Tensor | list[torch.Tensor]:

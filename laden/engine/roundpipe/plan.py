@@ -14,6 +14,17 @@ that cap stages are balanced (the largest stage is as small as the stage count a
 there are at least `min_stages` of them (one per device by default). Trade-off: bytes are
 known before the first step and deterministic; measured timings would balance better when
 layers differ in FLOPs but not in size (the embedding), at the price of a profiling step.
+
+Given the tokens of a micro-batch (`tokens_per_microbatch`), the stage that computes also
+counts its activations, from the model's own per-layer estimate (`layer_activation_bytes`:
+what a layer's forward keeps for its backward, and what it allocates on top while it runs):
+with `recompute_grain="stage"` the kept activations of all the stage's layers plus the
+largest transient of one of them; with `"layer"` only the largest layer's kept and
+transient bytes. Without a token count (or an estimate) the plan counts weights only:
+fine for short micro-batches, an out-of-memory error for long ones (16k tokens through
+eight Qwen3-1.7B decoder layers keep ~15 GiB of activations). Activations are charged against the
+same half of the limit as the weights, so the prefetched stage is budgeted as if it
+computed too: conservative by one stage's activations, for a plain contiguous partition.
 """
 
 from __future__ import annotations
@@ -43,6 +54,12 @@ class PlannableModel(Protocol):
     def num_devices(self) -> int: ...
 
     def default_memory_limit_gib(self) -> float: ...
+
+
+class ActivationEstimator(Protocol):
+    """Optional for `auto`: per layer, (kept, transient) activation bytes of a `num_tokens` micro-batch."""
+
+    def layer_activation_bytes(self, num_tokens: int) -> list[tuple[int, int]]: ...
 
 
 class ModelExecutePlan:
@@ -133,12 +150,18 @@ class ModelExecutePlan:
         min_stages: int | None = None,
         model_memory_limit: float | None = None,
         upper_threshold: float | None = None,
+        tokens_per_microbatch: int | None = None,
+        recompute_grain: Literal["stage", "layer"] = "stage",
     ) -> ModelExecutePlan:
         """A plan whose stages fit `model_memory_limit` GiB (two stages in flight) and are balanced.
 
         model_memory_limit: GiB of device memory for stage weights (+ gradient accumulators
-        in backward), split between the stage computing and the one prefetching; default
-        60% of the smallest device's memory.
+        in backward, + activations with `tokens_per_microbatch`), split between the stage
+        computing and the one prefetching; default 60% of the smallest device's memory.
+        tokens_per_microbatch: tokens of the largest micro-batch; counts activations with the
+        model's `layer_activation_bytes` estimate (a model without one: weights only).
+        recompute_grain: the backward recompute the plan is for (`stage` keeps a stage's
+        activations alive at once, `layer` one layer's).
         upper_threshold: accepted for compatibility with timing-based planners and ignored
         (this planner balances bytes), with a warning.
         """
@@ -150,6 +173,8 @@ class ModelExecutePlan:
             )
         if run_type not in _RUN_TYPES:
             raise ValueError(f"run_type={run_type!r} must be one of {_RUN_TYPES}")
+        if recompute_grain not in ("stage", "layer"):
+            raise ValueError(f"recompute_grain={recompute_grain!r} must be 'stage' or 'layer'")
         limit_gib = model.default_memory_limit_gib() if model_memory_limit is None else model_memory_limit
         if not limit_gib > 0:
             raise ValueError(f"model_memory_limit={model_memory_limit} must be > 0 GiB")
@@ -158,18 +183,53 @@ class ModelExecutePlan:
         if stages < 1:
             raise ValueError(f"min_stages={min_stages} must be >= 1")
         fwd_bytes = model.layer_bytes(with_grads=False)
+        kept, transient = _activations(model, tokens_per_microbatch, len(fwd_bytes))
+        fwd = _Costs(fwd_bytes, kept)  # no graph in forward: one layer's intermediates at a time
         bwd_bytes = model.layer_bytes(with_grads=True)
-        _warn_if_oversized(bwd_bytes if run_type != "infer" else fwd_bytes, cap, limit_gib)
+        if recompute_grain == "stage":
+            bwd = _Costs([w + k for w, k in zip(bwd_bytes, kept)], transient)
+        else:
+            bwd = _Costs(bwd_bytes, [k + t for k, t in zip(kept, transient)])
+        _warn_if_oversized(bwd if run_type != "infer" else fwd, cap, limit_gib, tokens_per_microbatch)
         if run_type == "infer":
-            return cls(fwd_plan=balanced_partition(fwd_bytes, cap, stages))
-        bwd = balanced_partition(bwd_bytes, cap, stages)[::-1]  # execution order: last layers first
+            return cls(fwd_plan=fwd.partition(cap, stages))
+        bwd_plan = bwd.partition(cap, stages)[::-1]  # execution order: last layers first
         if run_type == "train":
-            return cls(fwd_plan=balanced_partition(fwd_bytes, cap, stages), bwd_plan=bwd)
-        fused_start = bwd[0].start
-        fwd = (
-            balanced_partition(fwd_bytes[:fused_start], cap, min(stages, fused_start)) if fused_start else []
-        )
-        return cls(fwd_plan=fwd, bwd_plan=bwd)
+            return cls(fwd_plan=fwd.partition(cap, stages), bwd_plan=bwd_plan)
+        fused_start = bwd_plan[0].start
+        fwd_plan = fwd.first(fused_start).partition(cap, min(stages, fused_start)) if fused_start else []
+        return cls(fwd_plan=fwd_plan, bwd_plan=bwd_plan)
+
+
+class _Costs:
+    """Per-layer bytes of one stage kind: `sizes` add up over a stage, `peaks` count once (the largest)."""
+
+    def __init__(self, sizes: Sequence[int], peaks: Sequence[int]) -> None:
+        self.sizes, self.peaks = list(sizes), list(peaks)
+
+    def first(self, num_layers: int) -> _Costs:
+        return _Costs(self.sizes[:num_layers], self.peaks[:num_layers])
+
+    def largest(self) -> int:
+        return max((s + p for s, p in zip(self.sizes, self.peaks)), default=0)
+
+    def partition(self, cap: int, min_parts: int) -> list[range]:
+        return balanced_partition(self.sizes, cap, min_parts, peaks=self.peaks)
+
+
+def _activations(
+    model: PlannableModel, num_tokens: int | None, num_layers: int
+) -> tuple[list[int], list[int]]:
+    """(kept, transient) activation bytes per layer; zeros without a token count or an estimate."""
+    estimate = getattr(model, "layer_activation_bytes", None)
+    if num_tokens is None or estimate is None:
+        return [0] * num_layers, [0] * num_layers
+    if num_tokens < 1:
+        raise ValueError(f"tokens_per_microbatch={num_tokens} must be >= 1 (or None to count weights only)")
+    pairs = estimate(num_tokens)
+    if len(pairs) != num_layers:
+        raise RuntimeError(f"layer_activation_bytes returned {len(pairs)} entries for {num_layers} layers")
+    return [k for k, _ in pairs], [t for _, t in pairs]
 
 
 def _check_contiguous(stages: Sequence[range], name: str, *, start: int) -> int:
@@ -185,63 +245,73 @@ def _check_contiguous(stages: Sequence[range], name: str, *, start: int) -> int:
     return expected
 
 
-def balanced_partition(sizes: Sequence[int], cap: int, min_parts: int) -> list[range]:
+def balanced_partition(
+    sizes: Sequence[int], cap: int, min_parts: int, *, peaks: Sequence[int] | None = None
+) -> list[range]:
     """Contiguous ranges over `sizes`, each within `cap` when possible, as balanced as their count allows.
 
-    The count is the larger of `min_parts` (at most one part per item) and the fewest parts
-    that fit the cap; the largest part is then minimised by a binary search over thresholds.
+    A range costs the sum of its `sizes` plus the largest of its `peaks` (default: none), i.e.
+    memory that adds up over a stage's layers plus memory one layer at a time needs. The
+    count is the larger of `min_parts` (at most one part per item) and the fewest parts that
+    fit the cap; the costliest part is then minimised by a binary search over thresholds.
     """
     n = len(sizes)
     if n == 0:
         return []
-    largest = max(sizes)
-    needed = _count_parts(sizes, max(cap, largest))
+    peaks = [0] * n if peaks is None else list(peaks)
+    largest = max(s + p for s, p in zip(sizes, peaks))
+    needed = len(_greedy(sizes, peaks, max(cap, largest)))
     parts = min(n, max(min_parts, needed))
-    lo, hi = largest, max(sum(sizes), largest)
+    lo, hi = largest, max(sum(sizes) + max(peaks), largest)
     while lo < hi:  # smallest threshold that yields <= parts groups
         mid = (lo + hi) // 2
-        if _count_parts(sizes, mid) <= parts:
+        if len(_greedy(sizes, peaks, mid)) <= parts:
             hi = mid
         else:
             lo = mid + 1
-    return _split(sizes, lo, parts)
+    return _split(sizes, peaks, lo, parts)
 
 
-def _count_parts(sizes: Sequence[int], threshold: int) -> int:
-    count, acc = 1, 0
-    for s in sizes:
-        if acc and acc + s > threshold:
-            count, acc = count + 1, 0
-        acc += s
-    return count
+def _greedy(sizes: Sequence[int], peaks: Sequence[int], threshold: int) -> list[range]:
+    """Left to right, a new range whenever the next item would push the current one past `threshold`.
 
-
-def _split(sizes: Sequence[int], threshold: int, parts: int) -> list[range]:
-    """Greedy split under `threshold`, then split the largest ranges until there are `parts`."""
+    The fewest ranges possible: a range's cost never drops when it grows.
+    """
     ranges: list[range] = []
-    start, acc = 0, 0
-    for i, s in enumerate(sizes):
-        if acc and acc + s > threshold:
+    start, total, peak = 0, 0, 0
+    for i, (s, p) in enumerate(zip(sizes, peaks)):
+        if i > start and total + s + max(peak, p) > threshold:
             ranges.append(range(start, i))
-            start, acc = i, 0
-        acc += s
+            start, total, peak = i, 0, 0
+        total, peak = total + s, max(peak, p)
     ranges.append(range(start, len(sizes)))
+    return ranges
+
+
+def _split(sizes: Sequence[int], peaks: Sequence[int], threshold: int, parts: int) -> list[range]:
+    """Greedy split under `threshold`, then halve the costliest ranges until there are `parts`."""
+    ranges = _greedy(sizes, peaks, threshold)
+
+    def cost(r: range) -> int:
+        return sum(sizes[j] for j in r) + max(peaks[j] for j in r)
+
     while len(ranges) < parts:
-        k = max(
-            (i for i, r in enumerate(ranges) if len(r) > 1), key=lambda i: sum(sizes[j] for j in ranges[i])
-        )
+        k = max((i for i, r in enumerate(ranges) if len(r) > 1), key=lambda i: cost(ranges[i]))
         r = ranges[k]
         mid = r.start + len(r) // 2
         ranges[k : k + 1] = [range(r.start, mid), range(mid, r.stop)]
     return ranges
 
 
-def _warn_if_oversized(sizes: Sequence[int], cap: int, limit_gib: float) -> None:
-    if sizes and max(sizes) > cap:
-        need = 2 * max(sizes) / GIB
+def _warn_if_oversized(costs: _Costs, cap: int, limit_gib: float, num_tokens: int | None) -> None:
+    largest = costs.largest()
+    if largest > cap:
+        need = 2 * largest / GIB
+        what = "weights" if num_tokens is None else f"weights and activations of {num_tokens} tokens"
         warnings.warn(
-            f"the largest layer needs {max(sizes) / GIB:.3g} GiB, more than half of model_memory_limit="
-            f"{limit_gib} GiB; it gets a stage of its own. Raise model_memory_limit to >= {need:.3g} GiB "
+            f"the largest layer needs {largest / GIB:.3g} GiB ({what}), more than half of model_memory_limit="
+            f"{limit_gib} GiB; it gets a stage of its own. Raise model_memory_limit to >= {need:.3g} GiB, "
+            "use fewer tokens per micro-batch (raise num_microbatch) or recompute_grain='layer', "
             "or split that layer",
             stacklevel=3,
         )

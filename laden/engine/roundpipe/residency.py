@@ -35,21 +35,33 @@ from laden.engine.roundpipe.host import HostParam, HostStore, LayerInfo, ParamGr
 
 
 def make_shell(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """A structural copy of `module` sharing everything but its parameter/buffer/submodule dicts."""
-    by_path: dict[str, nn.Module] = {}
+    """A structural copy of `module` sharing everything but its parameter/buffer/submodule dicts.
 
-    def visit(mod: nn.Module, path: str) -> nn.Module:
-        shell = copy.copy(mod)
-        shell._parameters = dict(mod._parameters)
-        shell._buffers = dict(mod._buffers)
-        shell._modules = {}
-        by_path[path] = shell
+    Written as a loop, not a recursive closure: a closure that calls itself is a reference
+    cycle, and the cycle would keep every shell (and the device weights bound to it) alive
+    until Python's cycle collector happened to run, instead of until `release`.
+    """
+    root = _shallow_shell(module)
+    by_path: dict[str, nn.Module] = {"": root}
+    todo = [("", module, root)]
+    while todo:
+        path, mod, shell = todo.pop()
         for name, child in mod._modules.items():
+            if child is None:
+                shell._modules[name] = None
+                continue
             child_path = f"{path}.{name}" if path else name
-            shell._modules[name] = None if child is None else visit(child, child_path)
-        return shell
+            child_shell = shell._modules[name] = by_path[child_path] = _shallow_shell(child)
+            todo.append((child_path, child, child_shell))
+    return root, by_path
 
-    return visit(module, ""), by_path
+
+def _shallow_shell(mod: nn.Module) -> nn.Module:
+    shell = copy.copy(mod)
+    shell._parameters = dict(mod._parameters)
+    shell._buffers = dict(mod._buffers)
+    shell._modules = dict.fromkeys(mod._modules)  # filled by make_shell, in the original order
+    return shell
 
 
 @dataclass(eq=False)
@@ -61,6 +73,9 @@ class GradLanding:
     staged: bool  # copied into a staging buffer: the host adds it into the inbox
     inbox: int
     event: Event
+    # Staged group members whose inbox holds nothing of this window yet: the host copies
+    # (not adds) their part, since their inbox still holds an earlier step's (or no) data.
+    overwrite: list[HostParam] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -170,10 +185,19 @@ def _bind_shell(info: LayerInfo, res: Residency, buffers: dict[int, torch.Tensor
 
 
 def accumulate_microbatch(res: Residency) -> None:
-    """After a micro-batch's backward: fold gradients kept in the compute dtype into the accumulators."""
+    """After a micro-batch's backward: fold gradients kept in the compute dtype into the accumulators.
+
+    The adds go on the compute stream, behind the backward that produced `leaf.grad` (same
+    stream: no event needed) and ahead of the gradient download (which waits for the
+    compute stream). Issued on the thread's current stream instead (the default stream,
+    which does not synchronise with the engine's non-blocking streams), they would read
+    gradients not yet written, race the reuse of the freed `leaf.grad` blocks, and be
+    downloaded half done: garbage (NaN) gradients on CUDA, invisible on the CPU.
+    """
     if not res.late_adds:
         return
-    with torch.no_grad():
+    lane = res.lane
+    with torch.no_grad(), lane.on(lane.compute):
         for acc, leaf in res.late_adds:
             if leaf.grad is not None:
                 acc.add_(leaf.grad)
@@ -197,15 +221,17 @@ def download_grads(
             landings: list[GradLanding] = []
             for gid, acc in res.group_accs.items():
                 group = store.groups[gid]
-                staged = any(inbox_busy(hp, inbox) for hp in group.members)
+                busy = [inbox_busy(hp, inbox) for hp in group.members]
+                staged = any(busy)
                 # A staging buffer is free again: the previous call's staged adds were applied
                 # before that call returned (RoundPipe waits for its landings).
                 target = store.staging_for_group(group) if staged else group.grad_flats[inbox]
                 target.copy_(acc, non_blocking=True)
                 lane.keep_alive(acc, lane.d2h)
+                fresh = [hp for hp, b in zip(group.members, busy) if not b] if staged else []
                 for hp in group.members:
                     hp.filled[inbox] = True
-                landings.append(GradLanding(group, None, staged, inbox, None))
+                landings.append(GradLanding(group, None, staged, inbox, None, overwrite=fresh))
             for pid, acc in res.param_accs.items():
                 hp = store.params[pid]
                 staged = inbox_busy(hp, inbox)
