@@ -226,17 +226,12 @@ def test_validation_loss_is_logged(tmp_path):
 
 def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={port}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [  # --standalone: torchrun picks a free local rendezvous port itself
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
         f"cluster.fileroot={tmp_path}", f"trial_name={trial}", "total_train_steps=4",
         "train_dataset.batch_size=8", "checkpoint.save_freq_steps=null", "cluster.n_gpus_per_node=2", *extra,
     ]  # fmt: skip
