@@ -69,8 +69,8 @@ def budget(cfg: LadenConfig) -> int:
     return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
 
 
-def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str):
-    """Tokenize a dataset, apply its length policy and write the counts to `<name>_data_stats.json`."""
+def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str, *, write: bool = True):
+    """Tokenize a dataset, apply its length policy and (if `write`) save the counts to `<name>_data_stats.json`."""
     records = load_records(ds.path, split=ds.split)
     samples, stats = build_sft_samples(
         records,
@@ -82,7 +82,8 @@ def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str):
         messages_key=ds.messages_key,
     )
     stats_path = out_dir / f"{name}_data_stats.json"
-    stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
+    if write:
+        stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
     log.info("%s_dataset: %s", name, stats.to_dict())
     if stats.num_filtered or stats.num_truncated:
         log.warning(
@@ -257,8 +258,10 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     rt.barrier()
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.actor.path)
-    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train")
-    valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid") if cfg.valid_dataset else None
+    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train", write=rt.is_main)
+    valid = None
+    if cfg.valid_dataset:
+        valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid", write=rt.is_main)
     model = load_model(cfg, rt)
     batches = GlobalBatchIterator(
         len(samples),
