@@ -256,3 +256,19 @@ def test_torchrun_data_parallel_d2_equals_single_process(tmp_path):
     la = [json.loads(x)["loss"] for x in (single.run_dir / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (d2 / "metrics.jsonl").read_text().splitlines()]
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_mlp_run_matches_plain_run(tmp_path, caplog):
+    """actor.tiled_mlp_tokens changes memory, not the model that comes out."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    caplog.set_level(logging.INFO, logger="laden.sft")
+    extra = ("total_train_steps=3", "checkpoint.save_freq_steps=null")
+    plain = run_sft(_cfg(tmp_path, "plain", *extra), progress=False)
+    tiled = run_sft(_cfg(tmp_path, "tiled", *extra, "actor.tiled_mlp_tokens=16"), progress=False)
+    assert "actor.tiled_mlp_tokens=16: 2 decoder MLPs tiled" in caplog.text
+    a, b = (load_file(r.run_dir / "hf" / "model.safetensors") for r in (plain, tiled))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -50,6 +50,7 @@ _RANGES: dict[str, str] = {
     "gconfig.top_p": "frac",
     "gconfig.top_k": "nonneg",
     "actor.loss_chunk_size": "pos",
+    "actor.tiled_mlp_tokens": "pos",
     "actor.weight_chunked_mem_mb": "pos",
     "actor.mb_spec.max_tokens_per_mb": "pos",
     "actor.mb_spec.n_mbs": "pos",

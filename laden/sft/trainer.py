@@ -239,6 +239,11 @@ def load_model(cfg: LadenConfig, rt: Runtime):
             seed=cfg.seed,
             attn_impl=cfg.actor.attn_impl,
         )
+    if cfg.actor.tiled_mlp_tokens:
+        from laden.model.tiled import enable_tiled_mlp
+
+        num_tiled = enable_tiled_mlp(model, tile_tokens=cfg.actor.tiled_mlp_tokens)
+        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled", cfg.actor.tiled_mlp_tokens, num_tiled)
     mc: Any = model.config
     num_heads = int(mc.num_attention_heads)
     num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)
