@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# laden's roundpipe engine vs RoundPipe 0.1.1 (PyPI) vs plain PyTorch on one H200, in ONE device command
+# (the run carries .rp/, the RoundPipe wheels; see benchmarks/roundpipe_ref.py):
+#   bash benchmarks/run_roundpipe_h200.sh "$OUT"
+# Writes to OUTDIR: results.jsonl (one JSON line per run: train_throughput's keys plus run, cmd, rc,
+# wall_s, limit_s; a run that printed no result gets an error line with error_kind: gpu_oom, host_oom,
+# timeout, skipped, error), pytest.log, runs.log (the last lines of every run's output).
+# SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
+#
+# Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
+# every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
+# DEADLINE_S=530 s after the start, and a run left with under 30 s is skipped. Nominal limits, in
+# order (most important first, so a slow machine loses the least important runs):
+#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden 8B 150,
+#   laden 131072 110, RoundPipe 65536 80, RoundPipe 131072 100, laden 262144 150
+#   = 1030 s in all, so the deadline, not the sum, is the bound (RoundPipe's host Adam kernel
+#   compiles during pytest, at most 150 s from the start, and is waited for before the measured runs).
+# Guessed on an H200: install 10, pytest 30, laden ref 50, RoundPipe ref 75 (torch.compile), plain 40,
+# 8B 100, laden 131072 70, RoundPipe 65536 50 and 131072 45 (it ran out of GPU memory there before):
+# ~470 s, so laden 262144 (~105 s with --warmup 0) may be cut by the deadline; it runs last for that.
+set -uo pipefail
+out=${1:?usage: bash benchmarks/run_roundpipe_h200.sh OUTDIR}
+mkdir -p "$out"
+results=$out/results.jsonl
+logs=/tmp/rp_bench_logs
+mkdir -p "$logs"
+deadline_s=${DEADLINE_S:-530}
+min_run_s=30
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+# Shapes: the reference workload (Qwen3-1.7B, 16 x 4096 tokens per step) and the capacity sweeps.
+m17=qwen3-1.7b m8=qwen3-8b ref_seq=4096 laden_seqs=(131072 262144) rp_seqs=(65536 131072)
+if [[ ${SMOKE:-0} == 1 ]]; then
+  m17=tiny m8=tiny ref_seq=32 laden_seqs=(64 128) rp_seqs=(64 128)
+fi
+# No system clips gradients (RoundPipe's step cannot); both offloaded engines take one-step-stale async steps.
+laden=(python3 benchmarks/train_throughput.py --system laden --clip 0 --optim-step async)
+plain=(python3 benchmarks/train_throughput.py --system plain --clip 0)
+# RoundPipe: its own interpreter path (transformers 4.57.1), the default CUDA allocator unless RP_ALLOC_CONF.
+rp_env=(env -u PYTORCH_CUDA_ALLOC_CONF ${RP_ALLOC_CONF:+PYTORCH_CUDA_ALLOC_CONF=$RP_ALLOC_CONF}
+  PYTHONPATH=/tmp/rpsite TORCH_EXTENSIONS_DIR=/tmp/rp_torch_ext)
+rp=("${rp_env[@]}" python3 benchmarks/roundpipe_ref.py --optim-step async)
+ref=(--model "$m17" --seq-len "$ref_seq" --num-seqs 16 --num-microbatch 4 --recompute-grain stage --steps 3 --warmup 1)
+sweep=(--model "$m17" --num-seqs 1 --num-microbatch 1 --recompute-grain layer --steps 1 --warmup 1)
+
+# record NAME RC LIMIT_S WALL_S LOG CMD...: append one JSON line to $results (the run's own result, or an
+# error line built from its output); print a summary; status 0 iff the result is valid.
+record() {
+  python3 - "$@" >>"$results" <<'PY'
+import json, sys
+name, rc, limit_s, wall_s, log, *cmd = sys.argv[1:]
+def read(path):
+    try:
+        return open(path, errors="replace").read()
+    except OSError:
+        return ""
+out, err = read(log + ".out"), read(log + ".err")
+result = None
+for line in out.splitlines():
+    if line.startswith("{"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "valid" in obj:
+            result = obj
+timed_out = rc == "124" or (rc == "137" and int(wall_s) >= int(limit_s))
+if rc == "skipped":
+    kind, message = "skipped", f"not run: {limit_s} s left before the deadline"
+elif timed_out:
+    kind, message = "timeout", f"no result within {limit_s} s"
+else:
+    low = (out + err).lower()
+    if "out of memory" in low or "out of gpu memory" in low or "outofmemoryerror" in low:
+        kind = "gpu_oom"
+    elif rc == "137" or "memoryerror" in low or "cannot allocate memory" in low or "out of host memory" in low:
+        kind = "host_oom"  # SIGKILL without a timeout: the kernel's OOM killer
+    else:
+        kind = "error"
+    tail = [ln.strip() for ln in (err + out).splitlines() if ln.strip()][-3:]
+    message = f"exit status {rc}: " + " | ".join(tail)
+if result is None:
+    result = {"valid": False, "error": message[:2000], "error_kind": kind, "tokens_per_s": None}
+elif not result.get("valid") and (timed_out or "error_kind" not in result):
+    result.update(error_kind=kind, error=result.get("error") or message[:2000])
+result.update(run=name, cmd=" ".join(cmd), rc=None if rc == "skipped" else int(rc),
+              wall_s=int(wall_s), limit_s=int(limit_s))
+print(json.dumps(result), flush=True)
+if result["valid"]:
+    peaks = f"gpu {result.get('peak_gpu_allocated_gib')}/{result.get('peak_gpu_reserved_gib')} GiB host {result.get('peak_host_gib')} GiB"
+    summary = f"{result['tokens_per_s']} tok/s mfu {result.get('mfu')} hfu {result.get('hfu')} {peaks}"
+else:
+    summary = f"INVALID {result.get('error_kind')}: {str(result.get('error') or result.get('problems'))[:300]}"
+print(f"[{name}] rc={rc} {wall_s}s/{limit_s}s {summary}", file=sys.stderr)
+sys.exit(0 if result["valid"] else 1)
+PY
+}
+
+# run NAME NOMINAL_S CMD...: one run under its own timeout, cut to the time left before the deadline.
+run() {
+  local name=$1 limit=$2 log=$logs/$1 t0 rc
+  shift 2
+  local left=$((deadline_s - SECONDS))
+  ((limit > left)) && limit=$left
+  : >"$log.out"
+  : >"$log.err"
+  if ((limit < min_run_s)); then
+    record "$name" skipped "$((limit < 0 ? 0 : limit))" 0 "$log" "$@"
+    return
+  fi
+  echo "== $name (t=${SECONDS}s, limit ${limit}s): $*" >&2
+  t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$log.out" 2>"$log.err"
+  rc=$?
+  { echo "== $name rc=$rc $((SECONDS - t0))s: $*"; tail -n 30 "$log.err"; tail -n 5 "$log.out"; } >>"$out/runs.log"
+  record "$name" "$rc" "$limit" "$((SECONDS - t0))" "$log" "$@"
+}
+
+# (a) RoundPipe's wheels into their own directory; its Adam kernel compiles while the GPU tests run.
+timeout 40 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/rpsite .rp/*.whl >"$out/runs.log" 2>&1 || echo "!! RoundPipe wheels did not install" >&2
+precompile_pid=
+if [[ ${SMOKE:-0} != 1 ]]; then
+  timeout -k 5 150 "${rp_env[@]}" python3 -c 'from roundpipe.optim.optim_builder import load_optim_function as f; f("adam")' \
+    >"$logs/precompile.log" 2>&1 &
+  precompile_pid=$!
+fi
+
+# (b) laden's roundpipe GPU tests.
+left=$((deadline_s - SECONDS))
+timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
+  >"$out/pytest.log" 2>&1
+rc=$?
+python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),
+  "valid": sys.argv[1] == "0", "summary": sys.argv[2]}))' "$rc" "$(tail -n 1 "$out/pytest.log")" >>"$results"
+echo "[pytest] rc=$rc $(tail -n 1 "$out/pytest.log")" >&2
+
+# (c) the reference workload, one system after the other, with nothing else running (the compile
+# would take host cores from the measured runs' host optimizers).
+if [[ -n $precompile_pid ]]; then
+  wait "$precompile_pid"
+  { echo "== precompile rc=$?"; tail -n 20 "$logs/precompile.log"; } >>"$out/runs.log"
+fi
+run laden_ref 100 "${laden[@]}" "${ref[@]}"
+run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
+run plain_ref 80 "${plain[@]}" "${ref[@]}"
+
+# (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
+run laden_8b 150 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --seq-len "$ref_seq" \
+  --num-seqs 4 --num-microbatch 4 --recompute-grain stage --steps 2 --warmup 1
+
+# (e) longest sequence, one per step, layer recompute; a system's sweep stops at its first failure.
+# laden's longest point runs last, with no warm-up step, as it is the likeliest to be cut by the deadline.
+laden_ok=0
+run "laden_seq${laden_seqs[0]}" 110 "${laden[@]}" "${sweep[@]}" --seq-len "${laden_seqs[0]}" && laden_ok=1
+if run "roundpipe_seq${rp_seqs[0]}" 80 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[0]}"; then
+  run "roundpipe_seq${rp_seqs[1]}" 100 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[1]}"
+fi
+if ((laden_ok)); then
+  run "laden_seq${laden_seqs[1]}" 150 "${laden[@]}" "${sweep[@]}" --seq-len "${laden_seqs[1]}" --warmup 0
+fi
+
+echo "== done in ${SECONDS}s; results in $results" >&2
+python3 - "$results" <<'PY' >&2
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    what = (f"{r.get('tokens_per_s')} tok/s hfu {r.get('hfu')} gpu {r.get('peak_gpu_allocated_gib')} GiB "
+            f"host {r.get('peak_host_gib')} GiB" if r.get("valid") else f"INVALID {r.get('error_kind')}")
+    print(f"{r.get('run')}: {what}" if "summary" not in r else f"{r['run']}: {r['summary']}")
+PY
