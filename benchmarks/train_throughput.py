@@ -15,25 +15,37 @@ A result is only valid if every step's loss and gradient norm are finite (and, f
 a GPU with `--pin-model alloc|register`, the upload copies are page-locked): otherwise the
 JSON is still printed, with `"valid": false` and the reason, and the script exits non-zero.
 
+Host memory (laden): before anything is allocated the script prints one JSON line
+`{"predicted_host_gib": ...}` (model state by kind, exact; parked activations, estimated;
+plus `--host-overhead-gib` for the process itself) and refuses to start when that exceeds
+`--host-mem-gib` (default 128, the H200 machine; /proc/meminfo's MemAvailable is reported
+but not trusted, since that machine's memory may show up late), naming the knobs that
+would fit. The Qwen3 shapes are built on the meta device and materialised straight into
+the engine's host store (`--build`), so building never holds a second copy of the model.
+
     python benchmarks/train_throughput.py --system laden --model qwen3-1.7b --steps 6 --warmup 2
+    python benchmarks/train_throughput.py --system laden --model qwen3-8b --optimizer adam_bf16 --optim-step sync
     python benchmarks/train_throughput.py --system laden --model tiny --steps 2   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 PEAK_FLOPS = 989e12
 GIB = 1 << 30
-SHAPES = {  # Qwen3 shapes (random init)
+SHAPES: dict[str, dict[str, Any]] = {  # Qwen3 shapes (random init)
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -76,12 +88,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--host-mem-gib",
+        type=float,
+        default=128.0,
+        help="laden: refuse to start when the predicted host memory exceeds this",
+    )
+    p.add_argument(
+        "--host-overhead-gib",
+        type=float,
+        default=4.0,
+        help="added to the prediction for the process itself (CUDA context, libraries)",
+    )
+    p.add_argument("--build", choices=["auto", "meta", "eager"], default="auto",
+                   help="laden: build the model on the meta device and materialise it into the host store "
+                        "(auto: for the Qwen3 shapes), or build it whole first (eager)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The model, random init; on the meta device (real buffers) when `on_meta(args)`: the laden
+    engine then initialises it layer by layer straight into its host store."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from laden.engine.roundpipe.host_memory import meta_params
     from laden.model.attention import set_attention
     from laden.model.tiny import tiny_qwen3_config
 
@@ -90,11 +120,17 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         config = tiny_qwen3_config(vocab_size=128)
     else:
         config = Qwen3Config(**SHAPES[args.model])
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.bfloat16 if args.model != "tiny" else torch.float32
-    )
+    dtype = torch.bfloat16 if args.model != "tiny" else torch.float32
+    with meta_params() if on_meta(args) else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
     return model
+
+
+def on_meta(args: argparse.Namespace) -> bool:
+    if args.system != "laden" or args.build == "eager":
+        return False
+    return args.build == "meta" or args.model != "tiny"
 
 
 def make_steps(args: argparse.Namespace, vocab_size: int, num_steps: int) -> list[list]:
@@ -116,20 +152,20 @@ def make_steps(args: argparse.Namespace, vocab_size: int, num_steps: int) -> lis
     return steps
 
 
-def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
-    from laden.engine.local import LocalEngine, OptimSettings, packed_loss_fn
+def optim_settings(args: argparse.Namespace):
+    from laden.engine.local import OptimSettings
 
-    compute = (
-        DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
-    optim = OptimSettings(type=args.optimizer, lr=args.lr, weight_decay=0.01, gradient_clipping=args.clip,
-                          total_steps=args.steps + args.warmup)  # fmt: skip
-    if args.system == "plain":
-        return LocalEngine(
-            model, device=device, dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype], optim=optim,
-            gradient_checkpointing=True, loss_fn=packed_loss_fn(chunked=True, chunk_size=args.loss_chunk_size),
-        )  # fmt: skip
-    from laden.engine.roundpipe import ModelExecutePlan, RoundPipeEngine
+    return OptimSettings(type=args.optimizer, lr=args.lr, weight_decay=0.01, gradient_clipping=args.clip,
+                         total_steps=args.steps + args.warmup)  # fmt: skip
+
+
+def compute_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    return DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def laden_settings(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict:
+    """The `RoundPipeEngine` arguments of this run (also what the host-memory prediction reads)."""
+    from laden.engine.roundpipe import ModelExecutePlan
 
     limit = args.model_memory_limit
     if limit is None and device.type == "cuda":
@@ -137,16 +173,109 @@ def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch
     plan = None
     if args.stage_layers is not None:  # pipeline layers: embedding + decoder layers + head
         plan = ModelExecutePlan.uniform(
-            model.config.num_hidden_layers + 2, stage_layers=args.stage_layers,
+            int(cast(Any, model).config.num_hidden_layers) + 2, stage_layers=args.stage_layers,
             fused_layers=args.fused_layers, fwd_stage_layers=args.fwd_stage_layers,
         )  # fmt: skip
-    return RoundPipeEngine(
-        model, optim=optim, compute_dtype=compute, optimizer_dtype=DTYPES[args.optimizer_dtype],
-        num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain, model_memory_limit=limit,
-        pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan, min_stages=args.min_stages,
-        devices=[device] if device.type == "cpu" else None, loss_chunk_size=args.loss_chunk_size,
+    return dict(
+        optim=optim_settings(args), compute_dtype=compute_dtype(args, device),
+        optimizer_dtype=DTYPES[args.optimizer_dtype], recompute_grain=args.recompute_grain,
+        model_memory_limit=limit, pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan,
+        min_stages=args.min_stages, loss_chunk_size=args.loss_chunk_size,
         max_tokens_per_mb=args.seq_len * max(1, args.num_seqs // args.num_microbatch),
     )  # fmt: skip
+
+
+def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
+    from laden.engine.local import LocalEngine, packed_loss_fn
+
+    if args.system == "plain":
+        return LocalEngine(
+            model, device=device, dtype=compute_dtype(args, device), optimizer_dtype=DTYPES[args.optimizer_dtype],
+            optim=optim_settings(args), gradient_checkpointing=True,
+            loss_fn=packed_loss_fn(chunked=True, chunk_size=args.loss_chunk_size),
+        )  # fmt: skip
+    from laden.engine.roundpipe import RoundPipeEngine
+
+    return RoundPipeEngine(
+        model, num_microbatch=args.num_microbatch, devices=[device] if device.type == "cpu" else None,
+        **laden_settings(args, model, device),
+    )  # fmt: skip
+
+
+def predict_host(args: argparse.Namespace, model: torch.nn.Module, device: torch.device, *,
+                 pinned: bool | None = None, **overrides: Any) -> dict:  # fmt: skip
+    """Predicted peak host memory of the laden run, by kind (nothing is allocated).
+
+    `pinned`: whether buffers are page-locked (default: a GPU is present); `overrides` replace
+    engine settings (`optimizer=`, `optim_step=`, `pin_model=`: what-if for the refusal message).
+    """
+    from laden.engine.roundpipe.host_memory import bytes_per_param, predict_engine_host_bytes
+
+    args = argparse.Namespace(**{**vars(args), **overrides})
+    settings = laden_settings(args, model, device)
+    by_kind = predict_engine_host_bytes(
+        model, pinned=device.type == "cuda" if pinned is None else pinned,
+        num_microbatches=args.num_microbatch, **settings,
+    )  # fmt: skip
+    total = sum(by_kind.values()) + args.host_overhead_gib * GIB
+    num_params = sum(p.numel() for p in model.parameters())
+    return {
+        "predicted_host_gib": round(total / GIB, 2),
+        "host_mem_gib": args.host_mem_gib,
+        "mem_available_gib": mem_available_gib(),
+        "bytes_per_param": round(bytes_per_param(by_kind, num_params), 3),
+        "by_kind_gib": {k: round(v / GIB, 2) for k, v in by_kind.items() if v >= GIB / 200},
+        "by_kind_bytes": {k: v for k, v in by_kind.items() if v},
+        "host_overhead_gib": args.host_overhead_gib,
+        "setting": {"optimizer": args.optimizer, "optim_step": args.optim_step, "pin_model": args.pin_model},
+    }
+
+
+KNOBS = (  # what lowers host memory, the biggest saving first (tried cumulatively)
+    ("--optimizer", "optimizer", "adam_bf16"),  # 10 B/param instead of 18 (fp32 master + fp32 Adam)
+    ("--optim-step", "optim_step", "sync"),  # no second weight buffer and gradient inbox
+    ("--pin-model", "pin_model", "register"),  # no power-of-two rounding of the pinned weights
+    ("--pin-model", "pin_model", "off"),  # nothing page-locked (slowest uploads)
+)
+
+
+def check_host_memory(args: argparse.Namespace, model: torch.nn.Module, device: torch.device) -> dict:
+    """Print the prediction as one JSON line; exit (SystemExit) naming the knobs to turn if it does not fit."""
+    pred = predict_host(args, model, device)
+    print(json.dumps(pred), flush=True)
+    available = pred["mem_available_gib"]
+    if available is not None and available < pred["predicted_host_gib"] <= args.host_mem_gib:
+        print(f"train_throughput: MemAvailable is {available} GiB now, below the predicted "
+              f"{pred['predicted_host_gib']} GiB; going on with --host-mem-gib {args.host_mem_gib} "
+              "(memory on the GPU machine can show up late)", file=sys.stderr, flush=True)  # fmt: skip
+    if pred["predicted_host_gib"] <= args.host_mem_gib:
+        return pred
+    fixes: list[str] = []
+    changed: dict[str, Any] = {}
+    for _, key, value in KNOBS:
+        if getattr(args, key) == value:
+            continue
+        changed[key] = value
+        gib = predict_host(args, model, device, **changed)["predicted_host_gib"]
+        flags = " ".join(f"{f} {changed[k]}" for f, k, v in KNOBS if changed.get(k) == v)
+        fixes.append(f"{flags}: {gib} GiB")
+    raise SystemExit(
+        f"train_throughput: {args.model} with --optimizer {args.optimizer} --optim-step {args.optim_step} "
+        f"--pin-model {args.pin_model} needs about {pred['predicted_host_gib']} GiB of host memory "
+        f"(by kind: {pred['by_kind_gib']}), more than --host-mem-gib {args.host_mem_gib}: the OOM killer would "
+        f"end it. Predicted with other settings: {'; '.join(fixes) or 'none left to turn'}"
+    )
+
+
+def mem_available_gib() -> float | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) * 1024 / GIB, 2)
+    except OSError:
+        pass
+    return None
 
 
 def cap_gpu(args: argparse.Namespace, device: torch.device) -> None:
@@ -175,7 +304,8 @@ def run(args: argparse.Namespace) -> dict:
     cap_gpu(args, device)
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights once
-    steps = make_steps(args, model.config.vocab_size, args.warmup + args.steps)
+    prediction = check_host_memory(args, model, device) if args.system == "laden" else None
+    steps = make_steps(args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps)
     engine = build_engine(args, model, device)
     history = []  # every step's metrics, read after the timing (device tensors for `plain`)
     for mbs in steps[: args.warmup]:
@@ -221,6 +351,8 @@ def run(args: argparse.Namespace) -> dict:
         "losses": losses,
         "grad_norms": grad_norms,
         "uploads_pinned": uploads_pinned,
+        "predicted_host_gib": prediction["predicted_host_gib"] if prediction else None,
+        "host_bytes_by_kind": _host_bytes_by_kind(engine),
         **memory_peaks(engine),
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -242,6 +374,12 @@ def _problems(
     if uploads_pinned is False and pin_model != "off":
         problems.append(f"pin_model={pin_model!r} but the weights are uploaded from pageable host memory")
     return problems
+
+
+def _host_bytes_by_kind(engine) -> dict | None:
+    """What the laden engine holds in host memory after the run, by kind (None for `plain`)."""
+    measure = getattr(engine, "host_bytes_by_kind", None)
+    return {k: v for k, v in measure().items() if v} if measure else None
 
 
 def _uploads_pinned(engine) -> bool | None:
@@ -291,7 +429,7 @@ def pinned_allocator_bytes(stats: dict) -> int:
             return int(stats[key])
     nested = stats.get("allocated_bytes")
     if isinstance(nested, dict):
-        return int(nested.get("peak", nested.get("current", 0)))
+        return int(nested.get("peak") or nested.get("current") or 0)
     return 0
 
 

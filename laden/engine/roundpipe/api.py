@@ -10,10 +10,13 @@ the call's arguments, each later one the previous output), a supported Hugging F
 LM (split by `laden.model.split`; use `causal_lm_loss` as `loss_fn`), or any other module
 (one layer: it works, but nothing is streamed).
 
-The optimizer is built on `optim_parameters()`: master copies in `optim_dtype` (default:
-the parameter dtype) that live in host memory. `forward_backward` accumulates gradients
-into host inboxes across calls; `step(fn)` hands them to the masters' `.grad`, runs `fn` on
-the host optimizer thread, and writes the new weights into the upload copies.
+The optimizer is built on `optim_parameters()`: master weights in `optim_dtype` (default:
+the parameter dtype) that live in host memory. When `optim_dtype` is the parameter dtype the
+masters are no copy: they share storage with the upload copies (and so with the wrapped
+model's parameters), and the optimizer updates those in place. `forward_backward`
+accumulates gradients into host inboxes across calls; `step(fn)` hands them to the masters'
+`.grad`, runs `fn` on the host optimizer thread, and writes the new weights into the upload
+copies.
 
 `step(fn, is_async=True)` (the default, as in the seed's trainer) returns at once and the
 update runs while the next `forward_backward` computes with the weights from one update
@@ -219,6 +222,8 @@ class RoundPipe(nn.Module):
         groups = pipe.trainable_groups()
         if self.process_group is not None:
             self._all_reduce_grads(groups, buf)
+        for group in groups:
+            store.move_masters_to(group, buf)  # shared masters: step_fn writes buffer `buf` in place
         with torch.no_grad():
             for hp in store.params:
                 if hp.master is None or not hp.filled[buf]:
@@ -253,7 +258,7 @@ class RoundPipe(nn.Module):
         are current again) and put the accumulated gradients on the model's params' `.grad`."""
         pipe, store = self.pipe, self.pipe.store
         pipe.jobs.drain()
-        groups = [g for g in pipe.trainable_groups() if g.master_flat is not None]
+        groups = [g for g in pipe.trainable_groups() if g.has_masters]
         for buf in range(store.num_upload_buffers):
             pipe.refresh_uploads(groups, buf)
         inbox = self._last_inbox

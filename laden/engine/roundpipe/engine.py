@@ -11,14 +11,22 @@ complete:
   thread, overlapping the rest of the backward; with clipping the updates wait for the
   global norm and then run in forward order, so the next step's first stages can start
   uploading as soon as their own weights are updated (per-group generation counters);
-- the update writes the bf16 upload copy in the same pass (`HostAdamW.step_params(...,
-  params_out_bf16=...)`), so there is no separate cast pass.
+- fp32 masters with bf16 compute: the update writes the bf16 upload copy in the same pass
+  (`HostAdamW.step_params(..., params_out_bf16=...)`), so there is no separate cast pass;
+  `adam_bf16` (and fp32 masters with fp32 compute): the master *is* the upload copy, the
+  Kahan update writes in place what the next residency uploads (no copy at all).
 
 `optim_step="sync"` is exact: step k+1 reads the weights of update k (it waits per group).
 `optim_step="async"` is one-step stale: step k+1 reads the upload buffer holding the
 weights of update k-1 while update k writes the other one, so the whole optimizer step
 hides behind the next step's compute; it costs a second upload buffer and a second
-gradient inbox in host memory.
+gradient inbox in host memory (and, for masters shared with the upload copy, one buffer
+copy per update). Host bytes per parameter of every mode: `host_memory`; what an engine
+holds: `host_bytes_by_kind()`.
+
+A model with its parameters on the meta device (`host_memory.meta_params`) is materialised
+layer by layer into the host store and filled by `init_meta` (default: a Hugging Face
+model's `_init_weights`), so building a large model never needs a second copy of it.
 
 Each `PackedBatch` is one micro-batch (a packed row `[1, T]`); `num_microbatch` is the
 planner's hint to the trainer for how many rows to pack per step.
@@ -33,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,7 +61,8 @@ from laden.optim import HostAdamW, build_lr_scheduler
 OptimStep = Literal["sync", "async"]
 
 
-def _no_decay(name: str, p: torch.Tensor) -> bool:
+def no_weight_decay(name: str, p: torch.Tensor) -> bool:
+    """Biases and 1-D params (norm gains) get no weight decay: the engine groups them apart."""
     return p.ndim < 2 or name.endswith("bias")
 
 
@@ -78,6 +87,7 @@ class RoundPipeEngine:
         execute_plan: ModelExecutePlan | None = None,
         min_stages: int | None = None,
         max_tokens_per_mb: int | None = None,
+        init_meta: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if optim_step not in ("sync", "async"):
             raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
@@ -94,14 +104,14 @@ class RoundPipeEngine:
         self.recompute_grain = recompute_grain
         self.optim_step = optim_step
         self.loss_chunk_size = loss_chunk_size
-        master_dtype = _master_dtype(optim.type, optimizer_dtype)
+        master_dtype = master_dtype_for(optim.type, optimizer_dtype)
         split = split_causal_lm(model)
         names = {id(p): n for n, p in model.named_parameters()}
         self.pipe = Pipeline(
             list(split.layers), param_names=names, devices=devices, pin_model=pin_model,
             compute_dtype=compute_dtype, master_dtype=master_dtype, create_masters=True,
-            group_key=lambda name, p: _no_decay(name, p), name="roundpipe-engine",
-            loss_chunk_size=loss_chunk_size,
+            group_key=no_weight_decay, name="roundpipe-engine", loss_chunk_size=loss_chunk_size,
+            init_meta=init_meta or _default_init(model),
         )  # fmt: skip
         self._auto_plan = execute_plan is None
         self._plan_limits = (model_memory_limit, min_stages)
@@ -234,6 +244,16 @@ class RoundPipeEngine:
     def num_params(self) -> int:
         return sum(hp.numel for hp in self.pipe.store.params)
 
+    def host_bytes_by_kind(self) -> dict[str, int]:
+        """Host bytes of the model state as allocated now, by kind (see `host_memory.HOST_KINDS`).
+
+        Optimizer states appear after the first update; drains the host jobs first.
+        """
+        from laden.engine.roundpipe.host_memory import measured_host_bytes
+
+        self.pipe.jobs.drain()
+        return measured_host_bytes(self.pipe.store, self.optimizer)
+
     def _abandon_step(self, grads: StepGrads, buf: int, error: BaseException) -> None:
         """A failed step (e.g. out of memory) leaves no gradients behind, so a retry is exact."""
         for lane in self.pipe.lanes:
@@ -255,15 +275,24 @@ class RoundPipeEngine:
 
     @torch.no_grad()
     def _update_group(self, group: ParamGroup, buf: int, coef: float) -> None:
-        """Optimizer thread: update one group's masters and write its upload copy `buf`."""
+        """Optimizer thread: update one group's masters and write its upload copy `buf`.
+
+        Shared masters (optimizer dtype == compute dtype) are updated in place in buffer `buf`;
+        separate fp32 masters write the bf16 copy in the same pass.
+        """
         members = group.members
         grads = [hp.grad(buf) for hp in members]
         if coef < 1.0:
             group.grad_flats[buf].mul_(coef)
+        self.pipe.store.move_masters_to(group, buf)
         masters = [hp.master for hp in members if hp.master is not None]
         opt = self.optimizer
         if isinstance(opt, HostAdamW):
-            fused_out = opt.state_dtype == torch.float32 and group.compute_dtype == torch.bfloat16
+            fused_out = (
+                not group.shares_master
+                and opt.state_dtype == torch.float32
+                and group.compute_dtype == torch.bfloat16
+            )
             outs = [hp.uploads[buf] for hp in members] if fused_out else None
             opt.step_params(masters, grads=grads, params_out_bf16=outs)
         else:
@@ -306,7 +335,15 @@ def _has_dropout(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
-def _master_dtype(optimizer_type: str, optimizer_dtype: torch.dtype) -> torch.dtype:
+def _default_init(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """For parameters on the meta device: a Hugging Face model's own per-module initialisation."""
+    if not any(p.is_meta for p in model.parameters()):
+        return None
+    return getattr(model, "_init_weights", None)
+
+
+def master_dtype_for(optimizer_type: str, optimizer_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the host master weights (and gradients) for `actor.optimizer.type`."""
     if optimizer_type == "adam_bf16":
         return torch.bfloat16
     if optimizer_type == "adam" and optimizer_dtype == torch.bfloat16:

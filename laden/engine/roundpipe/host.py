@@ -1,18 +1,24 @@
 """Host-resident model state of the roundpipe engine: upload copies, master weights, gradients.
 
-Every parameter lives in host memory in up to four forms:
+Every parameter lives in host memory in up to four forms (grouped as `HostLayout` says):
 
 - upload copy (compute dtype): what a device copies at the start of a residency. With
   `pin_model="alloc"` the copies of a layer are packed into one page-locked flat buffer per
   group (one host-to-device copy per layer group, the fastest path, ~1.5x the model in host
-  memory because the pinned allocator rounds up). `register` page-locks the existing
-  storage in place (`cudaHostRegister`, ~1x); `off` leaves it pageable (works with
-  memory-mapped weights larger than host memory, slowest). Without CUDA nothing can be
-  pinned and all three modes only choose the layout (flat for `alloc`, per-tensor otherwise).
-  The model's own parameters become views of upload buffer 0, so the wrapped model always
-  holds current weights in its compute dtype. The one-step-stale asynchronous update needs a
-  second upload buffer (allocated on first use).
-- master weight (optimizer dtype, trainable params only): what the optimizer updates.
+  memory because the pinned allocator rounds each buffer up to a power of two).
+  `register` page-locks the existing storage in place (`cudaHostRegister`, ~1x); `off`
+  leaves it pageable (works with memory-mapped weights larger than host memory, slowest).
+  Without CUDA nothing can be pinned and all three modes only choose the layout (flat for
+  `alloc`, per-tensor otherwise). The model's own parameters become views of upload buffer
+  0, so the wrapped model always holds current weights in its compute dtype. The
+  one-step-stale asynchronous update needs a second upload buffer (allocated on first use).
+- master weight (optimizer dtype, trainable params only): what the optimizer updates. When
+  the optimizer dtype is the compute dtype the master *is* an upload buffer (no copy; see
+  `host_layout`): the update writes in place what the next residency uploads. In
+  asynchronous mode the masters ping-pong between the two upload buffers: before an update
+  writes buffer b, `move_masters_to(b)` copies the newest weights (in the other buffer,
+  which the running step reads) into b and re-points the masters at b. Otherwise masters
+  are a flat plain-memory buffer per group and each update writes the upload copy too.
 - gradient inbox (optimizer dtype): where device gradients land, accumulated across
   micro-batches on the device and across `forward_backward` calls here; two inboxes in
   asynchronous mode so a step's update can read one while the next step fills the other.
@@ -20,15 +26,16 @@ Every parameter lives in host memory in up to four forms:
   modes: they are only copy targets, and rounding would waste up to a copy of the gradients.
 - optimizer states: owned by the optimizer, not by this store.
 
-Parameters are grouped per (owning layer, compute dtype, trainable, caller key); masters and
-gradients of a group are flat too, so a layer's gradients come back in one copy. A
-parameter shared by two layers (tied embeddings) is stored once, in its first layer's group;
-other layers upload it separately and their gradient contributions are added to the same
-inbox.
+A model whose parameters are on the meta device is materialised straight into these
+buffers, layer by layer (`init_meta` fills each new parameter, e.g. a Hugging Face model's
+`_init_weights`), so building never holds a second copy of the model; without `init_meta`
+it stays a shapes-only skeleton (enough for planning, not for running). A real model is
+converted group by group, and each group's original storage is freed as soon as its copies
+exist: the peak is the final store plus one group.
 
 Generation counters per group and buffer order host writes against device reads: a
 residency waits until every update queued before its step started has written the buffer it
-reads (`wait_weights`).
+reads (`wait_weights`). `nbytes_by_kind` reports what was actually allocated.
 """
 
 from __future__ import annotations
@@ -36,82 +43,31 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
+from laden.engine.roundpipe.host_layout import HostLayout, HostParam, LayerInfo, ParamGroup
+
 PinMode = Literal["alloc", "register", "off"]
 PIN_MODES = ("alloc", "register", "off")
+STORE_KINDS = ("weights", "weights_stale", "master", "grad", "grad_staging", "buffers", "pinned_rounding")
+InitFn = Callable[[nn.Module], None]
 _PAGE_BYTES = 4096
 
-
-@dataclass(eq=False, slots=True)
-class HostParam:
-    """One unique parameter of the wrapped model and its host-side copies."""
-
-    index: int
-    name: str
-    param: nn.Parameter
-    trainable: bool
-    grad_dtype: torch.dtype
-    group: ParamGroup | None = None
-    offset: int = 0
-    uploads: list[torch.Tensor] = field(default_factory=list)
-    master: nn.Parameter | None = None
-    filled: list[bool] = field(default_factory=lambda: [False, False])
-    staging: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    def grad(self, inbox: int) -> torch.Tensor:
-        """This param's view of its group's gradient inbox `inbox`."""
-        assert self.group is not None
-        flat = self.group.grad_flats[inbox]
-        return flat[self.offset : self.offset + self.numel].view(self.param.shape)
-
-
-@dataclass(eq=False, slots=True)
-class ParamGroup:
-    """Params of one layer sharing dtype, trainability and key; flat host buffers per role."""
-
-    index: int
-    layer: int
-    compute_dtype: torch.dtype
-    grad_dtype: torch.dtype
-    trainable: bool
-    key: Hashable
-    members: list[HostParam] = field(default_factory=list)
-    numel: int = 0
-    upload_flats: list[torch.Tensor | None] = field(default_factory=list)
-    master_flat: torch.Tensor | None = None
-    grad_flats: list[torch.Tensor] = field(default_factory=list)
-    staging_flat: torch.Tensor | None = None
-    pending: list[int] = field(default_factory=lambda: [0, 0])
-    done: list[int] = field(default_factory=lambda: [0, 0])
-
-
-@dataclass(eq=False, slots=True)
-class LayerInfo:
-    """Where a pipeline layer's tensors live: module slots, owned groups, params owned elsewhere."""
-
-    module: nn.Module
-    param_slots: list[tuple[str, str, HostParam]] = field(default_factory=list)
-    buffer_slots: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
-    groups: list[ParamGroup] = field(default_factory=list)
-    foreign: list[HostParam] = field(default_factory=list)
-
-    def weight_deps(self) -> list[ParamGroup]:
-        """Groups whose upload copies this layer reads."""
-        deps = list(self.groups)
-        for hp in self.foreign:
-            if hp.group not in deps:
-                deps.append(hp.group)  # type: ignore[arg-type]
-        return deps
+__all__ = [
+    "PIN_MODES",
+    "STORE_KINDS",
+    "HostParam",
+    "HostStore",
+    "InitFn",
+    "LayerInfo",
+    "ParamGroup",
+    "PinMode",
+    "alloc_nbytes",
+]
 
 
 class HostStore:
@@ -119,111 +75,89 @@ class HostStore:
 
     def __init__(
         self,
-        layers: Sequence[nn.Module],
+        layout: HostLayout,
         *,
-        param_names: dict[int, str],
         pin_mode: PinMode,
         pin: bool,
-        compute_dtype: torch.dtype | None = None,
-        master_dtype: torch.dtype | None = None,
-        group_key: Callable[[str, nn.Parameter], Hashable] | None = None,
         create_masters: bool = False,
+        init_meta: InitFn | None = None,
     ) -> None:
         if pin_mode not in PIN_MODES:
             raise ValueError(f"pin_model={pin_mode!r} must be one of {PIN_MODES}")
+        self.layout = layout
+        self.layers: list[LayerInfo] = layout.layers
+        self.params: list[HostParam] = layout.params
+        self.groups: list[ParamGroup] = layout.groups
         self.pin_mode: PinMode = pin_mode
         self.pin = pin  # whether page-locking is possible at all (a CUDA device is present)
-        self.master_dtype = master_dtype
         self.cond = threading.Condition()
         self.lock = threading.Lock()
-        self.layers: list[LayerInfo] = []
-        self.params: list[HostParam] = []
-        self.groups: list[ParamGroup] = []
         self.num_upload_buffers = 1
         self.num_inboxes = 0
         self.pinned_alloc_bytes = 0  # requested from the pinned allocator (which rounds up to 2^k)
+        self.pinned_rounding_bytes = 0  # what that rounding adds on top
         self.registered_bytes = 0  # page-locked in place (cudaHostRegister)
         self._registered: list[int] = []  # page-locked pointers, unregistered when the store dies
         self._registered_refs: list[torch.Tensor] = []  # keeps those storages alive until then
         weakref.finalize(self, _unregister_all, self._registered, self._registered_refs)
-        self._collect(layers, param_names, compute_dtype, group_key)
-        if create_masters:
-            self.ensure_masters()  # before any cast to the compute dtype: masters keep full precision
-        self._layout_uploads(compute_dtype)
+        self._allocate(create_masters, init_meta)
 
-    # ---- layout -------------------------------------------------------------------------
-    def _collect(self, layers, names, compute_dtype, group_key) -> None:
-        by_id: dict[int, HostParam] = {}
-        groups: dict[tuple, ParamGroup] = {}
-        for layer_index, layer in enumerate(layers):
-            info = LayerInfo(module=layer)
-            for path, mod in layer.named_modules(remove_duplicate=False):
-                for attr, p in mod._parameters.items():
-                    if p is None:
-                        continue
-                    hp = by_id.get(id(p))
-                    if hp is None:
-                        hp = self._new_param(p, names.get(id(p), f"layers.{layer_index}.{path}.{attr}"))
-                        by_id[id(p)] = hp
-                        key = self._group_of(hp, layer_index, compute_dtype, group_key)
-                        group = groups.get(key)
-                        if group is None:
-                            group = groups[key] = self._new_group(hp, layer_index, compute_dtype, key[-1])
-                            info.groups.append(group)
-                        hp.group, hp.offset = group, group.numel
-                        group.members.append(hp)
-                        group.numel += hp.numel
-                    elif hp.group.layer != layer_index and hp not in info.foreign:  # type: ignore[union-attr]
-                        info.foreign.append(hp)
-                    info.param_slots.append((path, attr, hp))
-                for attr, b in mod._buffers.items():
-                    if b is not None:
-                        info.buffer_slots.append((path, attr, b))
-            self.layers.append(info)
-
-    def _new_param(self, p: nn.Parameter, name: str) -> HostParam:
-        if p.device.type not in ("cpu", "meta"):
-            raise ValueError(f"parameter {name} is on {p.device}; the wrapped model must be on the CPU")
-        grad_dtype = self.master_dtype if self.master_dtype is not None and p.is_floating_point() else p.dtype
-        hp = HostParam(
-            index=len(self.params), name=name, param=p, trainable=p.requires_grad, grad_dtype=grad_dtype
-        )
-        self.params.append(hp)
-        return hp
-
-    def _group_of(self, hp, layer_index, compute_dtype, group_key) -> tuple:
-        dtype = _upload_dtype(hp.param, compute_dtype)
-        extra = group_key(hp.name, hp.param) if group_key is not None else None
-        return (layer_index, dtype, hp.trainable, extra)
-
-    def _new_group(self, hp, layer_index, compute_dtype, extra) -> ParamGroup:
-        group = ParamGroup(
-            index=len(self.groups), layer=layer_index, compute_dtype=_upload_dtype(hp.param, compute_dtype),
-            grad_dtype=hp.grad_dtype, trainable=hp.trainable, key=extra,
-        )  # fmt: skip
-        self.groups.append(group)
-        return group
-
-    def _layout_uploads(self, compute_dtype: torch.dtype | None) -> None:
+    # ---- allocation ---------------------------------------------------------------------
+    def _allocate(self, create_masters: bool, init_meta: InitFn | None) -> None:
+        """Layer by layer: masters and upload copies per group, meta params materialised and filled."""
         to_register: list[torch.Tensor] = []
-        for group in self.groups:
-            if self.pin_mode == "alloc":
-                flat = self.alloc(group.numel, group.compute_dtype)
-                for hp in group.members:
-                    view = flat[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
-                    view.copy_(hp.param.data)
-                    hp.param.data = view
-                group.upload_flats = [flat]
-            else:
-                for hp in group.members:
-                    if hp.param.dtype != group.compute_dtype:
-                        hp.param.data = hp.param.data.to(group.compute_dtype)
-                group.upload_flats = [None]
-                to_register.extend(hp.param.data for hp in group.members)
-            for hp in group.members:
-                hp.uploads = [hp.param.data]
+        for info in self.layers:
+            fresh: list[HostParam] = []
+            for group in info.groups:
+                if init_meta is None and any(hp.param.is_meta for hp in group.members):
+                    _leave_on_meta(group)
+                    continue
+                fresh += self._allocate_group(group, create_masters, to_register)
+            if fresh:
+                assert init_meta is not None  # meta groups without it were left on meta above
+                _initialise(info, fresh, init_meta)
+        meta_buffers = [f"{p}.{a}" for info in self.layers for p, a, b in info.buffer_slots if b.is_meta]
+        if meta_buffers and init_meta is not None:
+            raise ValueError(
+                f"buffers {meta_buffers[:3]} are on the meta device; build the model with parameters on meta and "
+                "real buffers (laden.engine.roundpipe.host_memory.meta_params) so rotary tables stay computed"
+            )
+        if create_masters:
+            self.ensure_masters()
         if self.pin_mode == "register" and self.pin:
             self._register(to_register)  # one call: params may share a storage
+
+    def _allocate_group(self, group: ParamGroup, create_masters: bool, to_register: list) -> list[HostParam]:
+        """Allocate one group's buffers and fill them from real params; return its meta params (rebound)."""
+        separate = create_masters and group.trainable and not group.shares_master
+        masters = torch.empty(group.numel, dtype=group.grad_dtype) if separate else None
+        flat = self.alloc(group.numel, group.compute_dtype) if self.pin_mode == "alloc" else None
+        fresh = []
+        with torch.no_grad():
+            for hp in group.members:
+                part, shape = slice(hp.offset, hp.offset + hp.numel), hp.param.shape
+                master = masters[part].view(shape) if masters is not None else None
+                if flat is not None:
+                    upload = flat[part].view(shape)
+                elif hp.param.is_meta or hp.param.dtype != group.compute_dtype:
+                    upload = torch.empty(shape, dtype=group.compute_dtype)
+                else:
+                    upload = hp.param.data  # the param's own storage is the upload copy
+                if hp.param.is_meta:
+                    _rebind(hp, master if master is not None else upload)  # init_meta fills it
+                    fresh.append(hp)
+                else:
+                    if master is not None:
+                        master.copy_(hp.param.data)  # before any cast: masters keep full precision
+                    if upload.data_ptr() != hp.param.data_ptr():
+                        upload.copy_(hp.param.data)
+                        hp.param.data = upload  # frees the original storage (nothing else holds it)
+                hp.uploads = [upload]
+                if flat is None:
+                    to_register.append(upload)
+        group.upload_flats = [flat]
+        group.master_flat = masters
+        return fresh
 
     def add_upload_buffer(self) -> None:
         """Allocate upload buffer 1 (asynchronous step) as a copy of buffer 0."""
@@ -239,16 +173,27 @@ class HostStore:
         self.num_upload_buffers = 2
 
     def ensure_masters(self) -> list[nn.Parameter]:
-        """Create (once) the master weights of trainable params, flat per group; return them in order."""
+        """Create (once) the master weights of trainable params; return them in order.
+
+        Shared masters view upload buffer `master_buf`; separate ones are a flat per group,
+        copied from the current weights.
+        """
         for group in self.groups:
-            if not group.trainable or group.master_flat is not None:
+            if not group.trainable or group.has_masters:
                 continue
-            flat = torch.empty(group.numel, dtype=group.grad_dtype)
+            if group.shares_master:
+                for hp in group.members:
+                    hp.master = nn.Parameter(hp.uploads[group.master_buf], requires_grad=True)
+                continue
+            if group.master_flat is None:
+                group.master_flat = torch.empty(group.numel, dtype=group.grad_dtype)
+                for hp in group.members:
+                    group.master_flat[hp.offset : hp.offset + hp.numel].view(hp.param.shape).copy_(
+                        hp.param.data
+                    )
             for hp in group.members:
-                view = flat[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
-                view.copy_(hp.param.data)
+                view = group.master_flat[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
                 hp.master = nn.Parameter(view, requires_grad=True)
-            group.master_flat = flat
         return [hp.master for hp in self.params if hp.master is not None]
 
     def ensure_inboxes(self, count: int) -> None:
@@ -275,12 +220,15 @@ class HostStore:
         `exact`: page-lock in place instead of through the pinned allocator, which rounds each
         allocation up to a power of two. Gradient buffers use it in both pinned modes: they are
         only device-to-host targets, and 2x on the gradients is too much host memory to waste.
+        `alloc_nbytes` gives the bytes a call takes without making it.
         """
         if not self.pin or self.pin_mode == "off":
             return torch.empty(numel, dtype=dtype)
         if self.pin_mode == "alloc" and not exact:
             t = torch.empty(numel, dtype=dtype, pin_memory=True)
-            self.pinned_alloc_bytes += t.numel() * t.element_size()
+            nbytes = t.numel() * t.element_size()
+            self.pinned_alloc_bytes += nbytes
+            self.pinned_rounding_bytes += _pow2_ceil(nbytes) - nbytes
             return t
         t = _page_aligned_empty(numel, dtype)
         self._register([t])
@@ -308,6 +256,47 @@ class HostStore:
             self._registered.append(ptr)
             self.registered_bytes += size
         self._registered_refs.extend(tensors)
+
+    # ---- masters and upload copies ------------------------------------------------------
+    def move_masters_to(self, group: ParamGroup, buf: int) -> None:
+        """Shared masters: make upload buffer `buf` hold the newest weights and the masters view it.
+
+        Called on the optimizer thread before an update that writes buffer `buf` in place. The
+        copy reads the buffer the running step may be uploading from (reads only) and writes
+        the one no step reads until this update is marked done.
+        """
+        if not group.shares_master or group.master_buf == buf:
+            return
+        self._copy_upload(group, group.master_buf, buf)
+        for hp in group.members:
+            if hp.master is not None:
+                hp.master.data = hp.uploads[buf]
+        group.master_buf = buf
+
+    def write_uploads(self, groups: Sequence[ParamGroup], buf: int) -> None:
+        """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype)."""
+        with torch.no_grad():
+            for group in groups:
+                if group.shares_master:
+                    if group.master_buf != buf:
+                        self._copy_upload(group, group.master_buf, buf)
+                    continue
+                assert group.master_flat is not None, "refreshing a group without master weights"
+                flat = group.upload_flats[buf]
+                if flat is not None:
+                    flat.copy_(group.master_flat)
+                else:
+                    for hp in group.members:
+                        hp.uploads[buf].copy_(hp.master.detach())  # type: ignore[union-attr]
+
+    def _copy_upload(self, group: ParamGroup, src: int, dst: int) -> None:
+        with torch.no_grad():
+            a, b = group.upload_flats[src], group.upload_flats[dst]
+            if a is not None and b is not None:
+                b.copy_(a)
+            else:
+                for hp in group.members:
+                    hp.uploads[dst].copy_(hp.uploads[src])
 
     # ---- ordering of host writes and device reads --------------------------------------
     def required_gens(self, buf: int) -> list[int]:
@@ -346,41 +335,97 @@ class HostStore:
         """Page-locked host bytes this store holds (upload copies, gradient inboxes, staging).
 
         Allocator-pinned buffers are counted as requested; the pinned allocator rounds each
-        one up to a power of two (see `torch.cuda.host_memory_stats()` for what it holds).
+        one up to a power of two (`pinned_rounding_bytes` more).
         """
         return self.pinned_alloc_bytes + self.registered_bytes
 
     def layer_bytes(self, *, with_grads: bool) -> list[int]:
         """Device bytes per layer: weights in the compute dtype, plus gradient accumulators if asked."""
-        sizes = []
-        for info in self.layers:
-            seen = {id(hp) for _, _, hp in info.param_slots}
-            hps = [hp for hp in self.params if id(hp) in seen]
-            total = sum(hp.numel * _dtype_bytes(hp.group.compute_dtype) for hp in hps if hp.group is not None)
-            if with_grads:
-                total += sum(hp.numel * _dtype_bytes(hp.grad_dtype) for hp in hps if hp.trainable)
-            total += sum(b.numel() * b.element_size() for _, _, b in info.buffer_slots)
-            sizes.append(total)
-        return sizes
+        return self.layout.layer_bytes(with_grads=with_grads)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Host bytes this store holds, by kind (`STORE_KINDS`), each storage counted once.
+
+        `weights`: upload buffer 0 (also the masters when they are shared); `weights_stale`:
+        upload buffer 1 (asynchronous step); `master`: separate masters; `grad`: inboxes;
+        `grad_staging`; `buffers`: module buffers; `pinned_rounding`: what the pinned
+        allocator adds by rounding up (0 without CUDA).
+        """
+        out = dict.fromkeys(STORE_KINDS, 0)
+        seen: set[int] = set()
+
+        def add(kind: str, tensors: Sequence[torch.Tensor | None]) -> None:
+            for t in tensors:
+                if t is None or t.numel() == 0:
+                    continue
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    out[kind] += storage.nbytes()
+
+        for group in self.groups:
+            for buf, flat in enumerate(group.upload_flats):
+                tensors = [flat] if flat is not None else [hp.uploads[buf] for hp in group.members]
+                add("weights" if buf == 0 else "weights_stale", tensors)
+            add("master", [group.master_flat, *(hp.master for hp in group.members)])
+            add("grad", group.grad_flats)
+            add("grad_staging", [group.staging_flat, *(hp.staging for hp in group.members)])
+        add("buffers", [b for info in self.layers for _, _, b in info.buffer_slots])
+        out["pinned_rounding"] = self.pinned_rounding_bytes
+        return out
+
+
+def alloc_nbytes(
+    numel: int, dtype: torch.dtype, *, pin_mode: PinMode, pinned: bool, exact: bool
+) -> tuple[int, int]:
+    """(storage bytes, pinned-allocator rounding) that `HostStore.alloc` takes for such a buffer."""
+    nbytes = numel * dtype.itemsize
+    if not pinned or pin_mode == "off":
+        return nbytes, 0
+    if pin_mode == "alloc" and not exact:
+        return nbytes, _pow2_ceil(nbytes) - nbytes
+    return -(-nbytes // _PAGE_BYTES) * _PAGE_BYTES + _PAGE_BYTES, 0  # see _page_aligned_empty
+
+
+def _rebind(hp: HostParam, data: torch.Tensor) -> None:
+    """Replace a meta parameter by a real one over `data` in every module slot that holds it."""
+    fresh = nn.Parameter(data, requires_grad=hp.param.requires_grad)
+    for module, attr in hp.slots:
+        module._parameters[attr] = fresh
+    hp.param = fresh
+
+
+def _leave_on_meta(group: ParamGroup) -> None:
+    """Without `init_meta` a meta group stays a shapes-only skeleton: enough to plan, not to run."""
+    for hp in group.members:
+        hp.uploads = [hp.param]
+    group.upload_flats = [None]
+
+
+def _initialise(info: LayerInfo, fresh: list[HostParam], init_meta: InitFn) -> None:
+    """Fill a layer's newly materialised params with `init_meta`, then cast them into their upload copies."""
+    fresh_ids = {id(hp.param) for hp in fresh}
+    with torch.no_grad():
+        for module in info.module.modules():
+            if any(id(p) in fresh_ids for p in module._parameters.values() if p is not None):
+                init_meta(module)
+        for hp in fresh:
+            upload = hp.uploads[0]
+            if upload.data_ptr() != hp.param.data_ptr():  # filled in full precision in the master
+                upload.copy_(hp.param.data)
+                hp.param.data = upload
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def _page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised buffer on whole pages of its own, so registering it never overlaps a neighbour."""
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = -(-numel * item // _PAGE_BYTES) * _PAGE_BYTES
+    nbytes = -(-numel * dtype.itemsize // _PAGE_BYTES) * _PAGE_BYTES
     raw = torch.empty(nbytes + _PAGE_BYTES, dtype=torch.uint8)
     start = -raw.data_ptr() % _PAGE_BYTES
     return raw[start : start + nbytes].view(dtype)[:numel]
-
-
-def _upload_dtype(p: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
-    if compute_dtype is None or not p.is_floating_point():
-        return p.dtype
-    return compute_dtype
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

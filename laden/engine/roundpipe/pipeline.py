@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from laden.engine.roundpipe.device import Lane, default_devices, lanes_for, wait_host
-from laden.engine.roundpipe.host import HostStore, ParamGroup, PinMode
+from laden.engine.roundpipe.host import HostStore, InitFn, LayerInfo, ParamGroup, PinMode
 from laden.engine.roundpipe.host_jobs import HostJobs
+from laden.engine.roundpipe.host_layout import HostLayout
 from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_gib
 from laden.engine.roundpipe.residency import GradLanding
 from laden.engine.roundpipe.runner import AutocastState, CallSpec, Grain, Run
@@ -47,14 +48,18 @@ class Pipeline:
         master_dtype: torch.dtype | None = None,
         group_key: Callable[[str, nn.Parameter], Hashable] | None = None,
         create_masters: bool = False,
+        init_meta: InitFn | None = None,
         name: str = "roundpipe",
         loss_chunk_size: int | None = None,
     ) -> None:
         self.lanes: list[Lane] = lanes_for(list(devices) if devices else default_devices())
+        layout = HostLayout(
+            layers, param_names=param_names, compute_dtype=compute_dtype, master_dtype=master_dtype,
+            group_key=group_key,
+        )  # fmt: skip
         self.store = HostStore(
-            layers, param_names=param_names, pin_mode=pin_model, pin=any(lane.is_cuda for lane in self.lanes),
-            compute_dtype=compute_dtype, master_dtype=master_dtype, group_key=group_key,
-            create_masters=create_masters,
+            layout, pin_mode=pin_model, pin=any(lane.is_cuda for lane in self.lanes),
+            create_masters=create_masters, init_meta=init_meta,
         )  # fmt: skip
         self.jobs = HostJobs(name)
         self.read_buf = 0
@@ -76,20 +81,8 @@ class Pipeline:
         return default_memory_limit_gib([lane.device for lane in self.lanes])
 
     def layer_activation_bytes(self, num_tokens: int) -> list[tuple[int, int]]:
-        """Per layer, (kept, transient) activation bytes of a `num_tokens` micro-batch (0 if unknown).
-
-        Layers of a split causal LM have an estimate (`laden.model.split.activation_bytes`), at
-        the dtype their weights are uploaded in; other modules count as zero.
-        """
-        from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, activation_bytes
-
-        chunk = self.loss_chunk_size or DEFAULT_LOSS_CHUNK_SIZE
-        out = []
-        for info in self.store.layers:
-            floating = [g.compute_dtype for g in info.weight_deps() if g.compute_dtype.is_floating_point]
-            dtype = floating[0] if floating else torch.get_default_dtype()
-            out.append(activation_bytes(info.module, num_tokens, dtype=dtype, loss_chunk_size=chunk))
-        return out
+        """Per layer, (kept, transient) activation bytes of a `num_tokens` micro-batch (0 if unknown)."""
+        return layer_activation_bytes(self.store.layers, num_tokens, self.loss_chunk_size)
 
     # ---- one call ----------------------------------------------------------------------
     def run_call(
@@ -144,18 +137,29 @@ class Pipeline:
 
     def refresh_uploads(self, groups: Sequence[ParamGroup], buf: int) -> None:
         """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype)."""
-        with torch.no_grad():
-            for group in groups:
-                flat = group.upload_flats[buf]
-                assert group.master_flat is not None, "refreshing a group without master weights"
-                if flat is not None:
-                    flat.copy_(group.master_flat)
-                else:
-                    for hp in group.members:
-                        hp.uploads[buf].copy_(hp.master.detach())  # type: ignore[union-attr]
+        self.store.write_uploads(groups, buf)
 
     def close(self) -> None:
         self.jobs.drain()
+
+
+def layer_activation_bytes(
+    layers: Sequence[LayerInfo], num_tokens: int, loss_chunk_size: int | None
+) -> list[tuple[int, int]]:
+    """Per layer, (kept, transient) activation bytes of a `num_tokens` micro-batch (0 if unknown).
+
+    Layers of a split causal LM have an estimate (`laden.model.split.activation_bytes`), at
+    the dtype their weights are uploaded in; other modules count as zero.
+    """
+    from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, activation_bytes
+
+    chunk = loss_chunk_size or DEFAULT_LOSS_CHUNK_SIZE
+    out = []
+    for info in layers:
+        floating = [g.compute_dtype for g in info.weight_deps() if g.compute_dtype.is_floating_point]
+        dtype = floating[0] if floating else torch.get_default_dtype()
+        out.append(activation_bytes(info.module, num_tokens, dtype=dtype, loss_chunk_size=chunk))
+    return out
 
 
 def _land(landing: GradLanding, hook: LandingHook | None) -> None:
