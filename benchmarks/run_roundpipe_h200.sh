@@ -146,18 +146,20 @@ run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
 run plain_ref 80 "${plain[@]}" "${ref[@]}"
 
 # (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
-run laden_8b 150 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --seq-len "$ref_seq" \
+# sync step: the one-step-stale async step needs a second weight buffer and gradient inbox (14 vs 10 B/param).
+run laden_8b 150 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --optim-step sync --seq-len "$ref_seq" \
   --num-seqs 4 --num-microbatch 4 --recompute-grain stage --steps 2 --warmup 1
 
 # (e) longest sequence, one per step, layer recompute; a system's sweep stops at its first failure.
 # laden's longest point runs last, with no warm-up step, as it is the likeliest to be cut by the deadline.
 laden_ok=0
-run "laden_seq${laden_seqs[0]}" 110 "${laden[@]}" "${sweep[@]}" --seq-len "${laden_seqs[0]}" && laden_ok=1
+# laden tiles each MLP over 16k-token pieces (actor.tiled_mlp_tokens): the [T, 6144] intermediates dominate here.
+run "laden_seq${laden_seqs[0]}" 110 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "${laden_seqs[0]}" && laden_ok=1
 if run "roundpipe_seq${rp_seqs[0]}" 80 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[0]}"; then
   run "roundpipe_seq${rp_seqs[1]}" 100 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[1]}"
 fi
 if ((laden_ok)); then
-  run "laden_seq${laden_seqs[1]}" 150 "${laden[@]}" "${sweep[@]}" --seq-len "${laden_seqs[1]}" --warmup 0
+  run "laden_seq${laden_seqs[1]}" 150 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "${laden_seqs[1]}" --warmup 0
 fi
 
 echo "== done in ${SECONDS}s; results in $results" >&2

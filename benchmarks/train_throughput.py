@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--tiled-mlp-tokens", type=int, default=0, help="run each MLP over sequence tiles (0 = off)"
+    )
+    p.add_argument(
         "--host-mem-gib",
         type=float,
         default=128.0,
@@ -124,6 +127,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     with meta_params() if on_meta(args) else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
+    if args.tiled_mlp_tokens:
+        from laden.model.tiled import enable_tiled_mlp
+
+        enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)
     return model
 
 
