@@ -240,14 +240,14 @@ def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
     return tmp_path / "sft-tiny" / trial
 
 
-def test_torchrun_data_parallel_d2_equals_single_process(tmp_path):
-    """`laden sft` under torchrun with actor.backend=fsdp:d2 (gloo) == one process, same global batches."""
+@pytest.mark.parametrize("backend", ["fsdp", "roundpipe"])
+def test_torchrun_data_parallel_d2_equals_single_process(tmp_path, backend):
+    """`laden sft` under torchrun with actor.backend=<backend>:d2 (gloo) == one process, same global batches."""
     from safetensors.torch import load_file
 
-    single = run_sft(
-        _cfg(tmp_path, "d1", "total_train_steps=4", "checkpoint.save_freq_steps=null"), progress=False
-    )
-    d2 = _torchrun_sft(tmp_path, "d2", 2, "actor.backend=fsdp:d2")
+    extra = ("total_train_steps=4", "checkpoint.save_freq_steps=null", f"actor.backend={backend}:d1")
+    single = run_sft(_cfg(tmp_path, "d1", *extra), progress=False)
+    d2 = _torchrun_sft(tmp_path, "d2", 2, f"actor.backend={backend}:d2")
     a = load_file(single.run_dir / "hf" / "model.safetensors")
     b = load_file(d2 / "hf" / "model.safetensors")
     assert a.keys() == b.keys()

@@ -183,7 +183,7 @@ class RoundPipeEngine:
         self._num_steps += 1
         if self.optim_step == "async":
             pipe.read_buf = 1 - buf
-        return {"loss": sum_losses(run), "grad_norm": norm, "lr": torch.tensor(lr)}  # type: ignore[dict-item]
+        return {"loss": self._global_loss(sum_losses(run)), "grad_norm": norm, "lr": torch.tensor(lr)}
 
     @torch.no_grad()
     def eval_batch(
@@ -200,7 +200,7 @@ class RoundPipeEngine:
             )  # fmt: skip
         finally:
             self.model.train()
-        return {"loss": sum_losses(run)}  # type: ignore[dict-item]
+        return {"loss": self._global_loss(sum_losses(run))}
 
     def state_dict(self) -> dict[str, Any]:
         self.pipe.jobs.drain()
@@ -239,6 +239,26 @@ class RoundPipeEngine:
             if id(p) in masters:
                 state[name] = masters[id(p)]
         export_hf(self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, state_dict=state)
+
+    def _global_loss(self, loss: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """Each replica's loss is its share of the global token mean: sum them over the replicas."""
+        assert isinstance(loss, torch.Tensor), "the engine's loss function returns one tensor"
+        if self.process_group is None:
+            return loss
+        # Deliberate sync: the host-gradient group is gloo, so the scalar goes through the host.
+        total = loss.detach().float().cpu().clone()
+        torch.distributed.all_reduce(total, group=self.process_group)
+        return total
+
+    @property
+    def dp_rank(self) -> int:
+        """This replica's index: the trainer gives it its share of each global batch."""
+        return 0 if self.process_group is None else torch.distributed.get_rank(self.process_group)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas whose host gradients are summed."""
+        return 1 if self.process_group is None else torch.distributed.get_world_size(self.process_group)
 
     @property
     def num_params(self) -> int:
