@@ -272,3 +272,13 @@ def test_tiled_mlp_run_matches_plain_run(tmp_path, caplog):
     a, b = (load_file(r.run_dir / "hf" / "model.safetensors") for r in (plain, tiled))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_cli_config_show_and_doctor(capsys):
+    assert main(["config", "show", "--job", "sft", "actor.mb_spec.max_tokens_per_mb=1024"]) == 0
+    shown = capsys.readouterr().out
+    assert "max_tokens_per_mb: 1024" in shown and "backend: fsdp:d1" in shown
+    assert main(["doctor"]) == 0
+    report = capsys.readouterr().out
+    assert f"torch         {torch.__version__}" in report
+    assert "host adam" in report
