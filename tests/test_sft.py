@@ -282,3 +282,12 @@ def test_cli_config_show_and_doctor(capsys):
     report = capsys.readouterr().out
     assert f"torch         {torch.__version__}" in report
     assert "host adam" in report
+
+
+def test_backend_needing_more_processes_fails_before_loading(tmp_path, capsys):
+    code = main(["sft", f"cluster.fileroot={tmp_path}", "actor.backend=fsdp:d2", "cluster.n_gpus_per_node=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "actor.backend='fsdp:d2' needs 2 process(es) but 1 were launched" in err
+    assert "torchrun --nproc_per_node 2" in err
+    assert not (tmp_path / "sft-tiny").exists()  # nothing was written before the check

@@ -28,7 +28,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from laden.config import ConfigError, DatasetConfig, LadenConfig, dump_config, run_dir, validate_against_model
+from laden.config import (
+    AllocationMode,
+    ConfigError,
+    DatasetConfig,
+    LadenConfig,
+    dump_config,
+    run_dir,
+    validate_against_model,
+)
 from laden.data import (
     GlobalBatchIterator,
     build_sft_samples,
@@ -217,6 +225,21 @@ def start_runtime() -> Runtime:
     return Runtime(rank=rank, world_size=world_size, device=device)
 
 
+def check_world_size(cfg: LadenConfig, rt: Runtime) -> None:
+    """`actor.backend` names one process per data/tensor/context rank: the launch must match it."""
+    num_procs = AllocationMode.parse(cfg.actor.backend).num_gpus
+    if num_procs != rt.world_size:
+        fix = (
+            f"torchrun --nproc_per_node {num_procs} -m laden.cli sft ..."
+            if num_procs > 1
+            else "plain `laden sft`"
+        )
+        raise ValueError(
+            f"actor.backend={cfg.actor.backend!r} needs {num_procs} process(es) but {rt.world_size} were "
+            f"launched; start it with {fix}, or change actor.backend to match the launch"
+        )
+
+
 def load_model(cfg: LadenConfig, rt: Runtime):
     """The model this rank hands its engine (a meta-device skeleton on ranks > 0 with memory_efficient_load)."""
     dtype = DTYPES[cfg.actor.optimizer_dtype]
@@ -256,6 +279,7 @@ def load_model(cfg: LadenConfig, rt: Runtime):
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
     rt = start_runtime()
+    check_world_size(cfg, rt)
     out_dir = run_dir(cfg)
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
