@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from memtrack import LargestTensor
 
 from laden.model.loss import (
     chunked_entropy,
@@ -139,21 +139,6 @@ def test_no_grad_forward_matches_and_saves_no_gradient():
     torch.testing.assert_close(loss, _reference_ce(hidden, weight, labels).detach())
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def test_chunked_ce_never_materialises_full_logits():
     """T=4096, V=32000, H=64 fp32, chunk 512: no op output and no saved tensor reaches [T, V]."""
     num_tokens, vocab, hidden_size, chunk = 4096, 32000, 64, 512
@@ -168,7 +153,7 @@ def test_chunked_ce_never_materialises_full_logits():
         saved_numels.append(t.numel())
         return t
 
-    tracker = _LargestTensor()
+    tracker = LargestTensor()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
         loss = chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
         loss.backward()
@@ -177,7 +162,7 @@ def test_chunked_ce_never_materialises_full_logits():
     assert torch.isfinite(loss)
 
     # The detector does see full logits when they exist.
-    small = _LargestTensor()
+    small = LargestTensor()
     with small:
         linear_cross_entropy(hidden[:64], weight, labels[:64])
     assert small.max_numel == 64 * vocab

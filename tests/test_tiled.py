@@ -8,8 +8,8 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from memtrack import LargestTensor
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden.model.attention import packed_causal_lm_loss, set_attention, shift_packed_labels
 from laden.model.tiled import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_forward
@@ -329,21 +329,6 @@ def test_dropout_in_the_mlp_is_refused(tiny_model):
 # --- memory ------------------------------------------------------------------------------------
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def test_tiled_mlp_never_allocates_a_full_intermediate():
     """T=512, H=16, I=256, tile 64: no op output exceeds [tile, I]; only x is saved for backward."""
     num_tokens, hidden, intermediate, tile = 512, 16, 256, 64
@@ -359,7 +344,7 @@ def test_tiled_mlp_never_allocates_a_full_intermediate():
         saved_numels.append(t.numel())
         return t
 
-    tracker = _LargestTensor()
+    tracker = LargestTensor()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
         out = tiled_forward(mlp, x, list(mlp.parameters()), tile_tokens=tile)
     with tracker:
@@ -369,7 +354,7 @@ def test_tiled_mlp_never_allocates_a_full_intermediate():
     assert mlp.gate_proj.weight.grad is not None and x.grad is not None
 
     # The detector does see [T, I] in the plain MLP.
-    plain = _LargestTensor()
+    plain = LargestTensor()
     with plain:
         mlp(x).backward(grad_out)
     assert plain.max_numel == num_tokens * intermediate
