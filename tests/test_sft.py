@@ -233,10 +233,10 @@ def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
     cmd = [  # --standalone: torchrun picks a free local rendezvous port itself
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
         f"cluster.fileroot={tmp_path}", f"trial_name={trial}", "total_train_steps=4",
-        "train_dataset.batch_size=8", "checkpoint.save_freq_steps=null", "cluster.n_gpus_per_node=2", *extra,
+        "train_dataset.batch_size=8", "checkpoint.save_freq_steps=2", "cluster.n_gpus_per_node=2", *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-12000:]
     return tmp_path / "sft-tiny" / trial
 
 
@@ -253,6 +253,7 @@ def test_torchrun_data_parallel_d2_equals_single_process(tmp_path, backend):
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert [p.name for p in sorted((d2 / "checkpoints").iterdir())] == ["step_2", "step_4"]
     la = [json.loads(x)["loss"] for x in (single.run_dir / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (d2 / "metrics.jsonl").read_text().splitlines()]
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)

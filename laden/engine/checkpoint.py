@@ -44,11 +44,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_engine(engine: Any, path: Path) -> None:
-    """Sharded engines write their own (collective) checkpoint; others a single `torch.save` file."""
+def save_engine(engine: Any, path: Path, *, rank: int = 0) -> None:
+    """Sharded engines write their own (collective) checkpoint; others (single process, or identical
+    data-parallel replicas) a single `torch.save` file, written by rank 0."""
     if hasattr(engine, "save_checkpoint"):
         engine.save_checkpoint(path)
-    else:
+    elif rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         torch.save(engine.state_dict(), path / "state.pt")
 
@@ -79,7 +80,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    save_engine(engine, tmp / "engine")
+    save_engine(engine, tmp / "engine", rank=rank)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     barrier()
     if rank == 0:

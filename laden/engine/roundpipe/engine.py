@@ -225,14 +225,16 @@ class RoundPipeEngine:
         for buf in range(store.num_upload_buffers):
             self.pipe.refresh_uploads(groups, buf)
         self.optimizer.load_state_dict(state["optimizer"])
-        _repoint_host_adamw_groups(self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self._num_steps = state.get("num_steps", 0)
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+        """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes."""
         from laden.model.export import export_hf
 
         self.pipe.jobs.drain()
+        if self.dp_rank != 0:
+            return
         masters = {id(hp.param): hp.master for hp in self.pipe.store.params if hp.master is not None}
         state = dict(self.model.state_dict())
         for name, p in self.model.named_parameters(remove_duplicate=False):
@@ -395,15 +397,6 @@ def _build_optimizer(pipe: Pipeline, o: OptimSettings, on_gpu: bool) -> torch.op
         groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, state_dtype=state_dtype,
         num_threads=threads,
     )  # fmt: skip
-
-
-def _repoint_host_adamw_groups(optimizer: torch.optim.Optimizer) -> None:
-    """Workaround: `HostAdamW.load_state_dict` replaces the param-group dicts but its param -> group
-    map keeps the old ones, so step_params would miss the scheduler's learning rates. Re-point it
-    (harmless once HostAdamW does this itself)."""
-    group_of = getattr(optimizer, "_group_of", None)
-    if isinstance(group_of, dict):
-        group_of.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
 
 
 def _subset_step(
