@@ -45,17 +45,17 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import git_commit, shapes  # noqa: E402
+
 NAME = "train_throughput/roundpipe"
 PEAK_FLOPS = 989e12
 GIB = 1 << 30
-SHAPES = {  # Qwen3 shapes (random init); `tiny` is a CPU smoke shape
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=True),
-}  # fmt: skip
+SHAPES = shapes(  # `tiny` is a CPU smoke shape
+    "qwen3-1.7b", "qwen3-8b",
+    tiny=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=True),
+)  # fmt: skip
 TAIL_LINES = 80  # lines of the child's output kept to classify a crash
 
 
@@ -126,18 +126,6 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
     return out
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def error_result(args: argparse.Namespace, progress: dict, kind: str, message: str) -> dict:

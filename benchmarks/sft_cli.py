@@ -19,28 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHAPES = {
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-1.7b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import shapes  # noqa: E402
+
+SHAPES = shapes(
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    tiny=dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -50,7 +35,7 @@ SHAPES = {
         vocab_size=128,
         tie_word_embeddings=False,
     ),
-}
+)
 
 
 def write_model_dir(out: Path, shape: str, max_positions: int) -> None:

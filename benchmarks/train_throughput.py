@@ -34,8 +34,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,14 +41,12 @@ from typing import Any, cast
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import git_commit, shapes  # noqa: E402
+
 PEAK_FLOPS = 989e12
 GIB = 1 << 30
-SHAPES: dict[str, dict[str, Any]] = {  # Qwen3 shapes (random init)
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-}  # fmt: skip
+SHAPES = shapes("qwen3-1.7b", "qwen3-8b")  # random init
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -445,18 +441,6 @@ def _peak_rss_gib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024 / GIB
     return 0.0
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def _transformers_version() -> str:
