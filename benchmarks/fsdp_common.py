@@ -83,6 +83,28 @@ def random_micro_batches(num_mbs: int, tokens_per_mb: int, doc_len: int, vocab: 
     return mbs
 
 
+def benchmark_engine(model_dir: Path, *, world_size: int, device: torch.device, **options):
+    """The engine both FSDP benchmarks measure: data parallel over every rank, bf16 compute over fp32
+    masters, gradient checkpointing; `options` are the `actor.fsdp.*` knobs under test."""
+    from laden.engine.fsdp import FSDPEngine
+    from laden.engine.fsdp.load import load_model_for_rank
+    from laden.engine.local import OptimSettings
+
+    model = load_model_for_rank(
+        str(model_dir), dtype=torch.float32, memory_efficient_load=options.get("memory_efficient_load", False)
+    )
+    return FSDPEngine(
+        model,
+        dp=world_size,
+        device=device,
+        dtype=torch.bfloat16,
+        optimizer_dtype=torch.float32,
+        optim=OptimSettings(lr=1e-5),
+        gradient_checkpointing=True,
+        **options,
+    )
+
+
 def emit(record: dict) -> None:
     """One JSON line per rank on stdout."""
     rank = dist.get_rank() if dist.is_initialized() else 0

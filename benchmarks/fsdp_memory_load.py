@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fsdp_common import (  # noqa: E402
     add_model_args,
+    benchmark_engine,
     device_peak_gib,
     emit,
     ensure_model_dir,
@@ -32,9 +33,7 @@ from fsdp_common import (  # noqa: E402
     reset_host_peak,
 )
 
-from laden.engine.fsdp import FSDPEngine, init_distributed  # noqa: E402
-from laden.engine.fsdp.load import load_model_for_rank  # noqa: E402
-from laden.engine.local import OptimSettings  # noqa: E402
+from laden.engine.fsdp import init_distributed  # noqa: E402
 
 
 def main() -> None:
@@ -52,20 +51,9 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     reset_host_peak()
     start = time.perf_counter()
-    model = load_model_for_rank(
-        str(model_dir), dtype=torch.float32, memory_efficient_load=args.memory_efficient_load
+    engine = benchmark_engine(
+        model_dir, world_size=world_size, device=device, memory_efficient_load=args.memory_efficient_load
     )
-    engine = FSDPEngine(
-        model,
-        dp=world_size,
-        device=device,
-        dtype=torch.bfloat16,
-        optimizer_dtype=torch.float32,
-        optim=OptimSettings(lr=1e-5),
-        gradient_checkpointing=True,
-        memory_efficient_load=args.memory_efficient_load,
-    )
-    del model
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - start

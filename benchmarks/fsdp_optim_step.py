@@ -26,11 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_common import add_model_args, device_peak_gib, emit, ensure_model_dir, random_micro_batches  # noqa: E402
+from fsdp_common import (  # noqa: E402
+    add_model_args,
+    benchmark_engine,
+    device_peak_gib,
+    emit,
+    ensure_model_dir,
+    random_micro_batches,
+)
 
-from laden.engine.fsdp import FSDPEngine, init_distributed  # noqa: E402
-from laden.engine.fsdp.load import load_model_for_rank  # noqa: E402
-from laden.engine.local import OptimSettings  # noqa: E402
+from laden.engine.fsdp import init_distributed  # noqa: E402
 
 VARIANTS = {
     "resident": {},
@@ -55,18 +60,7 @@ def sync(device: torch.device) -> None:
 
 
 def run_variant(name: str, args, model_dir: Path, world_size: int, device: torch.device) -> None:
-    model = load_model_for_rank(str(model_dir), dtype=torch.float32, memory_efficient_load=False)
-    engine = FSDPEngine(
-        model,
-        dp=world_size,
-        device=device,
-        dtype=torch.bfloat16,
-        optimizer_dtype=torch.float32,
-        optim=OptimSettings(lr=1e-5),
-        gradient_checkpointing=True,
-        **VARIANTS[name],
-    )
-    del model
+    engine = benchmark_engine(model_dir, world_size=world_size, device=device, **VARIANTS[name])
     mbs = random_micro_batches(1, args.tokens_per_mb, 512, args.vocab, seed=engine.dp_rank)
     total = sum(mb.num_loss_tokens for mb in mbs) * world_size
     times, step_peaks = [], []
