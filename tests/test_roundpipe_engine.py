@@ -292,6 +292,45 @@ def mixed_precision_grads(master: nn.Module, micro_batches: list, num_tokens: in
     return loss, grads
 
 
+def check_tracks_mixed_precision_reference(
+    engine,
+    current: nn.Module,
+    opt,
+    o,
+    optim_step: str,
+    *,
+    device: str,
+    rtol_loss: float,
+    rtol_norm: float,
+    master_ratio: float,
+) -> None:
+    """Three steps of `engine` against a resident mixed-precision step of `current` (one step stale in
+    async mode): finite loss and norm within the tolerances, and every master within `master_ratio`
+    of the distance the reference moved it (a sign flip of an update would break that)."""
+    initial = copy.deepcopy(current)
+    stale = copy.deepcopy(current)  # what the next step computes on in async mode
+    for mbs in make_steps(3, docs_per_row=1):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        source = stale if optim_step == "async" else current
+        ref_loss, grads = mixed_precision_grads(source, mbs, num_tokens, device=device)
+        previous = copy.deepcopy(current)
+        for p, g in zip(current.parameters(), grads):
+            p.grad = g
+        ref_norm = torch.nn.utils.clip_grad_norm_(current.parameters(), o.gradient_clipping)
+        opt.step()
+        opt.zero_grad()
+        stale = previous
+        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
+        assert torch.isfinite(out["loss"]) and torch.isfinite(out["grad_norm"])
+        torch.testing.assert_close(out["loss"], ref_loss, rtol=rtol_loss, atol=0)
+        torch.testing.assert_close(out["grad_norm"], ref_norm, rtol=rtol_norm, atol=0)
+    masters = engine.state_dict()["model"]
+    for (name, p), p0 in zip(current.named_parameters(), initial.parameters()):
+        assert torch.isfinite(masters[name]).all(), name
+        moved = (p - p0).norm()
+        assert moved > 0 and (masters[name] - p).norm() <= master_ratio * moved, name
+
+
 @pytest.mark.parametrize("optim_step", ["sync", "async"])
 def test_bf16_compute_over_several_stages_tracks_resident_reference(optim_step):
     """bf16 compute, fp32 masters, clipping, about one layer per stage: the loss stays finite and
@@ -304,32 +343,14 @@ def test_bf16_compute_over_several_stages_tracks_resident_reference(optim_step):
     """
     o = settings(gradient_clipping=0.05, lr=1e-3)
     current = tied_model()  # the masters the reference optimizer updates
-    initial = copy.deepcopy(current)
     opt = reference_optimizer(current, o)
-    stale = copy.deepcopy(current)  # what the next step computes on in async mode
     with pytest.warns(UserWarning, match="largest layer"):
         engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.bfloat16, optim_step=optim_step,
                                  model_memory_limit=SMALL_STAGES)  # fmt: skip
     assert len(engine.plan.bwd_plan) > 2
-    for mbs in make_steps(3, docs_per_row=1):
-        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
-        ref_loss, grads = mixed_precision_grads(stale if optim_step == "async" else current, mbs, num_tokens)
-        previous = copy.deepcopy(current)
-        for p, g in zip(current.parameters(), grads):
-            p.grad = g
-        ref_norm = torch.nn.utils.clip_grad_norm_(current.parameters(), o.gradient_clipping)
-        opt.step()
-        opt.zero_grad()
-        stale = previous
-        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
-        assert torch.isfinite(out["loss"]) and torch.isfinite(out["grad_norm"])
-        torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-3, atol=0)
-        torch.testing.assert_close(out["grad_norm"], ref_norm, rtol=5e-3, atol=0)
-    masters = engine.state_dict()["model"]
-    for (name, p), p0 in zip(current.named_parameters(), initial.parameters()):
-        assert torch.isfinite(masters[name]).all(), name
-        moved = (p - p0).norm()
-        assert moved > 0 and (masters[name] - p).norm() <= 0.1 * moved, name
+    check_tracks_mixed_precision_reference(
+        engine, current, opt, o, optim_step, device="cpu", rtol_loss=1e-3, rtol_norm=5e-3, master_ratio=0.1
+    )
 
 
 def test_auto_plan_follows_the_longest_microbatch():

@@ -115,8 +115,7 @@ def test_cuda_bf16_engine_tracks_resident_reference(optim_step):
     kernel and the fp32-output loss matmul. The resident reference uses SDPA on the same GPU;
     tolerances are bf16-sized (different kernels), far below what a race produces."""
     from test_roundpipe_engine import (
-        make_steps,
-        mixed_precision_grads,
+        check_tracks_mixed_precision_reference,
         reference_optimizer,
         settings,
         tied_model,
@@ -128,33 +127,15 @@ def test_cuda_bf16_engine_tracks_resident_reference(optim_step):
     o = settings(gradient_clipping=0.05, lr=1e-3)
     current = tied_model()
     set_attention(current, "sdpa")
-    initial = copy.deepcopy(current)
     opt = reference_optimizer(current, o)
-    stale = copy.deepcopy(current)  # what the next step computes on in async mode
     engine_model = tied_model()
     set_attention(engine_model, "varlen")
     engine = RoundPipeEngine(engine_model, optim=o, compute_dtype=torch.bfloat16, optim_step=optim_step,
                              min_stages=3, devices=[torch.device("cuda", 0)])  # fmt: skip
     assert len(engine.plan.bwd_plan) >= 3
-    for mbs in make_steps(3, docs_per_row=1):
-        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
-        source = stale if optim_step == "async" else current
-        ref_loss, grads = mixed_precision_grads(source, mbs, num_tokens, device="cuda")
-        previous = copy.deepcopy(current)
-        for p, g in zip(current.parameters(), grads):
-            p.grad = g
-        ref_norm = torch.nn.utils.clip_grad_norm_(current.parameters(), o.gradient_clipping)
-        opt.step()
-        opt.zero_grad()
-        stale = previous
-        out = engine.train_batch(mbs, global_num_loss_tokens=num_tokens)
-        assert torch.isfinite(out["loss"]) and torch.isfinite(out["grad_norm"])
-        torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-2, atol=0)
-        torch.testing.assert_close(out["grad_norm"], ref_norm, rtol=3e-2, atol=0)
-    masters = engine.state_dict()["model"]
-    for (name, p), p0 in zip(current.named_parameters(), initial.parameters()):
-        assert torch.isfinite(masters[name]).all(), name
-        assert (masters[name] - p).norm() <= 0.25 * (p - p0).norm(), name
+    check_tracks_mixed_precision_reference(
+        engine, current, opt, o, optim_step, device="cuda", rtol_loss=1e-2, rtol_norm=3e-2, master_ratio=0.25
+    )
 
 
 def test_cuda_bf16_kernels_only_the_engine_reaches():
