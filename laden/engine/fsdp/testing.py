@@ -9,7 +9,6 @@ gives) and each one's return value comes back through a file.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,27 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable, args: tuple
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+def _worker(rank: int, world_size: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     if "nccl" in backend:
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # Rendezvous through a file in the run's own directory: no TCP port to pick and race for.
+    store = f"file://{Path(out_dir) / 'rendezvous'}"
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -55,6 +41,6 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     With an NCCL `backend` (e.g. `"cpu:gloo,cuda:nccl"`) rank r uses GPU r.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn_args = (world_size, free_port(), out_dir, backend, fn, args)
+        spawn_args = (world_size, out_dir, backend, fn, args)
         mp.spawn(_worker, args=spawn_args, nprocs=world_size, join=True)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
