@@ -32,12 +32,6 @@ def optim_settings(cfg: LadenConfig, total_steps: int) -> OptimSettings:
     )
 
 
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def build_engine(
     cfg: LadenConfig, model: nn.Module, *, total_steps: int, device: torch.device
 ) -> TrainEngine:
@@ -47,7 +41,7 @@ def build_engine(
     settings = optim_settings(cfg, total_steps)
     loss_fn = packed_loss_fn(chunked=actor.chunked_loss, chunk_size=actor.loss_chunk_size)
     needs_fsdp = actor.fsdp.offload_params or actor.fsdp.per_layer_optim_step
-    if mode.backend == "fsdp" and mode.num_gpus == 1 and not _distributed() and not needs_fsdp:
+    if mode.backend == "fsdp" and mode.num_gpus == 1 and launched_world_size() == 1 and not needs_fsdp:
         return LocalEngine(
             model,
             device=device,
@@ -66,10 +60,11 @@ def build_engine(
     )
 
 
-def _distributed() -> bool:
+def launched_world_size() -> int:
+    """Processes started by the launcher (torchrun sets WORLD_SIZE); 1 for a plain process."""
     import os
 
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _build_fsdp(

@@ -80,6 +80,13 @@ class OptimSettings:
         )
 
 
+def default_device() -> torch.device:
+    """The current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def packed_loss_fn(*, chunked: bool, chunk_size: int) -> LossFn:
     """The SFT loss: summed next-token cross-entropy of a packed micro-batch."""
 

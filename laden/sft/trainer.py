@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -45,7 +44,8 @@ from laden.data import (
     partition_microbatches,
 )
 from laden.engine.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from laden.engine.factory import DTYPES, build_engine, default_device
+from laden.engine.factory import DTYPES, build_engine, launched_world_size
+from laden.engine.local import default_device
 from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
 from laden.model.loading import load_causal_lm, load_tokenizer
 
@@ -167,7 +167,7 @@ def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: to
             mbs = None  # drop the failed attempt's tensors before retrying
             release_cached_memory()
             # Under torch.distributed the ranks would have to agree on a retry; there the OOM is reported.
-            if cfg.oom_policy != "auto" or tokens_per_mb <= longest or _world_size() > 1:
+            if cfg.oom_policy != "auto" or tokens_per_mb <= longest or launched_world_size() > 1:
                 raise TrainingOOMError(
                     cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc
                 ) from exc
@@ -211,13 +211,9 @@ class Runtime:
             torch.distributed.barrier()
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def start_runtime() -> Runtime:
     """Join torchrun's process group when launched by it; otherwise a single process."""
-    if _world_size() == 1:
+    if launched_world_size() == 1:
         return Runtime(rank=0, world_size=1, device=default_device())
     from laden.engine.fsdp.launch import init_distributed
 

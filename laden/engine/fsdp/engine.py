@@ -43,7 +43,7 @@ from laden.engine.fsdp.loss import PackedLossModule
 from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, check_head_rule, decoder_layers
 from laden.engine.fsdp.shard_optim import ShardedAdamW
 from laden.engine.fsdp.ulysses import shard_packed_row
-from laden.engine.local import OptimSettings, autocast_context
+from laden.engine.local import OptimSettings, autocast_context, default_device, enable_gradient_checkpointing
 from laden.optim import clip_grad_norm_, param_groups_with_decay
 
 log = logging.getLogger("laden.fsdp")
@@ -80,7 +80,7 @@ class FSDPEngine:
             optimizer_dtype = torch.bfloat16
         self.compute_dtype, self.storage_dtype = dtype, optimizer_dtype
         self.offload_params = offload_params
-        self.device = device or _default_device()
+        self.device = device or default_device()
         if offload_params and not dist.is_initialized():
             _start_single_process_group()
         self.distributed = dist.is_initialized()
@@ -130,7 +130,7 @@ class FSDPEngine:
         elif getattr(model.config, "_attn_implementation", None) not in ("laden_varlen", "sdpa", "eager"):
             set_attention(model, "auto")
         if gradient_checkpointing:
-            _enable_checkpointing(model)
+            enable_gradient_checkpointing(model)  # FSDP2 re-gathers the weights in the recompute
         model.train()
         if self.tp > 1:
             assert self.mesh is not None
@@ -333,16 +333,6 @@ class FSDPEngine:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def _enable_checkpointing(model: Any) -> None:
-    """Non-reentrant activation checkpointing per decoder layer (FSDP2 re-gathers in the recompute)."""
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def _empty_batch() -> PackedBatch:
     """One ignored token: runs forward/backward (matching collectives) and adds zero loss."""
     return PackedBatch(
@@ -354,12 +344,6 @@ def _empty_batch() -> PackedBatch:
         num_loss_tokens=0,
         seqlens=[1],
     )
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _start_single_process_group() -> None:
