@@ -38,6 +38,7 @@ from laden.config import (
 )
 from laden.data import (
     GlobalBatchIterator,
+    PackedBatch,
     build_sft_samples,
     load_records,
     pack_samples,
@@ -131,8 +132,8 @@ def shard_for_rank(samples, indices: list[int], dp_rank: int, dp_size: int) -> l
 
 def step_micro_batches(
     cfg: LadenConfig, samples, indices: list[int], device: torch.device, tokens_per_mb: int
-):
-    """Pack the given samples into token-budget micro-batches on `device`; also return their token count."""
+) -> list[PackedBatch]:
+    """Pack the given samples into token-budget micro-batches on `device`."""
     seqlens = [len(samples[i][0]) for i in indices]
     bins = partition_microbatches(
         seqlens,
@@ -141,7 +142,7 @@ def step_micro_batches(
         algorithm=cfg.actor.mb_spec.packing_algorithm,
     )
     packed = [pack_samples([samples[indices[j]] for j in b]) for b in bins]
-    return [p.to(device, non_blocking=True) for p in packed], sum(seqlens)
+    return [p.to(device, non_blocking=True) for p in packed]
 
 
 def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: torch.device, *, step: int):
@@ -158,7 +159,7 @@ def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: to
     longest = max(len(samples[i][0]) for i in mine)
     while True:
         try:
-            mbs, _ = step_micro_batches(cfg, samples, mine, device, tokens_per_mb)
+            mbs = step_micro_batches(cfg, samples, mine, device, tokens_per_mb)
             out = engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens)
             return out, len(mbs), sum(len(samples[i][0]) for i in indices)
         except Exception as exc:
@@ -186,7 +187,7 @@ def evaluate(cfg: LadenConfig, engine, valid, device: torch.device) -> torch.Ten
     loss = torch.zeros((), device=device)
     for start in range(0, len(valid), size):
         indices = shard_for_rank(valid, list(range(start, min(start + size, len(valid)))), dp_rank, dp_size)
-        mbs, _ = step_micro_batches(cfg, valid, indices, device, budget(cfg))
+        mbs = step_micro_batches(cfg, valid, indices, device, budget(cfg))
         loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(device)
     return loss
 
