@@ -4,10 +4,15 @@ Every parallel mode of the `fsdp` backend has a CPU test: the same collectives r
 gloo on loopback, so correctness (d2 == d1, c2 == c1, t2 == t1, resharded resume) is
 checked without GPUs. Processes are started with `spawn` (a clean interpreter, as torchrun
 gives) and each one's return value comes back through a file.
+
+A worker that runs longer than `LADEN_WORKER_TIMEOUT_S` seconds (default 600) prints every
+thread's stack to stderr and exits, so a collective that never completes shows where each
+rank waits instead of hanging the test run.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 from collections.abc import Callable
@@ -21,6 +26,7 @@ import torch.multiprocessing as mp
 
 def _worker(rank: int, world_size: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    faulthandler.dump_traceback_later(float(os.environ.get("LADEN_WORKER_TIMEOUT_S", "600")), exit=True)
     torch.set_num_threads(1)
     if "nccl" in backend:
         torch.cuda.set_device(rank)
@@ -32,6 +38,7 @@ def _worker(rank: int, world_size: int, out_dir: str, backend: str, fn: Callable
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
