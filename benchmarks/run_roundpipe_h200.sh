@@ -11,17 +11,20 @@
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
 # DEADLINE_S=530 s after the start, and a run left with under 30 s is skipped. Nominal limits, in
 # order (most important first, so a slow machine loses the least important runs):
-#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden 8B 150,
-#   laden 131072 110, RoundPipe 65536 80, RoundPipe 131072 100, laden 262144 150
-#   = 1030 s in all, so the deadline, not the sum, is the bound (RoundPipe's host Adam kernel
+#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden 8B 170,
+#   laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80
+#   = 970 s in all, so the deadline, not the sum, is the bound (RoundPipe's host Adam kernel
 #   compiles during pytest, at most 150 s from the start, and is waited for before the measured runs).
-# Guessed on an H200: install 10, pytest 30, laden ref 50, RoundPipe ref 75 (torch.compile), plain 40,
-# 8B 100, laden 131072 70, RoundPipe 65536 50 and 131072 45 (it ran out of GPU memory there before):
-# ~470 s, so laden 262144 (~105 s with --warmup 0) may be cut by the deadline; it runs last for that.
+# Measured on an H200 (2026-11-30, first run of this script): install + pytest + compile 45, laden ref
+# 72, RoundPipe ref 57; the Qwen3 shapes are now initialised on the GPU (a CPU random fill runs on one
+# core: it cost the 8B run its 150 s). laden at 131072 tokens trained there (34 s/step, 14.2 GiB), so
+# the sweep now starts at 262144; RoundPipe's 131072 point (out of GPU memory per BENCHMARKS.md) comes
+# before its 65536 one.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_roundpipe_h200.sh OUTDIR}
 mkdir -p "$out"
 results=$out/results.jsonl
+: >"$results"  # this run's results only
 logs=/tmp/rp_bench_logs
 mkdir -p "$logs"
 deadline_s=${DEADLINE_S:-530}
@@ -29,9 +32,9 @@ min_run_s=30
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 # Shapes: the reference workload (Qwen3-1.7B, 16 x 4096 tokens per step) and the capacity sweeps.
-m17=qwen3-1.7b m8=qwen3-8b ref_seq=4096 laden_seqs=(131072 262144) rp_seqs=(65536 131072)
+m17=qwen3-1.7b m8=qwen3-8b ref_seq=4096 laden_seq=262144 rp_seqs=(131072 65536)
 if [[ ${SMOKE:-0} == 1 ]]; then
-  m17=tiny m8=tiny ref_seq=32 laden_seqs=(64 128) rp_seqs=(64 128)
+  m17=tiny m8=tiny ref_seq=32 laden_seq=128 rp_seqs=(128 64)
 fi
 # No system clips gradients (RoundPipe's step cannot); both offloaded engines take one-step-stale async steps.
 laden=(python3 benchmarks/train_throughput.py --system laden --clip 0 --optim-step async)
@@ -141,26 +144,22 @@ if [[ -n $precompile_pid ]]; then
   wait "$precompile_pid"
   { echo "== precompile rc=$?"; tail -n 20 "$logs/precompile.log"; } >>"$out/runs.log"
 fi
-run laden_ref 100 "${laden[@]}" "${ref[@]}"
+run laden_ref 100 "${laden[@]}" "${ref[@]}" --profile
 run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
 run plain_ref 80 "${plain[@]}" "${ref[@]}"
 
 # (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
 # sync step: the one-step-stale async step needs a second weight buffer and gradient inbox (14 vs 10 B/param).
-run laden_8b 150 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --optim-step sync --seq-len "$ref_seq" \
+run laden_8b 170 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --optim-step sync --seq-len "$ref_seq" \
   --num-seqs 4 --num-microbatch 4 --recompute-grain stage --steps 2 --warmup 1
 
-# (e) longest sequence, one per step, layer recompute; a system's sweep stops at its first failure.
-# laden's longest point runs last, with no warm-up step, as it is the likeliest to be cut by the deadline.
-laden_ok=0
-# laden tiles each MLP over 16k-token pieces (actor.tiled_mlp_tokens): the [T, 6144] intermediates dominate here.
-run "laden_seq${laden_seqs[0]}" 110 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "${laden_seqs[0]}" && laden_ok=1
-if run "roundpipe_seq${rp_seqs[0]}" 80 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[0]}"; then
-  run "roundpipe_seq${rp_seqs[1]}" 100 "${rp[@]}" "${sweep[@]}" --seq-len "${rp_seqs[1]}"
-fi
-if ((laden_ok)); then
-  run "laden_seq${laden_seqs[1]}" 150 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "${laden_seqs[1]}" --warmup 0
-fi
+# (e) longest sequence, one per step, layer recompute, no warm-up step (the first step is the timed one).
+# laden tiles each MLP over 16k-token pieces and keeps no fp32 RMSNorm copies (actor.tiled_mlp_tokens).
+run "laden_seq${laden_seq}" 180 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "$laden_seq" --warmup 0
+# RoundPipe: its failing point first (as BENCHMARKS.md has it), then the one below it.
+for seq in "${rp_seqs[@]}"; do
+  run "roundpipe_seq$seq" 100 "${rp[@]}" "${sweep[@]}" --seq-len "$seq"
+done
 
 echo "== done in ${SECONDS}s; results in $results" >&2
 python3 - "$results" <<'PY' >&2

@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile one more step: GPU kernel and copy busy time, top kernels")  # fmt: skip
     p.add_argument(
         "--tiled-mlp-tokens", type=int, default=0, help="run each MLP over sequence tiles (0 = off)"
     )
@@ -120,13 +122,21 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     else:
         config = Qwen3Config(**SHAPES[args.model])
     dtype = torch.bfloat16 if args.model != "tiny" else torch.float32
-    with meta_params() if on_meta(args) else contextlib.nullcontext():
+    if on_meta(args):
+        where: Any = meta_params()
+    elif args.system == "plain" and torch.cuda.is_available():
+        where = torch.device("cuda", torch.cuda.current_device())  # random init on the CPU is one core
+    else:
+        where = contextlib.nullcontext()
+    with where:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
     if args.tiled_mlp_tokens:
+        from laden.model.lean_norm import enable_lean_rmsnorm
         from laden.model.tiled import enable_tiled_mlp
 
-        enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)
+        enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)  # actor.tiled_mlp_tokens:
+        enable_lean_rmsnorm(model)  # both, as in `laden sft`
     return model
 
 
@@ -298,7 +308,13 @@ def finish(engine) -> None:
         torch.cuda.synchronize()
 
 
+def progress(t0: float, what: str) -> None:
+    """One timestamped line on stderr per phase and step: a run cut by a timeout still shows where it was."""
+    print(f"[train_throughput +{time.perf_counter() - t0:.1f}s] {what}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -307,21 +323,35 @@ def run(args: argparse.Namespace) -> dict:
     cap_gpu(args, device)
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    progress(t0, f"model built ({num_params / 1e9:.2f}B parameters)")
     prediction = check_host_memory(args, model, device) if args.system == "laden" else None
-    steps = make_steps(args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps)
+    steps = make_steps(args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps + args.profile)
     engine = build_engine(args, model, device)
+    progress(t0, f"engine built: {getattr(engine, 'plan', 'resident')}")
     history = []  # every step's metrics, read after the timing (device tensors for `plain`)
-    for mbs in steps[: args.warmup]:
+    for i, mbs in enumerate(steps[: args.warmup]):
         history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
+        progress(t0, f"warm-up step {i + 1}/{args.warmup} queued")
     finish(engine)
+    progress(t0, "warm-up done")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    jobs = getattr(getattr(engine, "pipe", None), "jobs", None)
+    busy_before = dict(jobs.busy_s) if jobs is not None else {}
     start = time.perf_counter()
-    for mbs in steps[args.warmup :]:
+    for i, mbs in enumerate(steps[args.warmup : args.warmup + args.steps]):
         history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
+        progress(t0, f"step {i + 1}/{args.steps} queued")
     finish(engine)
     seconds = time.perf_counter() - start
-    tokens = sum(mb.num_tokens for mbs in steps[args.warmup :] for mb in mbs)
+    progress(t0, f"timed steps done: {seconds / max(args.steps, 1):.3f} s/step")
+    host_busy = (
+        {f"{k}_s_per_step": round((v - busy_before[k]) / args.steps, 3) for k, v in jobs.busy_s.items()}
+        if jobs
+        else None
+    )
+    profile = profile_step(engine, steps[-1]) if args.profile else None
+    tokens = sum(mb.num_tokens for mbs in steps[args.warmup : args.warmup + args.steps] for mb in mbs)
     tok_s = tokens / seconds
     losses = [float(m["loss"]) for m in history]
     grad_norms = [float(m["grad_norm"]) for m in history if "grad_norm" in m]
@@ -354,6 +384,8 @@ def run(args: argparse.Namespace) -> dict:
         "losses": losses,
         "grad_norms": grad_norms,
         "uploads_pinned": uploads_pinned,
+        "host_thread_busy": host_busy,
+        "profile": profile,
         "predicted_host_gib": prediction["predicted_host_gib"] if prediction else None,
         "host_bytes_by_kind": _host_bytes_by_kind(engine),
         **memory_peaks(engine),
@@ -363,6 +395,57 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": _transformers_version(),
     }
+
+
+def profile_step(engine, mbs: list) -> dict:
+    """One more step under the CUDA profiler: how much of its wall time the GPU computed or copied.
+
+    Busy times are unions of the intervals of kernels (compute), host-to-device and
+    device-to-host copies over all streams. A step whose kernel busy time is close to its wall
+    time is compute-bound; a large gap is time the GPU waited (for uploads, the host optimizer
+    or the Python thread feeding it).
+    """
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU"}
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        finish(engine)
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+            finish(engine)
+        wall = time.perf_counter() - start
+        spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": [], "other_copy": []}
+        totals: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            name, t_start, t_end = ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6
+            low = name.lower()
+            kind = ("h2d" if "htod" in low else "d2h" if "dtoh" in low else "other_copy") if (
+                "memcpy" in low or "memset" in low) else "kernel"  # fmt: skip
+            spans[kind].append((t_start, t_end))
+            if kind == "kernel":
+                totals[name] = totals.get(name, 0.0) + (t_end - t_start)
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+        return {
+            "wall_s": round(wall, 3),
+            **{f"{k}_busy_s": round(_union_seconds(v), 3) for k, v in spans.items()},
+            "kernel_sum_s": round(sum(totals.values()), 3),
+            "top_kernels": [[name[:80], round(sec, 3)] for name, sec in top],
+        }
+    except Exception as error:  # the timed result stands without the profile
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def _union_seconds(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _problems(

@@ -5,6 +5,7 @@ device, the construction peak, and the benchmark's host-memory check for the Qwe
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -237,6 +238,42 @@ def test_meta_model_gets_the_hugging_face_init_by_default():
         torch.testing.assert_close(b, c, msg=name)  # rotary tables were computed, not left on meta
     losses = train(engine, make_steps(2))
     assert all(torch.isfinite(x) for x in losses)
+
+
+def _materialise(twin: bool) -> nn.Module:
+    """A meta-built tiny model filled module by module with its `_init_weights`, directly or through
+    device twins (`_init_on_device` with the CPU as the device), from the same seed."""
+    from laden.engine.roundpipe.engine import _init_on_device
+
+    with meta_params():
+        model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32)
+    init = (
+        functools.partial(_init_on_device, model._init_weights, torch.device("cpu"))
+        if twin
+        else model._init_weights
+    )
+    torch.manual_seed(3)
+    for module in model.modules():
+        if any(p is not None and p.is_meta for p in module._parameters.values()):
+            module.to_empty(device="cpu", recurse=False)
+            init(module)
+    return model
+
+
+def test_device_twin_init_equals_direct_init():
+    """The GPU-assisted default init runs the model's own `_init_weights` on device twins of each
+    module's parameters and copies them back: with the CPU as the device it equals the direct
+    init draw for draw (the parameters stay the host ones)."""
+    from laden.engine.roundpipe.engine import _default_init
+
+    direct, twin = _materialise(twin=False), _materialise(twin=True)
+    for (name, p), (_, q) in zip(direct.named_parameters(), twin.named_parameters()):
+        assert q.device.type == "cpu" and isinstance(q, nn.Parameter), name
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert any(p.ndim == 1 and (p == 1).all() for p in twin.parameters())  # norm gains were set
+    with meta_params():
+        skeleton = AutoModelForCausalLM.from_config(tiny_config())
+    assert _default_init(skeleton, [torch.device("cpu")]) == skeleton._init_weights  # no GPU: direct
 
 
 _PEAK_SCRIPT = r"""

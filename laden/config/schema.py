@@ -156,7 +156,8 @@ class ActorConfig:
     loss_chunk_size: int = 1024
     """Tokens per chunk of the chunked linear + cross-entropy (a [chunk, vocab] fp32 buffer each)."""
     tiled_mlp_tokens: int | None = None
-    """Run each decoder MLP over sequence tiles of this many tokens (recomputed in backward); None = off."""
+    """Long-context memory: run each decoder MLP over sequence tiles of this many tokens (recomputed in
+    backward) and let RMSNorms keep their input, not fp32 copies, for backward; None = off."""
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024

@@ -260,10 +260,13 @@ def load_model(cfg: LadenConfig, rt: Runtime):
             attn_impl=cfg.actor.attn_impl,
         )
     if cfg.actor.tiled_mlp_tokens:
+        from laden.model.lean_norm import enable_lean_rmsnorm
         from laden.model.tiled import enable_tiled_mlp
 
         num_tiled = enable_tiled_mlp(model, tile_tokens=cfg.actor.tiled_mlp_tokens)
-        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled", cfg.actor.tiled_mlp_tokens, num_tiled)
+        num_norms = enable_lean_rmsnorm(model)
+        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled, %d RMSNorms lean",
+                 cfg.actor.tiled_mlp_tokens, num_tiled, num_norms)  # fmt: skip
     mc: Any = model.config
     num_heads = int(mc.num_attention_heads)
     num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)

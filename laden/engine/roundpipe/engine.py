@@ -39,6 +39,7 @@ micro-batch is longer than planned for is re-planned first (deterministically, f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -111,7 +112,7 @@ class RoundPipeEngine:
             list(split.layers), param_names=names, devices=devices, pin_model=pin_model,
             compute_dtype=compute_dtype, master_dtype=master_dtype, create_masters=True,
             group_key=no_weight_decay, name="roundpipe-engine", loss_chunk_size=loss_chunk_size,
-            init_meta=init_meta or _default_init(model),
+            init_meta=init_meta or _default_init(model, devices),
         )  # fmt: skip
         self._auto_plan = execute_plan is None
         self._plan_limits = (model_memory_limit, min_stages)
@@ -357,11 +358,41 @@ def _has_dropout(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
-def _default_init(model: nn.Module) -> Callable[[nn.Module], None] | None:
-    """For parameters on the meta device: a Hugging Face model's own per-module initialisation."""
+def _default_init(
+    model: nn.Module, devices: Sequence[torch.device] | None
+) -> Callable[[nn.Module], None] | None:
+    """For parameters on the meta device: a Hugging Face model's own per-module initialisation.
+
+    With a GPU, each module's parameters are initialised there and copied into the host store:
+    random fills on the CPU run on one core (about 5 ns per parameter, 40 s for an 8B model),
+    on the GPU they are free and the copy runs at transfer speed.
+    """
     if not any(p.is_meta for p in model.parameters()):
         return None
-    return getattr(model, "_init_weights", None)
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return None
+    if devices is not None:
+        device = next((d for d in devices if torch.device(d).type == "cuda"), None)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return init if device is None else functools.partial(_init_on_device, init, torch.device(device))
+
+
+@torch.no_grad()
+def _init_on_device(init: Callable[[nn.Module], None], device: torch.device, module: nn.Module) -> None:
+    """`init(module)` on device twins of the module's own parameters, copied back into them."""
+    originals = {name: p for name, p in module._parameters.items() if p is not None}
+    try:
+        for name, p in originals.items():
+            module._parameters[name] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+            )
+        init(module)
+        for name, p in originals.items():
+            p.copy_(module._parameters[name])  # type: ignore[arg-type]
+    finally:
+        module._parameters.update(originals)
 
 
 def master_dtype_for(optimizer_type: str, optimizer_dtype: torch.dtype) -> torch.dtype:

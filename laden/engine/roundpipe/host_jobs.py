@@ -10,12 +10,14 @@ feeding the GPU.
 
 Two threads instead of one keep a long optimizer step from delaying the landings of the
 next step's gradients (which the next `forward_backward` waits for before returning).
-Errors are kept and re-raised at every later call into the model.
+Errors are kept and re-raised at every later call into the model. `busy_s` counts the
+seconds each thread spent in jobs (what bounds a step when the host is the bottleneck).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,13 +38,21 @@ class HostJobs:
         self._futures: list[Future] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # jobs are submitted from worker and host threads too
+        self.busy_s = {"landing": 0.0, "optim": 0.0}  # each written by its own thread only
         weakref.finalize(self, _shutdown, self.landing, self.optim)
 
     def submit_landing(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._track(self.landing.submit(fn, *args))
+        return self._track(self.landing.submit(self._timed, "landing", fn, *args))
 
     def submit_optim(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self._track(self.optim.submit(fn, *args))
+        return self._track(self.optim.submit(self._timed, "optim", fn, *args))
+
+    def _timed(self, thread: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s[thread] += time.perf_counter() - start
 
     def _track(self, future: Future) -> Future:
         with self._lock:
