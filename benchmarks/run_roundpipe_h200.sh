@@ -6,6 +6,8 @@
 # wall_s, limit_s; a run that printed no result gets an error line with error_kind: gpu_oom, host_oom,
 # timeout, skipped, error), pytest.log, runs.log (the last lines of every run's output).
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
+# REF_ONLY=1 runs only the reference workload (laden, RoundPipe, plain, then laden with
+# model_memory_limit 16 GiB), without the GPU tests, the 8B run and the sequence sweep.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -130,6 +132,8 @@ if [[ ${SMOKE:-0} != 1 ]]; then
 fi
 
 # (b) laden's roundpipe GPU tests.
+[[ ${REF_ONLY:-0} == 1 ]] && echo "skipped (REF_ONLY=1)" >"$out/pytest.log"
+[[ ${REF_ONLY:-0} == 1 ]] || {
 left=$((deadline_s - SECONDS))
 timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
   >"$out/pytest.log" 2>&1
@@ -137,6 +141,7 @@ rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),
   "valid": sys.argv[1] == "0", "summary": sys.argv[2]}))' "$rc" "$(tail -n 1 "$out/pytest.log")" >>"$results"
 echo "[pytest] rc=$rc $(tail -n 1 "$out/pytest.log")" >&2
+}
 
 # (c) the reference workload, one system after the other, with nothing else running (the compile
 # would take host cores from the measured runs' host optimizers).
@@ -147,6 +152,11 @@ fi
 run laden_ref 100 "${laden[@]}" "${ref[@]}" --profile
 run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
 run plain_ref 80 "${plain[@]}" "${ref[@]}"
+if [[ ${REF_ONLY:-0} == 1 ]]; then
+  run laden_ref_mml16 100 "${laden[@]}" "${ref[@]}" --model-memory-limit 16
+  echo "== done in ${SECONDS}s (REF_ONLY=1)" >&2
+  exit 0
+fi
 
 # (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
 # sync step: the one-step-stale async step needs a second weight buffer and gradient inbox (14 vs 10 B/param).

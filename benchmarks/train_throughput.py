@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> dict:
     progress(t0, f"model built ({num_params / 1e9:.2f}B parameters)")
     prediction = check_host_memory(args, model, device) if args.system == "laden" else None
     steps = make_steps(args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps + args.profile)
+    if args.system == "plain":  # LocalEngine takes batches on its device (laden sft moves them too)
+        steps = [[mb.to(device) for mb in mbs] for mbs in steps]
     engine = build_engine(args, model, device)
     progress(t0, f"engine built: {getattr(engine, 'plan', 'resident')}")
     history = []  # every step's metrics, read after the timing (device tensors for `plain`)
