@@ -6,8 +6,9 @@
 # wall_s, limit_s; a run that printed no result gets an error line with error_kind: gpu_oom, host_oom,
 # timeout, skipped, error), pytest.log, runs.log (the last lines of every run's output).
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
-# REF_ONLY=1 runs only the reference workload (laden, RoundPipe, plain, then laden with
-# model_memory_limit 16 GiB), without the GPU tests, the 8B run and the sequence sweep.
+# PARTS picks what runs (default: all of "tests ref 8b seq pin", in that order): tests = laden's
+# roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), 8b = Qwen3-8B shape,
+# seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -27,6 +28,8 @@ out=${1:?usage: bash benchmarks/run_roundpipe_h200.sh OUTDIR}
 mkdir -p "$out"
 results=$out/results.jsonl
 : >"$results"  # this run's results only
+parts=" ${PARTS:-tests ref 8b seq pin} "
+want() { [[ $parts == *" $1 "* ]]; }
 logs=/tmp/rp_bench_logs
 mkdir -p "$logs"
 deadline_s=${DEADLINE_S:-530}
@@ -93,7 +96,9 @@ result.update(run=name, cmd=" ".join(cmd), rc=None if rc == "skipped" else int(r
 print(json.dumps(result), flush=True)
 if result["valid"]:
     peaks = f"gpu {result.get('peak_gpu_allocated_gib')}/{result.get('peak_gpu_reserved_gib')} GiB host {result.get('peak_host_gib')} GiB"
-    summary = f"{result['tokens_per_s']} tok/s mfu {result.get('mfu')} hfu {result.get('hfu')} {peaks}"
+    speed = (f"upload {result['upload_gb_s']} GB/s build {result.get('build_s')} s" if "upload_gb_s" in result
+             else f"{result.get('tokens_per_s')} tok/s mfu {result.get('mfu')} hfu {result.get('hfu')}")
+    summary = f"{speed} {peaks}"
 else:
     summary = f"INVALID {result.get('error_kind')}: {str(result.get('error') or result.get('problems'))[:300]}"
 print(f"[{name}] rc={rc} {wall_s}s/{limit_s}s {summary}", file=sys.stderr)
@@ -125,15 +130,15 @@ run() {
 timeout 40 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/rpsite .rp/*.whl >"$out/runs.log" 2>&1 || echo "!! RoundPipe wheels did not install" >&2
 precompile_pid=
-if [[ ${SMOKE:-0} != 1 ]]; then
+if [[ ${SMOKE:-0} != 1 ]] && { want ref || want seq; }; then
   timeout -k 5 150 "${rp_env[@]}" python3 -c 'from roundpipe.optim.optim_builder import load_optim_function as f; f("adam")' \
     >"$logs/precompile.log" 2>&1 &
   precompile_pid=$!
 fi
 
 # (b) laden's roundpipe GPU tests.
-[[ ${REF_ONLY:-0} == 1 ]] && echo "skipped (REF_ONLY=1)" >"$out/pytest.log"
-[[ ${REF_ONLY:-0} == 1 ]] || {
+want tests || echo "skipped (PARTS=$parts)" >"$out/pytest.log"
+want tests && {
 left=$((deadline_s - SECONDS))
 timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
   >"$out/pytest.log" 2>&1
@@ -149,26 +154,28 @@ if [[ -n $precompile_pid ]]; then
   wait "$precompile_pid"
   { echo "== precompile rc=$?"; tail -n 20 "$logs/precompile.log"; } >>"$out/runs.log"
 fi
-run laden_ref 100 "${laden[@]}" "${ref[@]}" --profile
-run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
-run plain_ref 80 "${plain[@]}" "${ref[@]}"
-if [[ ${REF_ONLY:-0} == 1 ]]; then
-  run laden_ref_mml16 100 "${laden[@]}" "${ref[@]}" --model-memory-limit 16
-  echo "== done in ${SECONDS}s (REF_ONLY=1)" >&2
-  exit 0
+if want ref; then
+  run laden_ref 100 "${laden[@]}" "${ref[@]}" --profile
+  run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
+  run plain_ref 80 "${plain[@]}" "${ref[@]}"
 fi
 
 # (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
 # sync step: the one-step-stale async step needs a second weight buffer and gradient inbox (14 vs 10 B/param).
-run laden_8b 170 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --optim-step sync --seq-len "$ref_seq" \
+want 8b && run laden_8b 170 "${laden[@]}" --model "$m8" --optimizer adam_bf16 --optimizer-dtype bfloat16 --optim-step sync --seq-len "$ref_seq" \
   --num-seqs 4 --num-microbatch 4 --recompute-grain stage --steps 2 --warmup 1
 
 # (e) longest sequence, one per step, layer recompute, no warm-up step (the first step is the timed one).
 # laden tiles each MLP over 16k-token pieces and keeps no fp32 RMSNorm copies (actor.tiled_mlp_tokens).
-run "laden_seq${laden_seq}" 180 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "$laden_seq" --warmup 0
+want seq && run "laden_seq${laden_seq}" 180 "${laden[@]}" "${sweep[@]}" --tiled-mlp-tokens 16384 --seq-len "$laden_seq" --warmup 0
 # RoundPipe: its failing point first (as BENCHMARKS.md has it), then the one below it.
 for seq in "${rp_seqs[@]}"; do
-  run "roundpipe_seq$seq" 100 "${rp[@]}" "${sweep[@]}" --seq-len "$seq"
+  want seq && run "roundpipe_seq$seq" 100 "${rp[@]}" "${sweep[@]}" --seq-len "$seq"
+done
+
+# (f) pin_model: build time, host peak and weight-upload bandwidth per mode (one process each).
+for mode in alloc register off; do
+  want pin && run "pin_$mode" 60 python3 benchmarks/pin_model.py --model "$m17" --pin-model "$mode"
 done
 
 echo "== done in ${SECONDS}s; results in $results" >&2
@@ -176,7 +183,8 @@ python3 - "$results" <<'PY' >&2
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    what = (f"{r.get('tokens_per_s')} tok/s hfu {r.get('hfu')} gpu {r.get('peak_gpu_allocated_gib')} GiB "
+    speed = f"upload {r['upload_gb_s']} GB/s" if "upload_gb_s" in r else f"{r.get('tokens_per_s')} tok/s hfu {r.get('hfu')}"
+    what = (f"{speed} gpu {r.get('peak_gpu_allocated_gib')} GiB "
             f"host {r.get('peak_host_gib')} GiB" if r.get("valid") else f"INVALID {r.get('error_kind')}")
     print(f"{r.get('run')}: {what}" if "summary" not in r else f"{r['run']}: {r['summary']}")
 PY

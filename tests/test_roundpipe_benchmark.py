@@ -67,3 +67,27 @@ def test_pinned_allocator_bytes_reads_the_flattened_host_stats():
     assert bench.pinned_allocator_bytes(stats) == 5 << 30
     assert bench.pinned_allocator_bytes({"allocated_bytes": {"current": 1 << 20}}) == 1 << 20
     assert bench.pinned_allocator_bytes({}) == 0
+
+
+def test_profile_busy_time_is_the_union_of_intervals():
+    union = load_script()._union_seconds
+    assert union([]) == 0
+    assert union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)  # overlap counted once
+    assert union([(3.0, 4.0), (0.0, 10.0)]) == pytest.approx(10.0)  # nested, unsorted
+
+
+@pytest.mark.parametrize("mode", ["alloc", "register", "off"])
+def test_pin_model_benchmark_runs_the_upload_path_on_cpu(mode, capsys):
+    """benchmarks/pin_model.py builds the engine and uploads every layer through `upload_stage`."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("pin_model", SCRIPT.parent / "pin_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    result = bench.main(["--model", "tiny", "--pin-model", mode, "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["valid"] and result["pin_model"] == mode and result["build_s"] >= 0
+    # every parameter's bf16-or-fp32 upload copy, counted once: at least the parameters' own bytes in bf16
+    assert result["upload_bytes"] >= 2 * result["num_params"]
+    assert result["upload_gb_s"] is None and result["uploads_pinned"] is None  # no GPU here
