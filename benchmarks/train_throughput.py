@@ -375,6 +375,8 @@ def run(args: argparse.Namespace) -> dict:
             "loss_chunk_size": args.loss_chunk_size,
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
+        "tiled_mlps": sum(hasattr(m, "_laden_untiled_class") for m in model.modules()),
+        "lean_rmsnorms": sum(hasattr(m, "_laden_plain_norm_class") for m in model.modules()),
         "valid": not problems,
         "problems": problems,
         "tokens_per_s": round(tok_s, 1),

@@ -91,3 +91,17 @@ def test_pin_model_benchmark_runs_the_upload_path_on_cpu(mode, capsys):
     # every parameter's bf16-or-fp32 upload copy, counted once: at least the parameters' own bytes in bf16
     assert result["upload_bytes"] >= 2 * result["num_params"]
     assert result["upload_gb_s"] is None and result["uploads_pinned"] is None  # no GPU here
+
+
+def test_long_context_knob_is_recorded_in_the_result(capsys):
+    """--tiled-mlp-tokens (actor.tiled_mlp_tokens) tiles every MLP and makes every RMSNorm lean; the
+    result says how many, so a run where a model family was left alone shows it."""
+    bench = load_script()
+    args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "32", "--num-seqs", "1",
+            "--num-microbatch", "1", "--recompute-grain", "layer"]  # fmt: skip
+    plain = bench.main(args)
+    tiled = bench.main([*args, "--tiled-mlp-tokens", "8"])
+    num_layers = 2  # laden.model.tiny
+    assert (plain["tiled_mlps"], plain["lean_rmsnorms"]) == (0, 0)
+    assert tiled["tiled_mlps"] == num_layers and tiled["lean_rmsnorms"] == 4 * num_layers + 1
+    assert tiled["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
