@@ -124,7 +124,7 @@ def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return LeanRMSNormFn.apply(x, weight, eps)
 
 
-# Hugging Face's Llama-style RMSNorm.forward, verbatim (names included): a class is made lean
+# The statements of Hugging Face's Llama-style RMSNorm.forward (names included): a class is made lean
 # only if its forward compiles to this same code. No docstring: it would be a code constant.
 def _hf_rmsnorm_forward(self, hidden_states):
     input_dtype = hidden_states.dtype
