@@ -229,7 +229,7 @@ def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a crash shows its stacks
     cmd = [  # --standalone: torchrun picks a free local rendezvous port itself
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
         f"cluster.fileroot={tmp_path}", f"trial_name={trial}", "total_train_steps=4",
@@ -292,3 +292,19 @@ def test_backend_needing_more_processes_fails_before_loading(tmp_path, capsys):
     assert "actor.backend='fsdp:d2' needs 2 process(es) but 1 were launched" in err
     assert "torchrun --nproc_per_node 2" in err
     assert not (tmp_path / "sft-tiny").exists()  # nothing was written before the check
+
+
+def test_runtime_ends_only_the_process_group_it_started():
+    import torch.distributed as dist
+
+    from laden.sft.trainer import Runtime
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        Runtime(rank=0, world_size=1, device=torch.device("cpu")).close()  # someone else's group
+        assert dist.is_initialized()
+        Runtime(rank=0, world_size=1, device=torch.device("cpu"), owns_process_group=True).close()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
