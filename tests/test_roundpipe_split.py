@@ -148,3 +148,52 @@ def test_activation_estimate_matches_what_autograd_saves(dtype):
         assert 0.9 * measured <= kept <= 1.25 * measured, (type(step).__name__, kept, measured)
         assert transient > 0
     assert activation_bytes(nn.Linear(2, 2), num_tokens, dtype=dtype) == (0, 0)
+
+
+def _saved_bytes_per_token(layer: nn.Module, rotary: nn.Module, num_tokens: int, hidden: int) -> float:
+    """Bytes of distinct non-parameter storages one decoder layer's forward saves for backward."""
+    x = torch.randn(1, num_tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(num_tokens)[None]
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))
+    return sum(saved.values()) / num_tokens
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["hf_norms", "lean_norms"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
+def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean):
+    """The planner's kept-activation estimate of a decoder layer is conservative and close (within
+    15%) to what autograd saves, with and without the tiled MLP and the lean RMSNorms."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from laden.model.attention import set_attention
+    from laden.model.lean_norm import enable_lean_rmsnorm
+    from laden.model.split import DecoderStep, activation_bytes
+    from laden.model.tiled import enable_tiled_mlp
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=128)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    set_attention(model, "auto")
+    tile = 64
+    if tiled:
+        enable_tiled_mlp(model, tile_tokens=tile)
+    if lean:
+        enable_lean_rmsnorm(model)
+    num_tokens = 256
+    measured = _saved_bytes_per_token(model.model.layers[0], model.model.rotary_emb, num_tokens, 256)
+    step = next(s for s in split_causal_lm(model).layers if isinstance(s, DecoderStep))
+    kept, transient = activation_bytes(step, num_tokens, dtype=torch.bfloat16)
+    assert measured <= kept / num_tokens <= 1.15 * measured
+    tile_work = 2 * tile * 4 * config.intermediate_size * 2 if tiled else 0
+    assert transient == kept + tile_work
