@@ -433,14 +433,39 @@ def profile_step(engine, mbs: list) -> dict:
             if kind == "kernel":
                 totals[name] = totals.get(name, 0.0) + (t_end - t_start)
         top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+        by_category: dict[str, float] = {}
+        for name, sec in totals.items():
+            category = kernel_category(name)
+            by_category[category] = by_category.get(category, 0.0) + sec
         return {
             "wall_s": round(wall, 3),
             **{f"{k}_busy_s": round(_union_seconds(v), 3) for k, v in spans.items()},
             "kernel_sum_s": round(sum(totals.values()), 3),
+            "kernel_s_by_category": {
+                k: round(v, 3) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
+            },
             "top_kernels": [[name[:80], round(sec, 3)] for name, sec in top],
         }
     except Exception as error:  # the timed result stands without the profile
         return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
+KERNEL_CATEGORIES = (  # (category, name fragments), first match wins; names are lower-cased
+    ("attention", ("flash", "fmha", "attention", "varlen")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
+    ("reduction", ("reduce", "norm", "softmax", "cross_entropy", "nll_loss", "sum_kernel")),
+    ("copy_cast", ("copy", "cat_", "index", "gather", "scatter", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "triton")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """Coarse kind of a CUDA kernel by its name (what share of the step each kind of work takes)."""
+    low = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in low for f in fragments):
+            return category
+    return "other"
 
 
 def _union_seconds(spans: list[tuple[float, float]]) -> float:

@@ -105,3 +105,16 @@ def test_long_context_knob_is_recorded_in_the_result(capsys):
     assert (plain["tiled_mlps"], plain["lean_rmsnorms"]) == (0, 0)
     assert tiled["tiled_mlps"] == num_layers and tiled["lean_rmsnorms"] == 4 * num_layers + 1
     assert tiled["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
+
+
+def test_kernel_categories_of_profiled_kernel_names():
+    category = load_script().kernel_category
+    names = {  # kernel names as the H200 profile of the reference workload printed them
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kerne": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<a": "elementwise",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda": "copy_cast",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "reduction",
+        "some_unknown_kernel": "other",
+    }
+    assert {name: category(name) for name in names} == names
