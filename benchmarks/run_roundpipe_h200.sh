@@ -6,17 +6,18 @@
 # wall_s, limit_s; a run that printed no result gets an error line with error_kind: gpu_oom, host_oom,
 # timeout, skipped, error), pytest.log, runs.log (the last lines of every run's output).
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
-# PARTS picks what runs (default: all of "tests ref 8b seq pin", in that order): tests = laden's
-# roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), 8b = Qwen3-8B shape,
-# seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
+# PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
+# laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), compile =
+# laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
+# host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
 # DEADLINE_S=530 s after the start, and a run left with under 30 s is skipped. Nominal limits, in
 # order (most important first, so a slow machine loses the least important runs):
-#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden 8B 170,
-#   laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80
-#   = 970 s in all, so the deadline, not the sum, is the bound (RoundPipe's host Adam kernel
+#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 200,
+#   laden 8B 170, laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80, pin 3 x 60
+#   = 1350 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS (RoundPipe's host Adam kernel
 #   compiles during pytest, at most 150 s from the start, and is waited for before the measured runs).
 # Measured on an H200 (2026-11-30, first run of this script): install + pytest + compile 45, laden ref
 # 72, RoundPipe ref 57; the Qwen3 shapes are now initialised on the GPU (a CPU random fill runs on one
@@ -28,7 +29,7 @@ out=${1:?usage: bash benchmarks/run_roundpipe_h200.sh OUTDIR}
 mkdir -p "$out"
 results=$out/results.jsonl
 : >"$results"  # this run's results only
-parts=" ${PARTS:-tests ref 8b seq pin} "
+parts=" ${PARTS:-tests ref compile 8b seq pin} "
 want() { [[ $parts == *" $1 "* ]]; }
 logs=/tmp/rp_bench_logs
 mkdir -p "$logs"
@@ -159,6 +160,8 @@ if want ref; then
   run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
   run plain_ref 80 "${plain[@]}" "${ref[@]}"
 fi
+# actor.roundpipe.compile: the warm-up step pays for the compilation.
+want compile && run laden_ref_compile 200 "${laden[@]}" "${ref[@]}" --compile --profile
 
 # (d) Qwen3-8B shape: laden with the bf16 Kahan AdamW (8 bytes of state per parameter), 4 x 4096 tokens.
 # sync step: the one-step-stale async step needs a second weight buffer and gradient inbox (14 vs 10 B/param).

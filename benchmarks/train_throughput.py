@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="laden: torch.compile each decoder layer (actor.roundpipe.compile)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile one more step: GPU kernel and copy busy time, top kernels")  # fmt: skip
     p.add_argument(
@@ -194,6 +196,7 @@ def laden_settings(args: argparse.Namespace, model: torch.nn.Module, device: tor
         optimizer_dtype=DTYPES[args.optimizer_dtype], recompute_grain=args.recompute_grain,
         model_memory_limit=limit, pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan,
         min_stages=args.min_stages, loss_chunk_size=args.loss_chunk_size,
+        compile_backend="inductor" if args.compile else None,
         max_tokens_per_mb=args.seq_len * max(1, args.num_seqs // args.num_microbatch),
     )  # fmt: skip
 
@@ -226,6 +229,7 @@ def predict_host(args: argparse.Namespace, model: torch.nn.Module, device: torch
 
     args = argparse.Namespace(**{**vars(args), **overrides})
     settings = laden_settings(args, model, device)
+    settings.pop("compile_backend")  # compiling changes no host buffer
     by_kind = predict_engine_host_bytes(
         model, pinned=device.type == "cuda" if pinned is None else pinned,
         num_microbatches=args.num_microbatch, **settings,
@@ -373,6 +377,7 @@ def run(args: argparse.Namespace) -> dict:
             "optimizer_dtype": args.optimizer_dtype,
             "attn": args.attn,
             "loss_chunk_size": args.loss_chunk_size,
+            "compile": args.compile,
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
         "tiled_mlps": sum(hasattr(m, "_laden_untiled_class") for m in model.modules()),

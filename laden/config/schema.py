@@ -131,6 +131,8 @@ class RoundPipeConfig:
     """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand)."""
     optim_step: Literal["sync", "async"] = "sync"
     """`sync`: exact step; `async`: one-step-stale update overlapped with the next step."""
+    compile: bool = False
+    """torch.compile each decoder layer (fused elementwise kernels; attention stays eager)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -89,6 +89,7 @@ class RoundPipeEngine:
         min_stages: int | None = None,
         max_tokens_per_mb: int | None = None,
         init_meta: Callable[[nn.Module], None] | None = None,
+        compile_backend: str | None = None,
     ) -> None:
         if optim_step not in ("sync", "async"):
             raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
@@ -106,6 +107,10 @@ class RoundPipeEngine:
         self.optim_step = optim_step
         self.loss_chunk_size = loss_chunk_size
         master_dtype = master_dtype_for(optim.type, optimizer_dtype)
+        if compile_backend is not None:  # actor.roundpipe.compile
+            from laden.model.compiled import enable_compiled_layers
+
+            enable_compiled_layers(model, backend=compile_backend)
         split = split_causal_lm(model)
         names = {id(p): n for n, p in model.named_parameters()}
         self.pipe = Pipeline(
@@ -475,4 +480,5 @@ def build_roundpipe_engine(
         num_microbatch=rp.num_microbatch, recompute_grain=rp.recompute_grain,
         model_memory_limit=rp.model_memory_limit, pin_model=rp.pin_model, optim_step=rp.optim_step,
         devices=devices, loss_chunk_size=actor.loss_chunk_size, max_tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
+        compile_backend="inductor" if rp.compile else None,
     )  # fmt: skip
