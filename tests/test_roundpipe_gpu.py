@@ -225,3 +225,54 @@ def test_two_gpu_pool_equals_one_gpu():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a)
+
+
+def test_cuda_compiled_layers_track_eager_engine():
+    """actor.roundpipe.compile on CUDA: inductor's fused kernels round differently from eager
+    ones, so the bf16 losses of three steps agree to bf16-sized tolerances, not bitwise."""
+    from test_roundpipe_engine import make_steps, settings, tied_model
+
+    from laden.engine.roundpipe import RoundPipeEngine
+    from laden.model.attention import set_attention
+
+    losses = []
+    for backend in (None, "inductor"):
+        model = tied_model()
+        set_attention(model, "varlen")
+        engine = RoundPipeEngine(model, optim=settings(lr=1e-3), compute_dtype=torch.bfloat16, min_stages=3,
+                                 devices=[torch.device("cuda", 0)], compile_backend=backend)  # fmt: skip
+        run = []
+        for mbs in make_steps(3):
+            out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+            run.append(float(out["loss"]))
+        losses.append(run)
+    eager, compiled = losses
+    assert all(torch.isfinite(torch.tensor(compiled)))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=0)
+
+
+def test_cuda_long_context_knobs_equal_plain_layers():
+    """actor.tiled_mlp_tokens on CUDA under bf16 autocast (where CUDA autocast, unlike the CPU's,
+    runs reductions in fp32): tiled MLP + lean RMSNorms give the plain model's loss and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from laden.model.lean_norm import enable_lean_rmsnorm
+    from laden.model.tiled import enable_tiled_mlp
+    from laden.model.tiny import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=64, num_hidden_layers=2)).cuda()
+    knobs = copy.deepcopy(plain)
+    enable_tiled_mlp(knobs, tile_tokens=8)
+    enable_lean_rmsnorm(knobs)
+    ids = torch.randint(0, 64, (1, 40), device="cuda")
+    results = []
+    for model in (plain, knobs):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_p, grads_p), (loss_k, grads_k) = results
+    torch.testing.assert_close(loss_k, loss_p, rtol=1e-3, atol=1e-3)
+    for name, g in grads_p.items():
+        assert (grads_k[name] - g).norm() <= 2e-2 * g.norm() + 1e-6, name
