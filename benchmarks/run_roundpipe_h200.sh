@@ -17,8 +17,10 @@
 # order (most important first, so a slow machine loses the least important runs):
 #   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
 #   laden 8B 170, laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80, pin 3 x 60
-#   = 1450 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS (RoundPipe's host Adam kernel
-#   compiles during pytest, at most 150 s from the start, and is waited for before the measured runs).
+#   = 1450 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS, e.g.
+#   PARTS="ref compile" (about 520 s) and PARTS="tests 8b pin" (about 450 s). RoundPipe's host Adam
+#   kernel compiles during pytest (or alone), at most 150 s from the start, and is waited for before
+#   the measured runs.
 # Measured on an H200 (2026-11-30, first run of this script): install + pytest + compile 45, laden ref
 # 72, RoundPipe ref 57; the Qwen3 shapes are now initialised on the GPU (a CPU random fill runs on one
 # core: it cost the 8B run its 150 s). laden at 131072 tokens trained there (34 s/step, 14.2 GiB), so
