@@ -18,7 +18,7 @@
 #   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
 #   laden 8B 170, laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80, pin 3 x 60
 #   = 1450 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS, e.g.
-#   PARTS="ref compile" (about 520 s) and PARTS="tests 8b pin" (about 450 s). RoundPipe's host Adam
+#   PARTS="ref compile" (about 520 s) and PARTS="tests 8b pin" (about 300 s). RoundPipe's host Adam
 #   kernel compiles during pytest (or alone), at most 150 s from the start, and is waited for before
 #   the measured runs.
 # Measured on an H200 (2026-11-30, first run of this script): install + pytest + compile 45, laden ref
