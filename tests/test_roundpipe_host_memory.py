@@ -115,6 +115,29 @@ def test_measured_bytes_per_param_match_the_table_and_the_prediction(
         assert hp.param.data_ptr() == hp.uploads[0].data_ptr(), hp.name  # the model views buffer 0
 
 
+@pytest.mark.parametrize("pin_model", ["register", "off"])
+def test_memory_mapped_weights_are_used_in_place(tmp_path, pin_model):
+    """`off` (and `register`, which pins in place) keeps weights that are already in the compute
+    dtype where they are: a model loaded memory-mapped is not copied into the host store, which
+    is what lets `off` train a frozen or bf16 model larger than host memory. It trains like the
+    same model held in plain memory."""
+    reference = tiny_model(torch.bfloat16)
+    torch.save(reference.state_dict(), tmp_path / "weights.pt")
+    mapped = torch.load(tmp_path / "weights.pt", mmap=True, weights_only=True)
+    with meta_params():
+        skeleton = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.bfloat16)
+    skeleton.load_state_dict(mapped, assign=True)
+    file_ptrs = {name: p.data_ptr() for name, p in skeleton.named_parameters()}
+    kwargs = dict(optim=settings("adam_bf16"), compute_dtype=torch.bfloat16, pin_model=pin_model)
+    engine = RoundPipeEngine(skeleton, **kwargs)
+    for hp in engine.pipe.store.params:
+        assert hp.uploads[0].data_ptr() == file_ptrs[hp.name], hp.name  # no copy of the mapped weights
+    in_memory = RoundPipeEngine(copy.deepcopy(reference), **kwargs)
+    steps = make_steps(2)
+    for a, b in zip(train(engine, steps), train(in_memory, steps)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_tied_embedding_staging_is_predicted():
     """A tied embedding used by the first and the last stage lands twice: one staging buffer more."""
     model = tiny_model(torch.bfloat16, tied=True)
