@@ -260,7 +260,7 @@ def test_torchrun_data_parallel_d2_equals_single_process(tmp_path, backend):
 
 
 def test_tiled_mlp_run_matches_plain_run(tmp_path, caplog):
-    """actor.tiled_mlp_tokens changes memory, not the model that comes out."""
+    """actor.tiled_mlp_tokens (tiled MLPs, lean RMSNorms) changes memory, not the model that comes out."""
     import logging
 
     from safetensors.torch import load_file
@@ -269,7 +269,7 @@ def test_tiled_mlp_run_matches_plain_run(tmp_path, caplog):
     extra = ("total_train_steps=3", "checkpoint.save_freq_steps=null")
     plain = run_sft(_cfg(tmp_path, "plain", *extra), progress=False)
     tiled = run_sft(_cfg(tmp_path, "tiled", *extra, "actor.tiled_mlp_tokens=16"), progress=False)
-    assert "actor.tiled_mlp_tokens=16: 2 decoder MLPs tiled" in caplog.text
+    assert "actor.tiled_mlp_tokens=16: 2 decoder MLPs tiled, 9 RMSNorms lean" in caplog.text
     a, b = (load_file(r.run_dir / "hf" / "model.safetensors") for r in (plain, tiled))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
