@@ -9,7 +9,10 @@ One JSON object per result on stdout. Systems:
 Both train on the same random packed micro-batches: `--num-seqs` sequences of `--seq-len`
 tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per row.
 MFU = 6 N tokens/s / 989e12 and HFU = 8 N tokens/s / 989e12 (H200 dense bf16 peak, N =
-parameters, embeddings included, tied ones once); attention FLOPs are not counted.
+parameters, embeddings included, tied ones once). `mfu_attn` and `hfu_attn` add causal
+attention as BENCHMARKS.md defines MFU: per token and layer 6 S q (forward 2 S q: QK^T and
+PV over on average S/2 earlier tokens, 2 FLOPs per multiply-add; backward twice that), 8 S q
+with the recomputed forward, for sequences of S tokens and q = heads x head_dim.
 
 A result is only valid if every step's loss and gradient norm are finite (and, for laden on
 a GPU with `--pin-model alloc|register`, the upload copies are page-locked): otherwise the
@@ -389,6 +392,14 @@ def run(args: argparse.Namespace) -> dict:
         "num_params": num_params,
         "mfu": round(6 * num_params * tok_s / PEAK_FLOPS, 4),
         "hfu": round(8 * num_params * tok_s / PEAK_FLOPS, 4),
+        "mfu_attn": round(
+            (6 * num_params + attention_flops_per_token(model.config, args.seq_len, 6)) * tok_s / PEAK_FLOPS,
+            4,
+        ),
+        "hfu_attn": round(
+            (8 * num_params + attention_flops_per_token(model.config, args.seq_len, 8)) * tok_s / PEAK_FLOPS,
+            4,
+        ),  # fmt: skip
         "last_loss": losses[-1],
         "losses": losses,
         "grad_norms": grad_norms,
@@ -404,6 +415,13 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": _transformers_version(),
     }
+
+
+def attention_flops_per_token(config: Any, seq_len: int, factor: int) -> float:
+    """Causal attention FLOPs per token over all layers: `factor` S q / token / layer (see the docstring)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return factor * seq_len * heads * head_dim * config.num_hidden_layers
 
 
 def profile_step(engine, mbs: list) -> dict:

@@ -118,3 +118,16 @@ def test_kernel_categories_of_profiled_kernel_names():
         "some_unknown_kernel": "other",
     }
     assert {name: category(name) for name in names} == names
+
+
+def test_attention_flops_follow_the_causal_count():
+    """6 S q per token and layer (forward 2 S q, backward twice that), 8 S q with the recomputed
+    forward; q = heads x head_dim, or the hidden size when the config has no head_dim."""
+    from types import SimpleNamespace
+
+    flops = load_script().attention_flops_per_token
+    config = SimpleNamespace(num_attention_heads=16, head_dim=128, hidden_size=2048, num_hidden_layers=28)
+    assert flops(config, 4096, 6) == 6 * 4096 * 16 * 128 * 28
+    assert flops(config, 4096, 8) / flops(config, 4096, 6) == pytest.approx(8 / 6)
+    no_head_dim = SimpleNamespace(num_attention_heads=4, head_dim=None, hidden_size=256, num_hidden_layers=2)
+    assert flops(no_head_dim, 10, 6) == 6 * 10 * 256 * 2
