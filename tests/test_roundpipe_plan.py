@@ -87,9 +87,12 @@ def test_auto_plan_uses_few_balanced_stages():
 
 def test_auto_plan_warns_when_a_layer_exceeds_half_the_limit():
     model = FakeModel([GIB, GIB // 8, GIB // 8])
-    with pytest.warns(UserWarning, match="largest layer"):
+    with pytest.warns(UserWarning, match="largest layer") as caught:
         plan = ModelExecutePlan.auto("fused", model, model_memory_limit=1.0)
     plan.check_valid(3, "fused")
+    message = str(caught[0].message)
+    assert "To fix: raise model_memory_limit to >= 6 GiB; split that layer" in message  # 2 x its 3 GiB
+    assert "tiled_mlp_tokens" not in message and "num_microbatch" not in message
 
 
 @pytest.mark.parametrize(
@@ -176,10 +179,11 @@ def test_auto_plan_fits_a_qwen3_1_7b_shape_with_long_microbatches():
     def cost(stage: range) -> int:
         return sum(bwd[i] + acts[i][0] for i in stage) + max(acts[i][1] for i in stage)
 
-    with pytest.warns(UserWarning, match="activations of 16384 tokens"):
+    with pytest.warns(UserWarning, match="activations of 16384 tokens") as caught:
         plan = ModelExecutePlan.auto(
             "fused", rp, model_memory_limit=limit_gib, tokens_per_microbatch=num_tokens
         )
+    assert "set actor.tiled_mlp_tokens" in str(caught[0].message)  # the long-sequence knob is named
     plan.check_valid(rp.num_layers, "fused")
     assert all(cost(stage) <= limit_gib * GIB / 2 for stage in plan.bwd_plan if len(stage) > 1)
     assert all(cost(stage) <= limit_gib * GIB for stage in plan.bwd_plan)

@@ -308,11 +308,16 @@ def _warn_if_oversized(costs: _Costs, cap: int, limit_gib: float, num_tokens: in
     if largest > cap:
         need = 2 * largest / GIB
         what = "weights" if num_tokens is None else f"weights and activations of {num_tokens} tokens"
+        fixes = [f"raise model_memory_limit to >= {need:.3g} GiB"]
+        if num_tokens is not None:
+            fixes += [
+                "use fewer tokens per micro-batch (raise num_microbatch) or recompute_grain='layer'",
+                "set actor.tiled_mlp_tokens (long sequences: MLPs over token tiles, RMSNorms without fp32 copies)",
+            ]
+        fixes.append("split that layer")
         warnings.warn(
             f"the largest layer needs {largest / GIB:.3g} GiB ({what}), more than half of model_memory_limit="
-            f"{limit_gib} GiB; it gets a stage of its own. Raise model_memory_limit to >= {need:.3g} GiB, "
-            "use fewer tokens per micro-batch (raise num_microbatch) or recompute_grain='layer', "
-            "or split that layer",
+            f"{limit_gib} GiB; it gets a stage of its own. To fix: {'; '.join(fixes)}",
             stacklevel=3,
         )
 
