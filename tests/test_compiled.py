@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from test_roundpipe_engine import SMALL_STAGES, make_steps, settings, tied_model
+from test_tiled import _lm_step
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
@@ -42,15 +43,6 @@ def _model(num_layers: int) -> torch.nn.Module:
     return model
 
 
-def _loss_and_grads(
-    model: torch.nn.Module, ids: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # training: no KV cache
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def test_compiled_model_equals_eager_and_shares_one_compiled_code():
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     eager = _model(4)
@@ -59,8 +51,8 @@ def test_compiled_model_equals_eager_and_shares_one_compiled_code():
     assert enable_compiled_layers(compiled, backend="aot_eager") == 4  # again: nothing changes
     assert compiled_layer_count(compiled) == 4
     assert compiled.state_dict().keys() == eager.state_dict().keys()
-    loss_e, grads_e = _loss_and_grads(eager, ids)
-    loss_c, grads_c = _loss_and_grads(compiled, ids)
+    loss_e, grads_e = _lm_step(eager, ids)
+    loss_c, grads_c = _lm_step(compiled, ids)
     torch.testing.assert_close(loss_c, loss_e, **TIGHT)
     assert grads_c.keys() == grads_e.keys()
     for name, g in grads_e.items():
@@ -72,10 +64,10 @@ def test_compiled_model_equals_eager_and_shares_one_compiled_code():
     counters.clear()
     deeper = _model(8)
     enable_compiled_layers(deeper, backend="aot_eager")
-    _loss_and_grads(deeper, ids)
+    _lm_step(deeper, ids)
     assert counters["stats"]["unique_graphs"] == graphs_for_4
     assert disable_compiled_layers(compiled) == 4 and compiled_layer_count(compiled) == 0
-    torch.testing.assert_close(_loss_and_grads(compiled, ids)[0], loss_e, rtol=0, atol=0)  # eager again
+    torch.testing.assert_close(_lm_step(compiled, ids)[0], loss_e, rtol=0, atol=0)  # eager again
 
 
 def test_bad_backend_and_non_causal_lm_are_refused():

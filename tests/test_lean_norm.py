@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from test_tiled import _assert_model_same, _batch, _lm_step
 from torch import nn
 
 from laden.model.attention import set_attention
@@ -195,57 +196,42 @@ def _tiny_model(**overrides) -> nn.Module:
     return AutoModelForCausalLM.from_config(tiny_qwen3_config(**overrides), dtype=torch.float32)
 
 
-def _lm_step(model, seed=0):
-    ids = torch.randint(4, 100, (2, 24), generator=torch.Generator().manual_seed(seed))
-    model.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_model_same(got, want):
-    torch.testing.assert_close(got[0], want[0])
-    assert got[1].keys() == want[1].keys()
-    for name, w in want[1].items():
-        torch.testing.assert_close(got[1][name], w, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def test_tiny_qwen3_lean_equals_plain():
     model = _tiny_model()
-    want = _lm_step(model)
+    want = _lm_step(model, _batch())
     lean = copy.deepcopy(model)
     num_layers = model.config.num_hidden_layers
     assert enable_lean_rmsnorm(lean) == 4 * num_layers + 1  # input, post-attention, q, k; final norm
     assert lean.state_dict().keys() == model.state_dict().keys()
     assert type(lean.model.layers[0].self_attn.q_norm).__name__ == "LeanQwen3RMSNorm"
-    _assert_model_same(_lm_step(lean), want)
+    _assert_model_same(_lm_step(lean, _batch()), want)
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_lean_with_gradient_checkpointing_and_tiled_mlp():
     model = _tiny_model()
-    want = _lm_step(model, seed=1)
+    want = _lm_step(model, _batch(seed=1))
     enable_lean_rmsnorm(model)
     enable_tiled_mlp(model, tile_tokens=7)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    _assert_model_same(_lm_step(model, seed=1), want)
+    _assert_model_same(_lm_step(model, _batch(seed=1)), want)
 
 
 def test_disable_and_reenable_keep_state_dict():
     model = _tiny_model()
     keys = list(model.state_dict().keys())
-    want = _lm_step(model, seed=2)
+    want = _lm_step(model, _batch(seed=2))
     assert enable_lean_rmsnorm(model) == 9
     assert enable_lean_rmsnorm(model) == 9  # already lean: counted, not switched twice
     assert type(model.model.norm).__mro__[1].__name__ == "Qwen3RMSNorm"
     assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, seed=2), want)
+    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
     assert disable_lean_rmsnorm(model) == 9
     assert disable_lean_rmsnorm(model) == 0
     assert {type(m).__name__ for m in model.modules() if "RMSNorm" in type(m).__name__} == {"Qwen3RMSNorm"}
     assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, seed=2), want)
+    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
 
 
 def test_copies_and_pickles_stay_lean_on_their_own_weight():

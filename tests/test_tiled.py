@@ -171,8 +171,9 @@ def _batch(seed=0, shape=(2, 24)):
 
 
 def _lm_step(model, ids):
+    """Loss and every parameter gradient of one training step (no KV cache, as in training)."""
     model.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
