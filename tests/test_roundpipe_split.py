@@ -151,21 +151,14 @@ def test_activation_estimate_matches_what_autograd_saves(dtype):
 
 
 def _saved_bytes_per_token(layer: nn.Module, rotary: nn.Module, num_tokens: int, hidden: int) -> float:
-    """Bytes of distinct non-parameter storages one decoder layer's forward saves for backward."""
+    """`saved_activation_bytes` of one decoder layer's forward on a bf16 input, per token."""
     x = torch.randn(1, num_tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(num_tokens)[None]
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward() -> None:
         layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))
-    return sum(saved.values()) / num_tokens
+
+    return saved_activation_bytes(forward, layer.parameters()) / num_tokens
 
 
 @pytest.mark.parametrize("lean", [False, True], ids=["hf_norms", "lean_norms"])
