@@ -150,22 +150,12 @@ def test_activation_estimate_matches_what_autograd_saves(dtype):
     assert activation_bytes(nn.Linear(2, 2), num_tokens, dtype=dtype) == (0, 0)
 
 
-def _saved_bytes_per_token(layer: nn.Module, rotary: nn.Module, num_tokens: int, hidden: int) -> float:
-    """`saved_activation_bytes` of one decoder layer's forward on a bf16 input, per token."""
-    x = torch.randn(1, num_tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(num_tokens)[None]
-
-    def forward() -> None:
-        layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))
-
-    return saved_activation_bytes(forward, layer.parameters()) / num_tokens
-
-
 @pytest.mark.parametrize("lean", [False, True], ids=["hf_norms", "lean_norms"])
 @pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
 def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean):
     """The planner's kept-activation estimate of a decoder layer is conservative and close (within
     15%) to what autograd saves, with and without the tiled MLP and the lean RMSNorms."""
+    from test_lean_norm import _layer_saved_bytes
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from laden.model.attention import set_attention
@@ -184,7 +174,7 @@ def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean)
     if lean:
         enable_lean_rmsnorm(model)
     num_tokens = 256
-    measured = _saved_bytes_per_token(model.model.layers[0], model.model.rotary_emb, num_tokens, 256)
+    measured = _layer_saved_bytes(model, num_tokens)[0] / num_tokens
     step = next(s for s in split_causal_lm(model).layers if isinstance(s, DecoderStep))
     kept, transient = activation_bytes(step, num_tokens, dtype=torch.bfloat16)
     assert measured <= kept / num_tokens <= 1.15 * measured
