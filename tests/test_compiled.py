@@ -93,3 +93,15 @@ def test_roundpipe_engine_with_compiled_layers_equals_eager(grain):
     for name, t in eager.state_dict()["model"].items():
         torch.testing.assert_close(compiled.state_dict()["model"][name], t, **TIGHT, msg=name)
     assert counters["stats"]["unique_graphs"] > 0
+
+
+def test_compiled_layers_survive_copies_and_pickling():
+    import pickle
+
+    model = _model(2)
+    enable_compiled_layers(model, backend="aot_eager")
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert compiled_layer_count(clone) == 2
+        assert type(clone.model.layers[0]) is type(model.model.layers[0])  # the same compiled class
+        for (name, a), (_, b) in zip(model.state_dict().items(), clone.state_dict().items()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

@@ -8,9 +8,9 @@ generated kernels.
 
 `enable_compiled_layers` swaps each decoder layer's class to a cached subclass whose
 `forward` runs the original class's `forward` through one `torch.compile`d function per
-original class (the way `laden.model.tiled` swaps MLP classes): parameter names and state
-dicts do not change, and the shallow copies the roundpipe engine binds to device weights
-stay compiled. The compiled function takes the layer as an argument; Dynamo treats its
+original class and backend (`laden.model.swap`, as `laden.model.tiled` swaps MLP
+classes): parameter names and state dicts do not change, the shallow copies the roundpipe
+engine binds to device weights stay compiled, and a pickled model unpickles compiled. The compiled function takes the layer as an argument; Dynamo treats its
 parameters as inputs, so the layers of a model (and every copy of them) share the same
 compiled code instead of compiling once per layer. Attention over packed sequences reads
 `cu_seqlens` and graph-breaks there: attention runs eagerly (its kernel is already fused),
@@ -31,42 +31,34 @@ from typing import Any
 import torch
 from torch import nn
 
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+
 __all__ = ["compiled_layer_count", "disable_compiled_layers", "enable_compiled_layers"]
 
 _EAGER_CLASS_ATTR = "_laden_eager_layer_class"
-_COMPILED: dict[tuple[type, str], type] = {}
+_SWAPS: dict[str, ClassSwap] = {}
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a Hugging Face causal LM (`model.model.layers` or `model.layers`)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(
-            f"{type(model).__name__} has no decoder layers at .model.layers or .layers; compiled layers "
-            "need a Hugging Face causal LM (Qwen3, Qwen2, Llama, Mistral, ...)"
-        )
-    return list(layers)
-
-
-def _compiled_class(cls: type[nn.Module], backend: str) -> type:
-    key = (cls, backend)
-    if key not in _COMPILED:
+def _compiled_methods(backend: str) -> Callable[[type[nn.Module]], dict[str, Any]]:
+    def methods(cls: type[nn.Module]) -> dict[str, Any]:
         compiled: Callable[..., Any] = torch.compile(cls.forward, backend=backend)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return compiled(self, *args, **kwargs)
 
-        _COMPILED[key] = type(
-            f"Compiled{cls.__name__}",
-            (cls,),
-            {"forward": forward, _EAGER_CLASS_ATTR: cls, "__module__": __name__},
-        )
-    return _COMPILED[key]
+        return {"forward": forward}
+
+    return methods
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    return _EAGER_CLASS_ATTR in type(module).__dict__
+def class_swap(backend: str) -> ClassSwap:
+    """The compiled-layer class swap of one `torch.compile` backend (all share one marker)."""
+    if backend not in _SWAPS:
+        _SWAPS[backend] = ClassSwap(
+            prefix="Compiled", marker=_EAGER_CLASS_ATTR, methods=_compiled_methods(backend), owner=__name__,
+            arg=backend,
+        )  # fmt: skip
+    return _SWAPS[backend]
 
 
 def enable_compiled_layers(model: nn.Module, *, backend: str = "inductor") -> int:
@@ -76,29 +68,20 @@ def enable_compiled_layers(model: nn.Module, *, backend: str = "inductor") -> in
     """
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend={backend!r} must name a torch.compile backend, e.g. 'inductor'")
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model, "enable_compiled_layers")
+    for index, layer in enumerate(layers):
+        check_own_forward(layer, f"{type(model).__name__}: layers.{index}", "compilation")
+    swap = class_swap(backend)
     for layer in layers:
-        if "forward" in layer.__dict__:
-            raise ValueError(
-                f"{type(layer).__name__} has its forward replaced on the instance (e.g. by accelerate's "
-                "device_map hooks), which would bypass compilation; load the model without a device_map"
-            )
-    for layer in layers:
-        if not _is_compiled(layer):
-            layer.__class__ = _compiled_class(type(layer), backend)
+        swap.apply(layer)  # a layer compiled with another backend keeps it: the marker is shared
     return len(layers)
 
 
 def compiled_layer_count(model: nn.Module) -> int:
-    """How many modules of `model` run through a compiled layer class."""
-    return sum(_is_compiled(m) for m in model.modules())
+    """How many modules of `model` run through a compiled layer class (any backend)."""
+    return sum(_EAGER_CLASS_ATTR in type(m).__dict__ for m in model.modules())
 
 
 def disable_compiled_layers(model: nn.Module) -> int:
-    """Give every compiled layer its original class back; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _is_compiled(module):
-            module.__class__ = type(module).__dict__[_EAGER_CLASS_ATTR]
-            count += 1
-    return count
+    """Give every compiled layer its original class back (any backend); returns how many."""
+    return len(class_swap("inductor").undo(model))  # undo reads only the shared marker

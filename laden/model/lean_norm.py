@@ -29,9 +29,9 @@ graph holds an fp32 copy of a bf16 input and would not); no Hugging Face decoder
 writes to a norm's input. Double backward is not supported.
 
 `enable_lean_rmsnorm` swaps each eligible module's class to a cached subclass whose only
-change is the lean `forward`, the way `laden.model.tiled` swaps MLP classes: parameter
-names, state dicts and tied weights do not change, shallow copies stay lean and run on
-their own weight, and `disable_lean_rmsnorm` gives the original class back. Eligible means:
+change is the lean `forward` (`laden.model.swap`, as `laden.model.tiled` swaps MLP classes):
+parameter names, state dicts and tied weights do not change, shallow copies stay lean and
+run on their own weight, and `disable_lean_rmsnorm` gives the original class back. Eligible means:
 the class name ends with `RMSNorm`, the module has a 1-D `weight` tensor and a
 `variance_epsilon`, and the class's `forward` compiles to the same code as Hugging Face's
 Llama-style forward (checked on the installed transformers, so a family that changes its
@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import SupportsIndex
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from laden.model.swap import ClassSwap, check_own_forward
 
 __all__ = [
     "LeanRMSNormFn",
@@ -143,49 +144,22 @@ def _same_code(fn: object, reference) -> bool:
     return code is not None and all(getattr(code, f) == getattr(ref, f) for f in _CODE_FIELDS)
 
 
-_LEAN_CLASSES: dict[type, type] = {}
-
-
 def _lean_rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The lean class's `forward`: the original's result, saving only the input and `rstd`."""
     return LeanRMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _new_lean(plain_cls: type) -> nn.Module:
-    """Unpickling / copying a lean norm: an empty instance of the lean class, state set after."""
-    return object.__new__(_lean_class(plain_cls))
+_SWAP = ClassSwap(
+    prefix="Lean",
+    marker=_PLAIN_CLASS_ATTR,
+    methods=lambda cls: {"forward": _lean_rmsnorm_forward},
+    owner=__name__,
+)
 
 
-def _lean_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> tuple:
-    # Pickle (and copy) as "the lean class of <importable original class>": the dynamic class
-    # itself is not importable by name.
-    reduced = object.__reduce_ex__(self, protocol)
-    assert isinstance(reduced, tuple), "a module instance reduces to a tuple"
-    return (_new_lean, (_plain_class(self),), *reduced[2:])
-
-
-def _lean_class(cls: type) -> type:
-    """`Lean<cls>`: a subclass whose only change is the lean `forward` (one per original class)."""
-    if cls not in _LEAN_CLASSES:
-        _LEAN_CLASSES[cls] = type(
-            f"Lean{cls.__name__}",
-            (cls,),
-            {
-                "forward": _lean_rmsnorm_forward,
-                "__reduce_ex__": _lean_reduce_ex,
-                _PLAIN_CLASS_ATTR: cls,
-                "__module__": __name__,
-            },
-        )
-    return _LEAN_CLASSES[cls]
-
-
-def _is_lean(module: nn.Module) -> bool:
-    return _PLAIN_CLASS_ATTR in type(module).__dict__
-
-
-def _plain_class(module: nn.Module) -> type[nn.Module]:
-    return getattr(type(module), _PLAIN_CLASS_ATTR)
+def class_swap(arg: object = None) -> ClassSwap:
+    """The lean-RMSNorm class swap (what unpickling a lean norm looks up)."""
+    return _SWAP
 
 
 def _is_hf_rmsnorm(module: nn.Module) -> bool:
@@ -207,18 +181,13 @@ def enable_lean_rmsnorm(model: nn.Module) -> int:
     """
     norms, skipped = [], set()
     for name, module in model.named_modules():
-        if _is_lean(module):
+        if _SWAP.applied(module):
             norms.append(module)
         elif type(module).__name__.endswith("RMSNorm"):
             if not _is_hf_rmsnorm(module):
                 skipped.add(type(module).__qualname__)
                 continue
-            if "forward" in module.__dict__:
-                raise ValueError(
-                    f"{type(model).__name__}: {name} has its forward replaced on the instance (e.g. by "
-                    "accelerate's device_map hooks), which would bypass the lean norm; load the model "
-                    "without a device_map"
-                )
+            check_own_forward(module, f"{type(model).__name__}: {name}", "the lean norm")
             norms.append(module)
     if skipped:
         warnings.warn(
@@ -227,16 +196,10 @@ def enable_lean_rmsnorm(model: nn.Module) -> int:
             stacklevel=2,
         )
     for module in norms:  # all checked before any is switched
-        if not _is_lean(module):
-            module.__class__ = _lean_class(type(module))
+        _SWAP.apply(module)
     return len(norms)
 
 
 def disable_lean_rmsnorm(model: nn.Module) -> int:
     """Give every norm `enable_lean_rmsnorm` switched its original class back; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _is_lean(module):
-            module.__class__ = _plain_class(module)
-            count += 1
-    return count
+    return len(_SWAP.undo(model))

@@ -28,22 +28,23 @@ checkpointing does. Hooks on the MLP module itself run once per call; hooks on i
 submodules (`gate_proj`, ...) run once per tile in forward and again in backward.
 
 `enable_tiled_mlp` swaps each decoder layer's `mlp` to a subclass of its own class whose
-only change is a tiled `forward` (the way FSDP2's `fully_shard` re-classes a module), instead
-of wrapping it: parameter names, state dicts and tied weights do not change, and shallow
-copies of the module (the roundpipe engine runs layers as shells bound to device weights)
-stay tiled and run on their own parameters, which an instance-level `forward` bound to the
-original module would not. `disable_tiled_mlp` gives the original class back.
+only change is a tiled `forward` (`laden.model.swap`, the way FSDP2's `fully_shard`
+re-classes a module), instead of wrapping it: parameter names, state dicts and tied weights
+do not change, and shallow copies of the module (the roundpipe engine runs layers as shells
+bound to device weights) stay tiled and run on their own parameters, which an
+instance-level `forward` bound to the original module would not. `disable_tiled_mlp` gives the original class back.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import SupportsIndex
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
 
 __all__ = [
     "MLP_ATTRS",
@@ -173,63 +174,23 @@ def tiled_forward(
     return TiledMLP.apply(fn, tile_tokens, x, *trainable)
 
 
-_TILED_CLASSES: dict[type, type] = {}
-
-
 def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The tiled class's `forward`: the original class's forward, over tiles of the sequence."""
-    untiled = functools.partial(_untiled_class(self).forward, self)
+    untiled = functools.partial(_SWAP.original(self).forward, self)
     return tiled_forward(untiled, x, list(self.parameters()), tile_tokens=self.__dict__[_TILE_ATTR])
 
 
-def _new_tiled(untiled_cls: type) -> nn.Module:
-    """Unpickling / copying a tiled MLP: an empty instance of the tiled class, state set after."""
-    return object.__new__(_tiled_class(untiled_cls))
+_SWAP = ClassSwap(
+    prefix="Tiled",
+    marker=_UNTILED_CLASS_ATTR,
+    methods=lambda cls: {"forward": _tiled_mlp_forward},
+    owner=__name__,
+)
 
 
-def _tiled_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> tuple:
-    # Pickle (and copy) as "the tiled class of <importable original class>": the dynamic class
-    # itself is not importable by name.
-    reduced = object.__reduce_ex__(self, protocol)
-    assert isinstance(reduced, tuple), "a module instance reduces to a tuple"
-    return (_new_tiled, (_untiled_class(self),), *reduced[2:])
-
-
-def _tiled_class(cls: type) -> type:
-    """`Tiled<cls>`: a subclass whose only change is a tiled `forward` (one per original class)."""
-    if cls not in _TILED_CLASSES:
-        _TILED_CLASSES[cls] = type(
-            f"Tiled{cls.__name__}",
-            (cls,),
-            {
-                "forward": _tiled_mlp_forward,
-                "__reduce_ex__": _tiled_reduce_ex,
-                _UNTILED_CLASS_ATTR: cls,
-                "__module__": __name__,
-            },
-        )
-    return _TILED_CLASSES[cls]
-
-
-def _is_tiled(module: nn.Module) -> bool:
-    return _UNTILED_CLASS_ATTR in type(module).__dict__
-
-
-def _untiled_class(module: nn.Module) -> type[nn.Module]:
-    return getattr(type(module), _UNTILED_CLASS_ATTR)
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(
-            f"{type(model).__name__} has no decoder layers at `model.model.layers`; enable_tiled_mlp "
-            "expects a Hugging Face causal LM (or its base model) laid out like Qwen3, Qwen2, Llama or "
-            "Mistral; for other modules call laden.model.tiled.tiled_forward directly"
-        )
-    return layers
+def class_swap(arg: object = None) -> ClassSwap:
+    """The tiled-MLP class swap (what unpickling a tiled MLP looks up)."""
+    return _SWAP
 
 
 def _check_mlp(model: nn.Module, index: int, layer: nn.Module) -> nn.Module:
@@ -242,11 +203,7 @@ def _check_mlp(model: nn.Module, index: int, layer: nn.Module) -> nn.Module:
             f"`mlp` to be a dense gated MLP with {', '.join(MLP_ATTRS)} (Qwen3, Qwen2, Llama, Mistral); "
             "mixture-of-experts blocks are not position-wise and cannot be tiled this way"
         )
-    if "forward" in mlp.__dict__:
-        raise ValueError(
-            f"{type(model).__name__}: layers.{index}.mlp has its forward replaced on the instance (e.g. by "
-            "accelerate's device_map hooks), which would bypass tiling; load the model without a device_map"
-        )
+    check_own_forward(mlp, f"{type(model).__name__}: layers.{index}.mlp", "tiling")
     for name, sub in mlp.named_modules():
         if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
             raise ValueError(
@@ -264,21 +221,19 @@ def enable_tiled_mlp(model: nn.Module, *, tile_tokens: int) -> int:
     their names and the state dict are untouched; `disable_tiled_mlp` undoes it.
     """
     _check_tile_tokens(tile_tokens)
-    layers = _decoder_layers(model)
+    layers = decoder_layers(
+        model, "enable_tiled_mlp", "; for other modules call laden.model.tiled.tiled_forward directly"
+    )
     mlps = [_check_mlp(model, i, layer) for i, layer in enumerate(layers)]  # all checked before any patch
     for mlp in mlps:
-        if not _is_tiled(mlp):
-            mlp.__class__ = _tiled_class(type(mlp))
+        _SWAP.apply(mlp)
         mlp.__dict__[_TILE_ATTR] = tile_tokens
     return len(mlps)
 
 
 def disable_tiled_mlp(model: nn.Module) -> int:
     """Give every MLP `enable_tiled_mlp` tiled its original class back; returns how many."""
-    count = 0
-    for module in model.modules():
-        if _is_tiled(module):
-            module.__class__ = _untiled_class(module)
-            del module.__dict__[_TILE_ATTR]
-            count += 1
-    return count
+    undone = _SWAP.undo(model)
+    for module in undone:
+        del module.__dict__[_TILE_ATTR]
+    return len(undone)
