@@ -182,3 +182,33 @@ def test_without_torchrun_nothing_is_started(monkeypatch):
 def test_multi_process_mode_without_process_group_is_rejected():
     with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
         FSDPEngine(tiny_model(), dp=2, dtype=torch.float32, optim=SETTINGS)
+
+
+def test_a_process_group_started_by_init_distributed_ends_at_exit(monkeypatch):
+    """The group laden starts is destroyed by an exit hook (before C++ static destruction, where
+    gloo's threads aborted a finished process now and then); a group started elsewhere is not
+    laden's to end."""
+    import socket
+
+    import torch.distributed as dist
+
+    from laden.engine.fsdp import launch
+
+    hooks: list = []
+    monkeypatch.setattr(launch.atexit, "register", hooks.append)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    try:
+        assert init_distributed("gloo")[:2] == (0, 1) and dist.is_initialized()
+        assert init_distributed("gloo")[:2] == (0, 1)  # reused: no second hook
+        assert len(hooks) == 1
+        hooks[0]()
+        assert not dist.is_initialized()
+        hooks[0]()  # at exit after someone else ended it: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -292,19 +292,3 @@ def test_backend_needing_more_processes_fails_before_loading(tmp_path, capsys):
     assert "actor.backend='fsdp:d2' needs 2 process(es) but 1 were launched" in err
     assert "torchrun --nproc_per_node 2" in err
     assert not (tmp_path / "sft-tiny").exists()  # nothing was written before the check
-
-
-def test_runtime_ends_only_the_process_group_it_started():
-    import torch.distributed as dist
-
-    from laden.sft.trainer import Runtime
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        Runtime(rank=0, world_size=1, device=torch.device("cpu")).close()  # someone else's group
-        assert dist.is_initialized()
-        Runtime(rank=0, world_size=1, device=torch.device("cpu"), owns_process_group=True).close()
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

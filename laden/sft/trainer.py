@@ -202,8 +202,6 @@ class Runtime:
     """Number of processes."""
     device: torch.device
     """This process's device."""
-    owns_process_group: bool = False
-    """Whether this run started the process group (and so ends it: see `close`)."""
 
     @property
     def is_main(self) -> bool:
@@ -213,13 +211,6 @@ class Runtime:
         if self.world_size > 1:
             torch.distributed.barrier()
 
-    def close(self) -> None:
-        """End the process group this run started. Left to interpreter exit, gloo's worker threads
-        are torn down during static destruction, which now and then aborts the process
-        ("terminate called without an active exception") after training finished."""
-        if self.owns_process_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
 
 def start_runtime() -> Runtime:
     """Join torchrun's process group when launched by it; otherwise a single process."""
@@ -227,9 +218,8 @@ def start_runtime() -> Runtime:
         return Runtime(rank=0, world_size=1, device=default_device())
     from laden.engine.fsdp.launch import init_distributed
 
-    started_here = torch.distributed.is_available() and not torch.distributed.is_initialized()
     rank, world_size, _, device = init_distributed()
-    return Runtime(rank=rank, world_size=world_size, device=device, owns_process_group=started_here)
+    return Runtime(rank=rank, world_size=world_size, device=device)
 
 
 def check_world_size(cfg: LadenConfig, rt: Runtime) -> None:
@@ -289,13 +279,6 @@ def load_model(cfg: LadenConfig, rt: Runtime):
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
     rt = start_runtime()
-    try:
-        return _run_sft(cfg, rt, progress)
-    finally:
-        rt.close()
-
-
-def _run_sft(cfg: LadenConfig, rt: Runtime, progress: bool) -> SFTResult:
     check_world_size(cfg, rt)
     out_dir = run_dir(cfg)
     if rt.is_main:

@@ -5,6 +5,9 @@ reads torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
 `MASTER_PORT`) and starts `torch.distributed`: NCCL for CUDA tensors, gloo for CPU tensors
 (both at once on a GPU machine, so host-side collectives such as checkpoint planning work
 too). Without torchrun's variables nothing is started and the caller runs one plain process.
+A process group started here is destroyed at interpreter exit (`atexit`), before C++ static
+destruction: left to it, gloo's worker threads were torn down there and now and then aborted
+a process after its work was done ("terminate called without an active exception").
 
 Mesh layout: `("dp", "cp", "tp")`, tensor parallel innermost so that its all-reduces stay
 on the fastest links (the GPUs of one node), then Ulysses context parallel (two
@@ -15,6 +18,7 @@ different tokens of the same sequences, so to the sharding they are data-paralle
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,7 +62,13 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _local_device(local_rank: int, backend: str | None) -> torch.device:
