@@ -51,6 +51,7 @@ from torch import nn
 
 from laden.data.batch import PackedBatch
 from laden.engine.local import OptimSettings
+from laden.engine.roundpipe.device import default_devices
 from laden.engine.roundpipe.distributed import host_grad_group
 from laden.engine.roundpipe.host import ParamGroup, PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
@@ -377,10 +378,7 @@ def _default_init(
     init = getattr(model, "_init_weights", None)
     if init is None:
         return None
-    if devices is not None:
-        device = next((d for d in devices if torch.device(d).type == "cuda"), None)
-    else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = next((d for d in devices or default_devices() if torch.device(d).type == "cuda"), None)
     return init if device is None else functools.partial(_init_on_device, init, torch.device(device))
 
 
