@@ -321,6 +321,8 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from laden.model import lean_norm, tiled
+
     t0 = time.perf_counter()
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -383,8 +385,8 @@ def run(args: argparse.Namespace) -> dict:
             "compile": args.compile,
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
-        "tiled_mlps": sum(hasattr(m, "_laden_untiled_class") for m in model.modules()),
-        "lean_rmsnorms": sum(hasattr(m, "_laden_plain_norm_class") for m in model.modules()),
+        "tiled_mlps": sum(tiled.class_swap().applied(m) for m in model.modules()),
+        "lean_rmsnorms": sum(lean_norm.class_swap().applied(m) for m in model.modules()),
         "valid": not problems,
         "problems": problems,
         "tokens_per_s": round(tok_s, 1),

@@ -42,7 +42,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from laden.config.schema import ActorConfig
+from laden.model.lean_norm import class_swap as lean_norm_swap
 from laden.model.loss import chunked_linear_cross_entropy
+from laden.model.tiled import tile_tokens_of
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_SIZE",
@@ -322,8 +324,7 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
     inter = config.intermediate_size
     per_token = b * (5 * hidden + 4 * q + 4 * kv + 4 * inter) + 4 * (2 * hidden + q + kv + heads)
     tile_bytes = 0
-    mlp = getattr(layer, "mlp", None)
-    tile_tokens = getattr(mlp, "_laden_tile_tokens", None) if mlp is not None else None
+    tile_tokens = tile_tokens_of(getattr(layer, "mlp", None))
     if tile_tokens:
         per_token -= 4 * inter * b
         tile_bytes = 2 * tile_tokens * 4 * inter * b  # a tile's four [n, I] tensors and their gradients
@@ -332,8 +333,10 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
         (layer, "input_layernorm", hidden), (layer, "post_attention_layernorm", hidden),
         (attn, "q_norm", q), (attn, "k_norm", kv),
     )  # fmt: skip
+    lean = lean_norm_swap()
     for owner, name, width in normed:
-        if hasattr(getattr(owner, name, None), "_laden_plain_norm_class"):  # a lean RMSNorm
+        norm = getattr(owner, name, None)
+        if norm is not None and lean.applied(norm):
             per_token -= 4 * width
     return per_token, tile_bytes
 

@@ -193,6 +193,11 @@ def class_swap(arg: object = None) -> ClassSwap:
     return _SWAP
 
 
+def tile_tokens_of(module: nn.Module | None) -> int | None:
+    """The tile size of an MLP `enable_tiled_mlp` tiled; None for any other module (or None)."""
+    return module.__dict__[_TILE_ATTR] if module is not None and _SWAP.applied(module) else None
+
+
 def _check_mlp(model: nn.Module, index: int, layer: nn.Module) -> nn.Module:
     mlp = getattr(layer, "mlp", None)
     missing = ["mlp"] if mlp is None else [a for a in MLP_ATTRS if not hasattr(mlp, a)]
