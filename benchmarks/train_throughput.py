@@ -199,7 +199,6 @@ def laden_settings(args: argparse.Namespace, model: torch.nn.Module, device: tor
         optimizer_dtype=DTYPES[args.optimizer_dtype], recompute_grain=args.recompute_grain,
         model_memory_limit=limit, pin_model=args.pin_model, optim_step=args.optim_step, execute_plan=plan,
         min_stages=args.min_stages, loss_chunk_size=args.loss_chunk_size,
-        compile_backend="inductor" if args.compile else None,
         max_tokens_per_mb=args.seq_len * max(1, args.num_seqs // args.num_microbatch),
     )  # fmt: skip
 
@@ -217,7 +216,7 @@ def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch
 
     return RoundPipeEngine(
         model, num_microbatch=args.num_microbatch, devices=[device] if device.type == "cpu" else None,
-        **laden_settings(args, model, device),
+        compile_backend="inductor" if args.compile else None, **laden_settings(args, model, device),
     )  # fmt: skip
 
 
@@ -232,7 +231,6 @@ def predict_host(args: argparse.Namespace, model: torch.nn.Module, device: torch
 
     args = argparse.Namespace(**{**vars(args), **overrides})
     settings = laden_settings(args, model, device)
-    settings.pop("compile_backend")  # compiling changes no host buffer
     by_kind = predict_engine_host_bytes(
         model, pinned=device.type == "cuda" if pinned is None else pinned,
         num_microbatches=args.num_microbatch, **settings,
