@@ -61,7 +61,7 @@ def upload_all(engine, repeats: int) -> dict:
         start = time.perf_counter()
         for layer_id in range(pipe.num_layers):
             res = upload_stage(pipe.store, lane, [layer_id], buf=0, trainable=False)
-            wait_host(res.ready)  # one layer resident at a time, as a stage would be
+            wait_host(res.layer_ready[layer_id])  # one layer resident at a time
             release(res)
         best = min(best, time.perf_counter() - start)
     if not lane.is_cuda:  # the path ran (a CPU "upload" is a copy); no bandwidth to report

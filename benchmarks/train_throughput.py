@@ -12,7 +12,9 @@ MFU = 6 N tokens/s / 989e12 and HFU = 8 N tokens/s / 989e12 (H200 dense bf16 pea
 parameters, embeddings included, tied ones once). `mfu_attn` and `hfu_attn` add causal
 attention as BENCHMARKS.md defines MFU: per token and layer 6 S q (forward 2 S q: QK^T and
 PV over on average S/2 earlier tokens, 2 FLOPs per multiply-add; backward twice that), 8 S q
-with the recomputed forward, for sequences of S tokens and q = heads x head_dim.
+with the recomputed forward, for sequences of S tokens and q = heads x head_dim. HFU assumes
+every layer is recomputed; laden's fused stage is not (`fused_layers` of the pipeline's layers:
+all of them when the model fits the limit whole, and then HFU = MFU).
 
 A result is only valid if every step's loss and gradient norm are finite (and, for laden on
 a GPU with `--pin-model alloc|register`, the upload copies are page-locked): otherwise the
@@ -49,6 +51,7 @@ from bench_common import git_commit, shapes  # noqa: E402
 
 PEAK_FLOPS = 989e12
 GIB = 1 << 30
+HEADROOM_GIB = 2.0  # GPU memory the default plan leaves to CUDA workspaces and allocator slack
 SHAPES = shapes("qwen3-1.7b", "qwen3-8b")  # random init
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -65,7 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap-plain", action="store_true", help="apply the GPU cap to the plain system too")
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
-    p.add_argument("--model-memory-limit", type=float, default=None, help="GiB; default 1/3 of the cap")
+    p.add_argument("--model-memory-limit", type=float, default=None,
+                   help=f"GiB; default the cap less {HEADROOM_GIB} GiB (CUDA workspaces, allocator slack)")  # fmt: skip
+    p.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="lean RMSNorms and gated MLPs (actor.lean_activations; default: on for laden, off for "
+                        "plain, which runs Hugging Face's modules as they are)")  # fmt: skip
     p.add_argument("--min-stages", type=int, default=None, help="auto plan: at least this many stages")
     p.add_argument("--stage-layers", type=int, default=None, help="uniform plan: layers per backward stage")
     p.add_argument("--fused-layers", type=int, default=None, help="uniform plan: layers of the fused stage")
@@ -136,6 +143,12 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     with where:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
+    if lean_activations(args):
+        from laden.model.lean_mlp import enable_lean_mlp
+        from laden.model.lean_norm import enable_lean_rmsnorm
+
+        enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
+        enable_lean_mlp(model)
     if args.tiled_mlp_tokens:
         from laden.model.lean_norm import enable_lean_rmsnorm
         from laden.model.tiled import enable_tiled_mlp
@@ -143,6 +156,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)  # actor.tiled_mlp_tokens:
         enable_lean_rmsnorm(model)  # both, as in `laden sft`
     return model
+
+
+def lean_activations(args: argparse.Namespace) -> bool:
+    return args.lean_activations if args.lean_activations is not None else args.system == "laden"
 
 
 def on_meta(args: argparse.Namespace) -> bool:
@@ -187,7 +204,7 @@ def laden_settings(args: argparse.Namespace, model: torch.nn.Module, device: tor
 
     limit = args.model_memory_limit
     if limit is None and device.type == "cuda":
-        limit = args.gpu_mem_cap_gib / 3
+        limit = args.gpu_mem_cap_gib - HEADROOM_GIB
     plan = None
     if args.stage_layers is not None:  # pipeline layers: embedding + decoder layers + head
         plan = ModelExecutePlan.uniform(
@@ -319,7 +336,7 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from laden.model import lean_norm, tiled
+    from laden.model import lean_mlp, lean_norm, tiled
 
     t0 = time.perf_counter()
     device = (
@@ -381,10 +398,14 @@ def run(args: argparse.Namespace) -> dict:
             "attn": args.attn,
             "loss_chunk_size": args.loss_chunk_size,
             "compile": args.compile,
+            "lean_activations": lean_activations(args),
+            "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
         "tiled_mlps": sum(tiled.class_swap().applied(m) for m in model.modules()),
         "lean_rmsnorms": sum(lean_norm.class_swap().applied(m) for m in model.modules()),
+        "lean_mlps": sum(lean_mlp.is_lean_mlp(m) for m in model.modules()),
+        "fused_layers": _fused_layers(engine),
         "valid": not problems,
         "problems": problems,
         "tokens_per_s": round(tok_s, 1),
@@ -415,6 +436,12 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": _transformers_version(),
     }
+
+
+def _fused_layers(engine) -> int | None:
+    """Pipeline layers of the fused stage (no backward recompute); None for a resident engine."""
+    plan = getattr(engine, "plan", None)
+    return len(plan.bwd_plan[0]) if plan is not None else None
 
 
 def attention_flops_per_token(config: Any, seq_len: int, factor: int) -> float:

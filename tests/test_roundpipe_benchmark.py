@@ -94,17 +94,25 @@ def test_pin_model_benchmark_runs_the_upload_path_on_cpu(mode, capsys):
 
 
 def test_long_context_knob_is_recorded_in_the_result(capsys):
-    """--tiled-mlp-tokens (actor.tiled_mlp_tokens) tiles every MLP and makes every RMSNorm lean; the
-    result says how many, so a run where a model family was left alone shows it."""
+    """--tiled-mlp-tokens (actor.tiled_mlp_tokens) tiles every MLP and makes every RMSNorm lean, and
+    --lean-activations (on by default for laden) makes RMSNorms and gated MLPs lean; the result says
+    how many, so a run where a model family was left alone shows it."""
     bench = load_script()
     args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "32", "--num-seqs", "1",
             "--num-microbatch", "1", "--recompute-grain", "layer"]  # fmt: skip
-    plain = bench.main(args)
-    tiled = bench.main([*args, "--tiled-mlp-tokens", "8"])
+    plain = bench.main([*args, "--no-lean-activations"])
+    tiled = bench.main([*args, "--no-lean-activations", "--tiled-mlp-tokens", "8"])
+    lean = bench.main(args)  # laden's default: actor.lean_activations
     num_layers = 2  # laden.model.tiny
-    assert (plain["tiled_mlps"], plain["lean_rmsnorms"]) == (0, 0)
+    assert (plain["tiled_mlps"], plain["lean_rmsnorms"], plain["lean_mlps"]) == (0, 0, 0)
     assert tiled["tiled_mlps"] == num_layers and tiled["lean_rmsnorms"] == 4 * num_layers + 1
-    assert tiled["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
+    assert (lean["tiled_mlps"], lean["lean_rmsnorms"], lean["lean_mlps"]) == (
+        0,
+        4 * num_layers + 1,
+        num_layers,
+    )
+    for run in (tiled, lean):
+        assert run["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
 
 
 def test_kernel_categories_of_profiled_kernel_names():

@@ -86,6 +86,9 @@ def reference_optimizer(model: nn.Module, o: OptimSettings) -> torch.optim.Optim
 
 
 SMALL_STAGES = 0.0004  # GiB: about one layer per stage for the tiny model
+# Embedding + 3 decoder layers + head in three backward stages: the whole model would fit one stage
+# (the automatic plan then), and these tests are about stages that hand over to each other.
+STAGED = ModelExecutePlan.uniform(5, stage_layers=2, fused_layers=1)
 # Such a limit also warns when the first batch re-plans the stages with its activations.
 pytestmark = pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning")
 
@@ -116,13 +119,45 @@ def test_sync_engine_equals_resident_reference(optim_type, clip, grain):
         torch.testing.assert_close(masters[name], p.detach(), msg=name)
 
 
+def test_whole_model_stage_sends_gradients_during_the_last_microbatch(monkeypatch):
+    """One stage holding the whole model (the plan when it fits: no recompute) sends every gradient
+    accumulator home during the last micro-batch's backward, as soon as it is final, and trains
+    exactly like the plan that sends them after it."""
+    from laden.engine.roundpipe import residency
+
+    sent: list[tuple[tuple[str, int], bool]] = []
+    download = residency._download
+
+    def spy(store, res, key, inbox, on_landed):
+        sent.append((key, bool(res.writes)))  # writes are counted until the micro-batch ends
+        download(store, res, key, inbox, on_landed)
+
+    monkeypatch.setattr(residency, "_download", spy)
+    o = settings(gradient_clipping=0.05)
+    one = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32)
+    assert one.plan == ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 5)])
+    staged = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
+    assert len(staged.plan.bwd_plan) > 1
+    for mbs in make_steps(2):  # 3 micro-batches per step
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        sent.clear()
+        a = one.train_batch(mbs, global_num_loss_tokens=n)
+        assert sent and all(during for _, during in sent), sent
+        assert len(sent) == len({key for key, _ in sent}) == len(one.pipe.trainable_groups())
+        b = staged.train_batch(mbs, global_num_loss_tokens=n)
+        torch.testing.assert_close(a["loss"], b["loss"])
+        torch.testing.assert_close(a["grad_norm"], b["grad_norm"])
+    for name, t in staged.state_dict()["model"].items():
+        torch.testing.assert_close(one.state_dict()["model"][name], t, msg=name)
+
+
 def test_async_engine_equals_one_step_stale_reference():
     o = settings(gradient_clipping=0.05)
     current = tied_model()  # the weights the optimizer updates (w_k)
     opt = reference_optimizer(current, o)
     stale = copy.deepcopy(current)  # the weights the next step computes on (w_{k-1})
     engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, optim_step="async",
-                             model_memory_limit=0.01)  # fmt: skip
+                             execute_plan=STAGED)  # fmt: skip
     for mbs in make_steps(4):
         num_tokens = sum(mb.num_loss_tokens for mb in mbs)
         ref_loss = reference_loss(stale, mbs, num_tokens)
@@ -146,8 +181,8 @@ def test_adam_bf16_engine_matches_kahan_reference():
     o = settings(type="adam_bf16", lr=1e-3)
     ref = tied_model(torch.bfloat16)
     opt = reference_optimizer(ref, o)
-    engine = RoundPipeEngine(tied_model(torch.bfloat16), optim=o, compute_dtype=torch.bfloat16,
-                             model_memory_limit=0.01)  # fmt: skip
+    # one stage (the whole model fits): autograd sums the tied weight's two bf16 gradients, as the reference does
+    engine = RoundPipeEngine(tied_model(torch.bfloat16), optim=o, compute_dtype=torch.bfloat16)
     for mbs in make_steps(2, docs_per_row=1):
         num_tokens = sum(mb.num_loss_tokens for mb in mbs)
         ref_loss = reference_loss(ref, mbs, num_tokens)
@@ -163,9 +198,7 @@ def test_adam_bf16_engine_matches_kahan_reference():
 
 def test_eval_batch_equals_resident_loss():
     ref = tied_model()
-    engine = RoundPipeEngine(
-        tied_model(), optim=settings(), compute_dtype=torch.float32, model_memory_limit=0.01
-    )
+    engine = RoundPipeEngine(tied_model(), optim=settings(), compute_dtype=torch.float32, execute_plan=STAGED)
     mbs = make_steps(1)[0]
     num_tokens = sum(mb.num_loss_tokens for mb in mbs)
     expected = reference_loss(ref, mbs, num_tokens)
@@ -175,14 +208,14 @@ def test_eval_batch_equals_resident_loss():
 def test_resumed_equals_uninterrupted():
     steps = make_steps(3)
     o = settings(gradient_clipping=1.0, lr_scheduler_type="cosine", warmup_steps=1)
-    whole = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
-    first = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    whole = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
+    first = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
     for mbs in steps[:2]:
         n = sum(mb.num_loss_tokens for mb in mbs)
         whole.train_batch(mbs, global_num_loss_tokens=n)
         first.train_batch(mbs, global_num_loss_tokens=n)
     state = copy.deepcopy(first.state_dict())
-    resumed = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    resumed = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
     resumed.load_state_dict(state)
     n = sum(mb.num_loss_tokens for mb in steps[2])
     a = whole.train_batch(steps[2], global_num_loss_tokens=n)
@@ -194,9 +227,7 @@ def test_resumed_equals_uninterrupted():
 
 
 def test_export_hf_roundtrip(tmp_path):
-    engine = RoundPipeEngine(
-        tied_model(), optim=settings(), compute_dtype=torch.float32, model_memory_limit=0.01
-    )
+    engine = RoundPipeEngine(tied_model(), optim=settings(), compute_dtype=torch.float32, execute_plan=STAGED)
     mbs = make_steps(1)[0]
     engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
     engine.export_hf(tmp_path / "export")
@@ -252,7 +283,7 @@ def test_fp32_masters_with_bf16_compute_match_mixed_precision_reference():
     o = settings()
     master = tied_model()
     opt = reference_optimizer(master, o)
-    engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.bfloat16, model_memory_limit=0.01)
+    engine = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.bfloat16)  # one stage, as adam_bf16's
     for mbs in make_steps(2, docs_per_row=1):
         num_tokens = sum(mb.num_loss_tokens for mb in mbs)
         work = copy.deepcopy(master)  # the bf16 copy the step computes on (buffers stay fp32)
@@ -377,7 +408,7 @@ def test_auto_plan_follows_the_longest_microbatch():
 
 def test_engine_on_a_pool_of_two_workers_equals_one_worker():
     o = settings(gradient_clipping=0.5)
-    one = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    one = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
     with pytest.warns(UserWarning, match="largest layer"):
         two = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=SMALL_STAGES,
                               devices=[torch.device("cpu")] * 2, recompute_grain="layer")  # fmt: skip
@@ -398,7 +429,7 @@ def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
 
     steps = make_steps(2)
     o = settings(gradient_clipping=1.0)
-    clean = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=0.01)
+    clean = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, execute_plan=STAGED)
     with pytest.warns(UserWarning, match="largest layer"):
         retried = RoundPipeEngine(
             tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=SMALL_STAGES

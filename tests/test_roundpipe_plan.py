@@ -70,19 +70,58 @@ def test_auto_plan_fits_the_limit_and_covers_every_layer(run_type, limit_gib, mi
     cap = limit_gib * GIB / 2
     for stage in plan.fwd_plan:
         assert sum(weights[i] for i in stage) <= cap
-    for stage in plan.bwd_plan:
+    # The fused stage may take the whole limit beside the stage prefetched while it computes.
+    capped = plan.bwd_plan[1:] if run_type == "fused" else plan.bwd_plan
+    for stage in capped:
         assert sum(3 * weights[i] for i in stage) <= cap
     stages = plan.bwd_plan if run_type != "infer" else plan.fwd_plan
     assert len(stages) >= min_stages
     if run_type == "fused":
         assert plan.bwd_plan[0].stop == len(weights)
+        beside = max((sum(3 * weights[i] for i in s) for s in plan.bwd_plan[1:2]), default=0)
+        assert sum(3 * weights[i] for i in plan.bwd_plan[0]) + beside <= limit_gib * GIB
 
 
 def test_auto_plan_uses_few_balanced_stages():
     model = FakeModel([100] * 12)
-    plan = ModelExecutePlan.auto("fused", model, model_memory_limit=12 * 300 / GIB, min_stages=1)
+    plan = ModelExecutePlan.auto("train", model, model_memory_limit=12 * 300 / GIB, min_stages=1)
     assert [len(s) for s in plan.bwd_plan] == [6, 6]  # needs 2 stages of 1800 B; split evenly
-    assert plan.fwd_plan == [range(0, 6)]
+    assert [len(s) for s in plan.fwd_plan] == [12]
+
+
+def test_auto_plan_grows_the_fused_stage_to_skip_recompute():
+    """The fused stage's layers are the only ones not recomputed: it grows while it fits the whole
+    limit beside the stage prefetched with it; the other stages keep half the limit."""
+    model = FakeModel([100] * 12)  # 300 B per layer with gradients
+    whole = ModelExecutePlan.auto("fused", model, model_memory_limit=12 * 300 / GIB, min_stages=1)
+    assert whole == ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 12)])  # fits whole: no recompute
+    # 3000 B: 9 fused layers (2700 B) beside one prefetched layer (300 B), so the layers before them
+    # get stages of one layer in backward; in forward, 3 layers (300 B) beside the fused weights
+    plan = ModelExecutePlan.auto("fused", model, model_memory_limit=10 * 300 / GIB, min_stages=1)
+    expected = [range(3, 12), range(2, 3), range(1, 2), range(0, 1)]
+    assert plan == ModelExecutePlan(fwd_plan=[range(0, 3)], bwd_plan=expected)
+    balanced = ModelExecutePlan.auto("train", model, model_memory_limit=10 * 300 / GIB, min_stages=1)
+    assert max(len(s) for s in balanced.bwd_plan) == 4  # what half the limit allows any stage
+    # two devices: at least two stages, still the largest fused stage that fits beside the other
+    two = ModelExecutePlan.auto("fused", model, model_memory_limit=12 * 300 / GIB, min_stages=2)
+    assert two.bwd_plan == [range(1, 12), range(0, 1)] and two.fwd_plan == [range(0, 1)]
+
+
+class TiedModel(FakeModel):
+    """FakeModel whose first and last layer share one weight, counted in both by layer_bytes."""
+
+    def shared_bytes(self, *, with_grads: bool) -> list[tuple[frozenset[int], int]]:
+        return [(frozenset({0, self.num_layers - 1}), 3 * 100 if with_grads else 100)]
+
+
+def test_auto_plan_counts_a_tied_weight_once_in_the_fused_stage():
+    weights = [100] * 6  # layer 0 and layer 5 share their 100 B (300 B with gradients)
+    limit = 5 * 300 / GIB  # 1800 B counted layer by layer, 1500 B held
+    assert ModelExecutePlan.auto("fused", TiedModel(weights), model_memory_limit=limit, min_stages=1) == (
+        ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 6)])
+    )
+    untied = ModelExecutePlan.auto("fused", FakeModel(weights), model_memory_limit=limit, min_stages=1)
+    assert untied.bwd_plan[0].start > 0  # counted twice, the whole model does not fit
 
 
 def test_auto_plan_warns_when_a_layer_exceeds_half_the_limit():
@@ -140,6 +179,14 @@ def stage_cost(model: FakeLM, stage: range, num_tokens: int, grain: str) -> int:
     return weights + max(acts[i][0] + acts[i][1] for i in stage)  # one layer recomputed at a time
 
 
+def assert_fits(model: FakeLM, plan: ModelExecutePlan, num_tokens: int, grain: str, limit_gib: float) -> None:
+    """Backward stages fit half the limit; the fused stage fits it beside the next stage's weights."""
+    for stage in plan.bwd_plan[1:]:
+        assert stage_cost(model, stage, num_tokens, grain) <= limit_gib * GIB / 2
+    beside = sum(3 * model.weights[i] for i in plan.bwd_plan[1]) if len(plan.bwd_plan) > 1 else 0
+    assert stage_cost(model, plan.bwd_plan[0], num_tokens, grain) + beside <= limit_gib * GIB
+
+
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("num_tokens", [None, 1024, 8192])
 def test_auto_plan_counts_the_activations_of_a_microbatch(grain, num_tokens):
@@ -149,9 +196,7 @@ def test_auto_plan_counts_the_activations_of_a_microbatch(grain, num_tokens):
         "fused", model, model_memory_limit=limit_gib, tokens_per_microbatch=num_tokens, recompute_grain=grain
     )
     plan.check_valid(12, "fused")
-    cap = limit_gib * GIB / 2
-    for stage in plan.bwd_plan:
-        assert stage_cost(model, stage, num_tokens or 0, grain) <= cap
+    assert_fits(model, plan, num_tokens or 0, grain, limit_gib)
     weights_only = ModelExecutePlan.auto("fused", model, model_memory_limit=limit_gib)
     if num_tokens is None:
         assert plan == weights_only

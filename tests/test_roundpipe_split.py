@@ -151,14 +151,16 @@ def test_activation_estimate_matches_what_autograd_saves(dtype):
 
 
 @pytest.mark.parametrize("lean", [False, True], ids=["hf_norms", "lean_norms"])
-@pytest.mark.parametrize("tiled", [False, True], ids=["mlp", "tiled_mlp"])
-def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean):
+@pytest.mark.parametrize("lean_mlp", [False, True], ids=["hf_mlp", "lean_mlp"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled_mlp"])
+def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean_mlp, lean):
     """The planner's kept-activation estimate of a decoder layer is conservative and close (within
-    15%) to what autograd saves, with and without the tiled MLP and the lean RMSNorms."""
+    15%) to what autograd saves, with and without the tiled MLP, the lean MLP and the lean RMSNorms."""
     from test_lean_norm import _layer_saved_bytes
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from laden.model.attention import set_attention
+    from laden.model.lean_mlp import enable_lean_mlp
     from laden.model.lean_norm import enable_lean_rmsnorm
     from laden.model.split import DecoderStep, activation_bytes
     from laden.model.tiled import enable_tiled_mlp
@@ -169,6 +171,8 @@ def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     set_attention(model, "auto")
     tile = 64
+    if lean_mlp:
+        enable_lean_mlp(model)
     if tiled:
         enable_tiled_mlp(model, tile_tokens=tile)
     if lean:

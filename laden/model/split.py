@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from laden.config.schema import ActorConfig
+from laden.model.lean_mlp import is_lean_mlp
 from laden.model.lean_norm import class_swap as lean_norm_swap
 from laden.model.loss import chunked_linear_cross_entropy
 from laden.model.tiled import tile_tokens_of
@@ -313,8 +314,9 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
 
     The long-context knobs (`actor.tiled_mlp_tokens`) change what `layer` saves: a tiled MLP
     (`laden.model.tiled`) keeps only its input, already counted (-4I per token, plus a tile's
-    intermediates and gradients while its backward runs), and lean RMSNorms
-    (`laden.model.lean_norm`) keep no fp32 copy of their input (-4 bytes per normed value).
+    intermediates and gradients while its backward runs), a lean MLP (`laden.model.lean_mlp`,
+    not tiled) keeps gate and up but not act(gate) and act(gate) * up (-2I per token), and lean
+    RMSNorms (`laden.model.lean_norm`) keep no fp32 copy of their input (-4 bytes per normed value).
     """
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -324,10 +326,13 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
     inter = config.intermediate_size
     per_token = b * (5 * hidden + 4 * q + 4 * kv + 4 * inter) + 4 * (2 * hidden + q + kv + heads)
     tile_bytes = 0
-    tile_tokens = tile_tokens_of(getattr(layer, "mlp", None))
+    mlp = getattr(layer, "mlp", None)
+    tile_tokens = tile_tokens_of(mlp)
     if tile_tokens:
         per_token -= 4 * inter * b
         tile_bytes = 2 * tile_tokens * 4 * inter * b  # a tile's four [n, I] tensors and their gradients
+    elif is_lean_mlp(mlp):
+        per_token -= 2 * inter * b  # act(gate) and act(gate) * up are recomputed in backward
     attn = getattr(layer, "self_attn", None)
     normed = (  # (owner, norm attribute, values it normalises per token), Hugging Face's names
         (layer, "input_layernorm", hidden), (layer, "post_attention_layernorm", hidden),

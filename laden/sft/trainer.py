@@ -259,14 +259,7 @@ def load_model(cfg: LadenConfig, rt: Runtime):
             seed=cfg.seed,
             attn_impl=cfg.actor.attn_impl,
         )
-    if cfg.actor.tiled_mlp_tokens:
-        from laden.model.lean_norm import enable_lean_rmsnorm
-        from laden.model.tiled import enable_tiled_mlp
-
-        num_tiled = enable_tiled_mlp(model, tile_tokens=cfg.actor.tiled_mlp_tokens)
-        num_norms = enable_lean_rmsnorm(model)
-        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled, %d RMSNorms lean",
-                 cfg.actor.tiled_mlp_tokens, num_tiled, num_norms)  # fmt: skip
+    apply_activation_knobs(model, cfg.actor)
     mc: Any = model.config
     num_heads = int(mc.num_attention_heads)
     num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)
@@ -409,3 +402,20 @@ def _maybe_resume(
     batches.load_state_dict(trainer_state["data"])
     log.info("resumed from %s", found[-1])
     return int(trainer_state["step"])
+
+
+def apply_activation_knobs(model: Any, actor: Any) -> None:
+    """`actor.lean_activations` (lean RMSNorms and gated MLPs) and `actor.tiled_mlp_tokens` (tiled
+    MLPs, with lean RMSNorms) on a Hugging Face causal LM, before an engine wraps it."""
+    from laden.model.lean_mlp import enable_lean_mlp
+    from laden.model.lean_norm import enable_lean_rmsnorm
+    from laden.model.tiled import enable_tiled_mlp
+
+    if actor.lean_activations:
+        log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean",
+                 enable_lean_rmsnorm(model), enable_lean_mlp(model))  # fmt: skip
+    if actor.tiled_mlp_tokens:
+        num_tiled = enable_tiled_mlp(model, tile_tokens=actor.tiled_mlp_tokens)
+        num_norms = enable_lean_rmsnorm(model)
+        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled, %d RMSNorms lean",
+                 actor.tiled_mlp_tokens, num_tiled, num_norms)  # fmt: skip

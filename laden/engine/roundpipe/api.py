@@ -115,6 +115,9 @@ class RoundPipe(nn.Module):
     def layer_bytes(self, *, with_grads: bool) -> list[int]:
         return self.pipe.layer_bytes(with_grads=with_grads)
 
+    def shared_bytes(self, *, with_grads: bool) -> list[tuple[frozenset[int], int]]:
+        return self.pipe.shared_bytes(with_grads=with_grads)
+
     def default_memory_limit_gib(self) -> float:
         return self.pipe.default_memory_limit_gib()
 

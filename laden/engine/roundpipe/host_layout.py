@@ -187,6 +187,25 @@ class HostLayout:
             sizes.append(total)
         return sizes
 
+    def shared_bytes(self, *, with_grads: bool) -> list[tuple[frozenset[int], int]]:
+        """Parameters several layers use (tied embeddings): (those layers, bytes of one copy) each.
+
+        `layer_bytes` counts such a parameter in every layer that uses it; a stage holding
+        several of those layers holds it once.
+        """
+        users: dict[int, set[int]] = {}
+        for layer_index, info in enumerate(self.layers):
+            for hp in info.foreign:
+                users.setdefault(hp.index, {hp.group.layer}).add(layer_index)  # type: ignore[union-attr]
+        out = []
+        for index, layers in users.items():
+            hp = self.params[index]
+            nbytes = hp.numel * hp.group.compute_dtype.itemsize  # type: ignore[union-attr]
+            if with_grads and hp.trainable:
+                nbytes += hp.numel * hp.grad_dtype.itemsize
+            out.append((frozenset(layers), nbytes))
+        return out
+
     def tied_groups(self) -> list[ParamGroup]:
         """Trainable groups with a member another layer uses too (their gradients may be staged)."""
         tied = {hp.group.index for info in self.layers for hp in info.foreign if hp.trainable}  # type: ignore[union-attr]

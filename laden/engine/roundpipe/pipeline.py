@@ -77,6 +77,9 @@ class Pipeline:
     def layer_bytes(self, *, with_grads: bool) -> list[int]:
         return self.store.layer_bytes(with_grads=with_grads)
 
+    def shared_bytes(self, *, with_grads: bool) -> list[tuple[frozenset[int], int]]:
+        return self.store.layout.shared_bytes(with_grads=with_grads)
+
     def default_memory_limit_gib(self) -> float:
         return default_memory_limit_gib([lane.device for lane in self.lanes])
 

@@ -11,7 +11,10 @@ gradients take memory).
 weights plus gradient accumulators (backward) must fit in `model_memory_limit / 2` GiB,
 because the next stage's weights are prefetched while the current one computes. Within
 that cap stages are balanced (the largest stage is as small as the stage count allows) and
-there are at least `min_stages` of them (one per device by default). Trade-off: bytes are
+there are at least `min_stages` of them (one per device by default). The fused stage is
+the exception: it is then grown from the end for as long as it fits the whole limit beside
+what is resident with it (`_grow_fused`), because its layers are the only ones that skip
+the backward recompute; a model that fits whole is one stage, trained without recompute. Trade-off: bytes are
 known before the first step and deterministic; measured timings would balance better when
 layers differ in FLOPs but not in size (the embedding), at the price of a profiling step.
 
@@ -54,6 +57,12 @@ class PlannableModel(Protocol):
     def num_devices(self) -> int: ...
 
     def default_memory_limit_gib(self) -> float: ...
+
+
+class SharedWeights(Protocol):
+    """Optional for `auto`: parameters several layers use (tied embeddings), (layers, bytes) each."""
+
+    def shared_bytes(self, *, with_grads: bool) -> list[tuple[frozenset[int], int]]: ...
 
 
 class ActivationEstimator(Protocol):
@@ -196,9 +205,64 @@ class ModelExecutePlan:
         bwd_plan = bwd.partition(cap, stages)[::-1]  # execution order: last layers first
         if run_type == "train":
             return cls(fwd_plan=fwd.partition(cap, stages), bwd_plan=bwd_plan)
+        shared = getattr(model, "shared_bytes", None)
+        grown = _grow_fused(
+            fwd, bwd, bwd_bytes, bwd_plan[0].start, limit=int(limit_gib * GIB), cap=cap, min_stages=stages,
+            shared=shared(with_grads=True) if shared is not None else [],
+        )  # fmt: skip
+        if grown is not None:
+            return grown
         fused_start = bwd_plan[0].start
         fwd_plan = fwd.first(fused_start).partition(cap, min(stages, fused_start)) if fused_start else []
         return cls(fwd_plan=fwd_plan, bwd_plan=bwd_plan)
+
+
+def _grow_fused(
+    fwd: _Costs,
+    bwd: _Costs,
+    resident: Sequence[int],
+    start: int,
+    *,
+    limit: int,
+    cap: int,
+    min_stages: int,
+    shared: Sequence[tuple[frozenset[int], int]] = (),
+) -> ModelExecutePlan | None:
+    """The plan with the largest fused stage that fits `limit` beside its neighbours, if larger than `start`.
+
+    The fused stage's layers run forward, loss and backward in one residency, so they skip
+    the backward recompute that every other stage pays (about a third more compute). It may
+    therefore take more than half of the limit: what must fit beside it is only what is
+    resident at the same time, the next backward stage's prefetched weights and gradient
+    accumulators while it computes, and the last forward stage (computing) while its own
+    weights and accumulators are prefetched. The other stages are partitioned under what is
+    left (at most half the limit), so a larger fused stage can mean more, smaller stages
+    before it, never more recompute. A whole model that fits is one stage. `min_stages`
+    still holds. `resident`: per layer, the weight and accumulator bytes a prefetched
+    backward stage holds; `shared`: parameters several layers use, counted in each of them
+    by `resident`, held once by the fused stage. None when no fused stage larger than the
+    balanced plan's (starting at `start`) fits.
+    """
+    for first in range(max(0, min_stages - 1), start):
+        twice = sum(
+            n * (len([i for i in layers if i >= first]) - 1) for layers, n in shared if max(layers) >= first
+        )
+        fused_cost = sum(bwd.sizes[first:]) + max(bwd.peaks[first:]) - twice
+        fused_weights = sum(resident[first:]) - twice
+        if first == 0:
+            if fused_cost <= limit:
+                return ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, len(bwd.sizes))])
+            continue
+        bwd_cap, fwd_cap = min(cap, limit - fused_cost), min(cap, limit - fused_weights)
+        if bwd_cap < max(resident[:first]) or fwd_cap < fwd.first(first).largest():
+            continue
+        rest = bwd.first(first).partition(bwd_cap, min_stages - 1)
+        fwd_plan = fwd.first(first).partition(fwd_cap, min(min_stages, first))
+        last_fwd = fwd_plan[-1]
+        last_fwd_cost = sum(fwd.sizes[i] for i in last_fwd) + max(fwd.peaks[i] for i in last_fwd)
+        if sum(resident[i] for i in rest[-1]) <= bwd_cap and last_fwd_cost <= fwd_cap:
+            return ModelExecutePlan(fwd_plan=fwd_plan, bwd_plan=[range(first, len(bwd.sizes)), *rest[::-1]])
+    return None
 
 
 class _Costs:
@@ -323,11 +387,17 @@ def _warn_if_oversized(costs: _Costs, cap: int, limit_gib: float, num_tokens: in
 
 
 def default_memory_limit_gib(devices: Sequence[torch.device]) -> float:
-    """60% of the smallest device's memory (host RAM when the device is the CPU)."""
+    """60% of the smallest device's memory (host RAM when the device is the CPU).
+
+    A GPU's memory is what this process may allocate: its total memory times the fraction set
+    with `torch.cuda.set_per_process_memory_fraction` (where torch can report it).
+    """
     totals = []
     for d in devices:
         if d.type == "cuda":
-            totals.append(torch.cuda.get_device_properties(d).total_memory)
+            fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            share = fraction(d) if fraction is not None else 1.0
+            totals.append(int(torch.cuda.get_device_properties(d).total_memory * share))
         else:
             totals.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DEFAULT_MEMORY_FRACTION * min(totals) / GIB

@@ -14,15 +14,17 @@ layer (forward on one device, backward on another) never share mutable state.
 Gradients: device parameters of a backward residency are leaves; their gradients are
 accumulated over the micro-batches in the optimizer's dtype. When that is the compute
 dtype, `.grad` is pre-set to a view of a flat accumulator and autograd adds into it in
-place; otherwise (bf16 compute, fp32 master) each micro-batch's gradient is added into an
-fp32 accumulator after its backward, so accumulation over micro-batches does not round to
-bf16 at every step. At the end of the residency each group's accumulator goes back to the
+place; otherwise (bf16 compute, fp32 master) each parameter's gradient is added into an
+fp32 accumulator as soon as autograd has written it (a post-accumulate-grad hook), so
+accumulation over micro-batches does not round to bf16 and no stage ever holds a full
+bf16 copy of its gradients beside the accumulators. At the end of the residency each group's accumulator goes back to the
 host in one copy, on the `d2h` stream.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,18 +92,44 @@ class Residency:
     group_accs: dict[int, torch.Tensor] = field(default_factory=dict)  # ParamGroup.index -> flat acc
     param_accs: dict[int, torch.Tensor] = field(default_factory=dict)  # foreign HostParam.index -> acc
     late_adds: list[tuple[torch.Tensor, nn.Parameter]] = field(default_factory=list)
-    ready: Event = None
+    # Early gradient download (see `arm_early_download`): which accumulator each parameter feeds
+    # ("group" or "param", index), autograd's writes per parameter in this micro-batch and in
+    # every earlier one, the download target once armed, and the accumulators already sent.
+    feeds: dict[int, tuple[str, int]] = field(default_factory=dict)
+    writes: dict[int, int] = field(default_factory=dict)
+    writes_per_mb: dict[int, int] | None = None
+    same_writes: bool = True
+    early: tuple[HostStore, int, Callable[[GradLanding], None]] | None = None
+    landed: set[tuple[str, int]] = field(default_factory=set)
+    layer_ready: dict[int, Event] = field(default_factory=dict)  # layer -> its upload, not yet waited on
 
     def layer(self, layer_id: int) -> nn.Module:
+        """The layer's shell; the first call orders the compute stream after the layer's upload."""
+        if layer_id in self.layer_ready:
+            self.lane.wait(self.lane.compute, self.layer_ready.pop(layer_id))
         return self.modules[layer_id]
+
+    def wait_uploads(self) -> None:
+        """Order the compute stream after every upload not waited on yet (layers a stage never ran)."""
+        for event in self.layer_ready.values():
+            self.lane.wait(self.lane.compute, event)
+        self.layer_ready.clear()
 
 
 def upload_stage(
     store: HostStore, lane: Lane, layer_ids: Sequence[int], *, buf: int, trainable: bool
 ) -> Residency:
-    """Queue the uploads of `layer_ids` (weights from upload buffer `buf`) and build their shells."""
+    """Queue the uploads of `layer_ids` (weights from upload buffer `buf`) and build their shells.
+
+    Layer by layer on the weights stream: a layer's weights, then (training) its leaves and
+    zeroed accumulators, then an event the compute stream waits on before the layer first
+    runs (`Residency.layer`). A stage's first layer computes while its later layers are
+    still crossing the bus, so even a stage that is the whole model (nothing to prefetch it
+    behind) waits only for its first layer.
+    """
     res = Residency(lane=lane, layer_ids=list(layer_ids), trainable=trainable)
     buffers: dict[int, torch.Tensor] = {}
+    owned = {g.index for i in layer_ids for g in store.layers[i].groups if g.trainable}
     with torch.no_grad(), lane.on(lane.weights):
         for layer_id in layer_ids:
             info = store.layers[layer_id]
@@ -113,11 +141,11 @@ def upload_stage(
             for _, _, b in info.buffer_slots:
                 if id(b) not in buffers:
                     buffers[id(b)] = _to_device(lane, b)
-        if trainable:
-            _make_leaves_and_accs(store, res)
-        # Everything above is on the weights stream: compute waits on this one event at execute
-        # time, never earlier, so preparing the next stage does not stall the current one.
-        res.ready = lane.record(lane.weights)
+            if trainable:
+                _make_leaves_and_accs(store, res, info, owned)
+            # Compute waits on this event when the layer first runs, never earlier, so preparing
+            # the next stage does not stall the current one.
+            res.layer_ready[layer_id] = lane.record(lane.weights)
     for layer_id in layer_ids:
         res.modules[layer_id] = _bind_shell(store.layers[layer_id], res, buffers)
     return res
@@ -142,22 +170,25 @@ def _to_device(lane: Lane, host: torch.Tensor) -> torch.Tensor:
     return dev
 
 
-def _make_leaves_and_accs(store: HostStore, res: Residency) -> None:
-    """Turn trainable device params into leaves with zeroed gradient accumulators (weights stream)."""
-    owned = [g for layer_id in res.layer_ids for g in store.layers[layer_id].groups if g.trainable]
-    owned_ids = {g.index for g in owned}
-    for group in owned:
+def _make_leaves_and_accs(store: HostStore, res: Residency, info: LayerInfo, owned: set[int]) -> None:
+    """Turn a layer's trainable device params into leaves with zeroed accumulators (weights stream).
+
+    `owned`: the trainable groups of the whole residency; a foreign parameter of one of them
+    (a tied weight whose owner layer is in the same stage) shares its owner's leaf.
+    """
+    for group in info.groups:
+        if not group.trainable:
+            continue
         acc = _zeros(res.lane, (group.numel,), group.grad_dtype)
         res.group_accs[group.index] = acc
         for hp in group.members:
             view = acc[hp.offset : hp.offset + hp.numel].view(hp.param.shape)
-            _make_leaf(res, hp, view)
-    for layer_id in res.layer_ids:
-        for hp in store.layers[layer_id].foreign:
-            if hp.trainable and hp.group.index not in owned_ids and hp.index not in res.param_accs:  # type: ignore[union-attr]
-                acc = _zeros(res.lane, hp.param.shape, hp.grad_dtype)
-                res.param_accs[hp.index] = acc
-                _make_leaf(res, hp, acc)
+            _make_leaf(res, hp, view, ("group", group.index))
+    for hp in info.foreign:
+        if hp.trainable and hp.group.index not in owned and hp.index not in res.param_accs:  # type: ignore[union-attr]
+            acc = _zeros(res.lane, hp.param.shape, hp.grad_dtype)
+            res.param_accs[hp.index] = acc
+            _make_leaf(res, hp, acc, ("param", hp.index))
 
 
 def _zeros(lane: Lane, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -166,13 +197,71 @@ def _zeros(lane: Lane, shape, dtype: torch.dtype) -> torch.Tensor:
     return acc
 
 
-def _make_leaf(res: Residency, hp: HostParam, acc: torch.Tensor) -> None:
+def _make_leaf(res: Residency, hp: HostParam, acc: torch.Tensor, feeds: tuple[str, int]) -> None:
     leaf = nn.Parameter(res.device_params[hp.index], requires_grad=True)
-    if acc.dtype == leaf.dtype:
-        leaf.grad = acc  # autograd accumulates in place into the flat accumulator
-    else:
+    fold = acc.dtype != leaf.dtype
+    if fold:
         res.late_adds.append((acc, leaf))
+    else:
+        leaf.grad = acc  # autograd accumulates in place into the flat accumulator
+    res.feeds[hp.index] = feeds
+    leaf.register_post_accumulate_grad_hook(functools.partial(_on_grad, res, hp.index, acc if fold else None))
     res.device_params[hp.index] = leaf
+
+
+def _on_grad(res: Residency, index: int, fold_into: torch.Tensor | None, leaf: torch.Tensor) -> None:
+    """After autograd wrote a gradient of parameter `index`: fold it, count it, maybe send its accumulator."""
+    if fold_into is not None:
+        _fold_grad(res.lane, fold_into, leaf)
+    res.writes[index] = res.writes.get(index, 0) + 1
+    if res.early is not None:
+        _land_if_complete(res, res.feeds[index])
+
+
+def _fold_grad(lane: Lane, acc: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Add a compute-dtype gradient into its accumulator the moment autograd has written it.
+
+    The bf16 gradient of one parameter is then alive only until its own add, not until the
+    micro-batch's whole backward is done, so a stage's backward never holds a second,
+    compute-dtype copy of all its gradients. The add goes on the compute stream, where the
+    backward that wrote `leaf.grad` runs (see `accumulate_microbatch`).
+    """
+    grad = leaf.grad
+    assert grad is not None, "autograd calls the hook after writing the gradient"
+    with torch.no_grad(), lane.on(lane.compute):
+        acc.add_(grad)
+    leaf.grad = None
+
+
+def arm_early_download(
+    store: HostStore, res: Residency, inbox: int, on_landed: Callable[[GradLanding], None]
+) -> None:
+    """Before the last micro-batch's backward: send each accumulator home as soon as it is final.
+
+    An accumulator is final once every parameter feeding it has received as many gradient
+    writes in this micro-batch as in each earlier one (autograd's post-accumulate-grad
+    hooks count them), so its device-to-host copy overlaps the rest of the backward instead
+    of following it: for a stage that is the whole model, the gradient download no longer
+    adds its full time to the step. Needs an earlier micro-batch to count from, and the
+    same writes in every one of them (a data-dependent graph is left to the download at
+    the end of the residency).
+    """
+    if res.writes_per_mb is not None and res.same_writes:
+        res.early = (store, inbox, on_landed)
+
+
+def _land_if_complete(res: Residency, key: tuple[str, int]) -> None:
+    if key in res.landed:
+        raise RuntimeError(
+            f"a gradient of {key[0]} {key[1]} was written after its accumulator was sent to the host: the "
+            "last micro-batch wrote it more often than the earlier ones (a data-dependent graph); the layers "
+            "must run the same backward for every micro-batch of a call"
+        )
+    expected = res.writes_per_mb or {}
+    members = [i for i, k in res.feeds.items() if k == key]
+    if all(res.writes.get(i, 0) >= expected.get(i, 0) for i in members):
+        store, inbox, on_landed = res.early  # type: ignore[misc]
+        _download(store, res, key, inbox, on_landed)
 
 
 def _bind_shell(info: LayerInfo, res: Residency, buffers: dict[int, torch.Tensor]) -> nn.Module:
@@ -185,7 +274,10 @@ def _bind_shell(info: LayerInfo, res: Residency, buffers: dict[int, torch.Tensor
 
 
 def accumulate_microbatch(res: Residency) -> None:
-    """After a micro-batch's backward: fold gradients kept in the compute dtype into the accumulators.
+    """After a micro-batch's backward: fold any gradient still in the compute dtype into its accumulator.
+
+    `_fold_grad` (a post-accumulate-grad hook) normally did it already, during the backward;
+    this catches a gradient written without the hook running.
 
     The adds go on the compute stream, behind the backward that produced `leaf.grad` (same
     stream: no event needed) and ahead of the gradient download (which waits for the
@@ -194,14 +286,17 @@ def accumulate_microbatch(res: Residency) -> None:
     gradients not yet written, race the reuse of the freed `leaf.grad` blocks, and be
     downloaded half done: garbage (NaN) gradients on CUDA, invisible on the CPU.
     """
-    if not res.late_adds:
-        return
     lane = res.lane
     with torch.no_grad(), lane.on(lane.compute):
         for acc, leaf in res.late_adds:
             if leaf.grad is not None:
                 acc.add_(leaf.grad)
                 leaf.grad = None
+    if res.writes_per_mb is None:
+        res.writes_per_mb = res.writes
+    elif res.writes != res.writes_per_mb:
+        res.same_writes = False
+    res.writes = {}
 
 
 def download_grads(
@@ -209,41 +304,57 @@ def download_grads(
 ) -> None:
     """Queue the gradient copies of a finished backward residency and report each one.
 
+    Accumulators already sent during the last micro-batch (`arm_early_download`) are skipped.
+    """
+    res.wait_uploads()
+    keys = [("group", gid) for gid in res.group_accs] + [("param", pid) for pid in res.param_accs]
+    for key in keys:
+        if key not in res.landed:
+            _download(store, res, key, inbox, on_landed)
+
+
+def _download(
+    store: HostStore,
+    res: Residency,
+    key: tuple[str, int],
+    inbox: int,
+    on_landed: Callable[[GradLanding], None],
+) -> None:
+    """Copy one accumulator home, behind the compute work queued so far, and report the landing.
+
     A group copies straight into its inbox unless the inbox already holds a gradient of this
     accumulation window (an earlier call, or the other use of a tied weight); then it copies
     into a staging buffer and the host adds it. Decisions and reports happen under the
     store lock, so the host sees a direct copy before any staged add into the same inbox.
     """
     lane = res.lane
+    kind, index = key
     with torch.no_grad():
         lane.wait(lane.d2h, lane.record(lane.compute))
         with lane.on(lane.d2h), store.lock:
-            landings: list[GradLanding] = []
-            for gid, acc in res.group_accs.items():
-                group = store.groups[gid]
+            if kind == "group":
+                acc, group = res.group_accs[index], store.groups[index]
                 busy = [inbox_busy(hp, inbox) for hp in group.members]
                 staged = any(busy)
                 # A staging buffer is free again: the previous call's staged adds were applied
                 # before that call returned (RoundPipe waits for its landings).
                 target = store.staging_for_group(group) if staged else group.grad_flats[inbox]
-                target.copy_(acc, non_blocking=True)
-                lane.keep_alive(acc, lane.d2h)
                 fresh = [hp for hp, b in zip(group.members, busy) if not b] if staged else []
-                for hp in group.members:
-                    hp.filled[inbox] = True
-                landings.append(GradLanding(group, None, staged, inbox, None, overwrite=fresh))
-            for pid, acc in res.param_accs.items():
-                hp = store.params[pid]
+                landing = GradLanding(group, None, staged, inbox, None, overwrite=fresh)
+                members = group.members
+            else:
+                acc, hp = res.param_accs[index], store.params[index]
                 staged = inbox_busy(hp, inbox)
                 target = store.staging_for_param(hp) if staged else hp.grad(inbox)
-                target.copy_(acc, non_blocking=True)
-                lane.keep_alive(acc, lane.d2h)
+                landing = GradLanding(None, hp, staged, inbox, None)
+                members = [hp]
+            target.copy_(acc, non_blocking=True)
+            lane.keep_alive(acc, lane.d2h)
+            for hp in members:
                 hp.filled[inbox] = True
-                landings.append(GradLanding(None, hp, staged, inbox, None))
-            event = lane.record(lane.d2h)
-            for landing in landings:
-                landing.event = event
-                on_landed(landing)
+            landing.event = lane.record(lane.d2h)
+            res.landed.add(key)
+            on_landed(landing)
 
 
 def inbox_busy(hp: HostParam, inbox: int) -> bool:
@@ -260,6 +371,8 @@ def inbox_busy(hp: HostParam, inbox: int) -> bool:
 
 def release(res: Residency) -> None:
     """Drop the device tensors; the allocator reuses them once the streams that used them are done."""
+    res.wait_uploads()
+    res.early = None
     res.modules.clear()
     res.device_params.clear()
     res.group_accs.clear()

@@ -100,7 +100,6 @@ class StageTask:
     def execute(self, lane: Lane, res: Residency) -> None:
         from laden.engine.roundpipe import stages
 
-        lane.wait(lane.compute, res.ready)
         body = {"forward": stages.run_forward, "fused": stages.run_fused, "backward": stages.run_backward}
         body[self.kind](self, lane, res)
 

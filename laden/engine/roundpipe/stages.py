@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from laden.engine.roundpipe.device import Lane
-from laden.engine.roundpipe.residency import Residency, accumulate_microbatch, download_grads, release
+from laden.engine.roundpipe.residency import (
+    Residency,
+    accumulate_microbatch,
+    arm_early_download,
+    download_grads,
+    release,
+)
 from laden.engine.roundpipe.runner import StageTask, capture_rng, restored_rng
 from laden.engine.roundpipe.transfer import Handoff, as_leaves, fetch, float_leaves, input_grads, park
 
@@ -101,6 +107,7 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
     grad_leaves = spec.backward and spec.grain == "stage" and first > 0  # no gradient for the call's inputs
     inputs = _stage_inputs(task, lane, grad_leaves=grad_leaves)
     for mb in range(run.num_microbatches):
+        _arm_if_last(task, res, mb)
         x = inputs.get(mb)
         label = _fetch_now(task, lane, run.spec.labels[mb]) if run.spec.labels is not None else None
         with spec.autocast.enter(), lane.on(lane.compute):
@@ -168,6 +175,7 @@ def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
         grad_leaves=[layer > 0 for _, layer in order],
     )
     for mb in range(num_mb):
+        _arm_if_last(task, res, mb)
         grads = grads_in.get(mb)
         with spec.autocast.enter(), lane.on(lane.compute):
             for j, start in enumerate(starts):
@@ -181,6 +189,13 @@ def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
         del x, grads
         accumulate_microbatch(res)
     _finish_backward(task, res)
+
+
+def _arm_if_last(task: StageTask, res: Residency, mb: int) -> None:
+    """Before the last micro-batch of a backward: gradients go home as each becomes final."""
+    run = task.run
+    if run.spec.backward and res.trainable and mb == run.num_microbatches - 1:
+        arm_early_download(run.store, res, run.spec.inbox, run.on_landed)
 
 
 def _stage_inputs(task: StageTask, lane: Lane, *, grad_leaves: bool) -> _Prefetcher:

@@ -3,7 +3,8 @@
 A parameter group's gradient is complete when every backward residency that touches it
 has landed (two for a tied embedding used by the first and the last stage). Complete
 groups are *finalized* in a fixed order, the order a one-device run completes them (by the
-last backward stage that touches them): data-parallel all-reduce, the group's norm, and,
+last backward stage that touches them, and within it from the last layer to the first, as the
+backward and the early gradient downloads reach them): data-parallel all-reduce, the group's norm, and,
 when no clipping needs the global norm first, the group's update. The fixed order makes
 every replica issue the same collectives in the same order and the norm's summation
 order deterministic; a group that lands early just waits for its turn.
@@ -41,7 +42,7 @@ class StepGrads:
         self.update = update
         self.remaining, last_stage = _expected_landings(self.store, plan)
         groups = [g for g in self.store.groups if g.index in self.remaining]
-        self.order = sorted(groups, key=lambda g: (last_stage[g.index], g.index))
+        self.order = sorted(groups, key=lambda g: (last_stage[g.index], -g.layer, g.index))
         self.ready: set[int] = set()
         self.cursor = 0
         self.norms: list[torch.Tensor] = []

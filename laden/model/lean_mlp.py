@@ -1,0 +1,289 @@
+"""Lean gated MLP: Hugging Face's SwiGLU feed-forward with a backward that keeps 2 of its 4 intermediates.
+
+Hugging Face's Llama-style MLP (Qwen3, Qwen2, Llama, Mistral) computes
+`down_proj(act_fn(gate_proj(x)) * up_proj(x))` in plain modules, so autograd keeps what
+each op saves: `x` (for both projections), `g = gate_proj(x)` (for the activation),
+`act(g)` and `u = up_proj(x)` (for the product), and `p = act(g) * u` (for `down_proj`):
+H + 4I values per token, in the compute dtype. Under autocast each projection casts `x`
+itself and keeps its own copy (2H + 4I), and every projection keeps its cast weight until
+backward. For Qwen3-1.7B (H = 2048, I = 6144) in bf16 the MLP is 53,248 of the 117,416
+bytes per token a decoder layer saves (see `laden.model.lean_norm`).
+
+`LeanGatedMLPFn` computes the same forward with the same ops (bitwise the same output, also
+under autocast) but saves only `x` (cast once to the autocast dtype when autocast is on),
+`g` and `u`: H + 2I values per token, 2I fewer (24,576 bytes per token for a bf16
+Qwen3-1.7B layer: 117,416 -> 92,840, or 88,744 -> 64,168 with lean RMSNorms), and no cast
+weights (backward casts them again). Backward recomputes `act(g) * u` (one elementwise pass
+over [T, I], under the forward's autocast state, differentiated by autograd, so any
+activation works: SiLU, GELU, ...) and does the three projections' gradients as plain
+matmuls in the dtypes autograd uses: gradients in the compute dtype, weight (and bias)
+gradients then cast to the parameter's dtype, the input gradient summed over both
+projections in the input's dtype. fp32 gradients agree with Hugging Face's to float
+rounding, bf16 ones to bf16 rounding. Frozen weights get no gradient (nor is it computed).
+
+The tiled MLP (`laden.model.tiled`) already keeps only `x` for the whole MLP; the two
+compose in either order (`enable_lean_mlp` then `enable_tiled_mlp`, or the reverse): the
+MLP runs tiled, its tiles lean, which lowers the intermediates a tile's backward holds. Such
+an MLP copies (deep and shallow) but does not pickle: its tiled class's original is the
+dynamic lean class, which pickle cannot find by name. Double backward is not supported. `g`
+and `u` are saved before the activation runs, so an in-place activation fails loudly in
+backward (autograd's version-counter error) instead of giving wrong gradients; none of
+Hugging Face's is in place.
+
+`enable_lean_mlp` swaps each decoder layer's `mlp` to a cached subclass of its class whose
+only change is the lean `forward` (`laden.model.swap`, as `laden.model.lean_norm` swaps
+RMSNorm classes): parameter names, state dicts and tied weights do not change, shallow copies
+stay lean and run on their own weights, and `disable_lean_mlp` gives the original class back.
+Eligible means: the class's `forward` compiles to the same code as Hugging Face's Llama-style
+MLP forward (checked on the installed transformers), `gate_proj`, `up_proj` and `down_proj`
+are plain `nn.Linear` (biases are supported, as `mlp_bias=True` gives) without hooks (the
+lean forward calls `F.linear` on their weights and would bypass a hook or a subclass's own
+forward, e.g. a LoRA or quantised layer), and `act_fn` is not in place. Other MLPs are left
+alone with one warning. Hooks registered on those projections after `enable_lean_mlp` are
+not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from laden.model.lean_norm import _same_code
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+from laden.model.tiled import class_swap as tiled_swap
+
+__all__ = ["LeanGatedMLPFn", "disable_lean_mlp", "enable_lean_mlp", "is_lean_mlp"]
+
+_PLAIN_CLASS_ATTR = "_laden_plain_mlp_class"
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LeanGatedMLPFn(torch.autograd.Function):
+    """`F.linear(act_fn(x Wg^T + bg) * (x Wu^T + bu), Wd, bd)`, saving only `x`, gate and up.
+
+    `LeanGatedMLPFn.apply(x, act_fn, w_gate, b_gate, w_up, b_up, w_down, b_down)`: `x` [..., H],
+    `w_gate`, `w_up` [I, H], `w_down` [H, I], biases [I] / [H] or None, `act_fn` elementwise.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        act_fn,
+        w_gate: torch.Tensor,
+        b_gate: torch.Tensor | None,
+        w_up: torch.Tensor,
+        b_up: torch.Tensor | None,
+        w_down: torch.Tensor,
+        b_down: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # Hugging Face's ops; `F.linear` casts `x` to the autocast dtype anyway, so casting it
+        # once here changes no value and keeps one copy for both projections.
+        x_in = _autocast_input(x)
+        gate = F.linear(x_in, w_gate, b_gate)  # [..., I]
+        up = F.linear(x_in, w_up, b_up)  # [..., I]
+        ctx.save_for_backward(x_in, gate, up, w_gate, w_up, w_down)  # before act_fn could write to gate
+        ctx.act_fn, ctx.autocast, ctx.x_dtype = act_fn, _autocast_state(x.device.type), x.dtype
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
+        out = F.linear(act_fn(gate) * up, w_down, b_down)  # [..., H]
+        ctx.down_dtype = out.dtype  # the dtype down_proj computed in
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x_in, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad
+        need_gate, need_up = need_x or need_wg or need_bg, need_x or need_wu or need_bu
+        gate = gate.detach().requires_grad_(need_gate)
+        up = up.detach().requires_grad_(need_up)
+        device_type = x_in.device.type
+        enabled, dtype = ctx.autocast
+        with torch.set_grad_enabled(need_gate or need_up), _autocast(device_type, enabled, dtype):
+            prod = ctx.act_fn(gate) * up  # [..., I], recomputed: bitwise the forward's value
+        bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
+        # The gradients autograd's linear, cast and mul formulas give, in their dtypes, whatever
+        # autocast state backward is called in.
+        with _autocast(device_type, False, dtype):
+            grad_w_down = grad_b_down = None
+            if need_wd:
+                grad_w_down = _weight_grad(grad_out, prod.detach().to(ctx.down_dtype), w_down.dtype)
+            if need_bd:
+                grad_b_down = _bias_grad(grad_out, bias_down_dtype)
+            grad_x = grad_w_gate = grad_b_gate = grad_w_up = grad_b_up = None
+            if need_gate or need_up:
+                grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(prod.dtype)  # [..., I]
+                inputs = [t for t in (gate, up) if t.requires_grad]
+                grads = iter(torch.autograd.grad(prod, inputs, grad_prod))
+                del prod, grad_prod
+                grad_gate = next(grads) if need_gate else None  # [..., I], gate's dtype
+                grad_up = next(grads) if need_up else None
+                if grad_gate is not None:
+                    grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype) if need_wg else None
+                    grad_b_gate = _bias_grad(grad_gate, bias_gate_dtype) if need_bg else None
+                if grad_up is not None:
+                    grad_w_up = _weight_grad(grad_up, x_in, w_up.dtype) if need_wu else None
+                    grad_b_up = _bias_grad(grad_up, bias_up_dtype) if need_bu else None
+                if need_x:
+                    assert grad_gate is not None and grad_up is not None
+                    # one gradient per projection (each cast from its own copy of x), then summed
+                    grad_x = (grad_gate @ w_gate.to(gate.dtype)).to(ctx.x_dtype)  # [..., H]
+                    grad_x += (grad_up @ w_up.to(up.dtype)).to(ctx.x_dtype)
+        return grad_x, None, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+
+
+def _weight_grad(grad: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad [..., n_out]^T @ inp [..., n_in] over all rows: [n_out, n_in], cast to the weight's dtype."""
+    return grad.reshape(-1, grad.shape[-1]).t().mm(inp.reshape(-1, inp.shape[-1])).to(dtype)
+
+
+def _bias_grad(grad: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    assert dtype is not None, "a bias that needs a gradient has a dtype"
+    return grad.reshape(-1, grad.shape[-1]).sum(0).to(dtype)
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    if not torch.amp.is_autocast_available(device_type):
+        return False, None  # a device without autocast (meta, ...)
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(
+    device_type: str, enabled: bool, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """`x` as autocast hands it to a linear: cast to the autocast dtype if autocast is on and `x` eligible."""
+    enabled, dtype = _autocast_state(x.device.type)
+    if enabled and dtype is not None and x.is_floating_point() and x.dtype != torch.float64:
+        return x.to(dtype)
+    return x
+
+
+# The statements of Hugging Face's Llama-style MLP.forward (names included): an MLP is made lean only
+# if its forward compiles to this same code. No docstring: it would be a code constant.
+def _hf_mlp_forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The lean class's `forward`: the original's result, saving only `x`, gate and up."""
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    return LeanGatedMLPFn.apply(
+        x, self.act_fn, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias
+    )
+
+
+_SWAP = ClassSwap(
+    prefix="Lean",
+    marker=_PLAIN_CLASS_ATTR,
+    methods=lambda cls: {"forward": _lean_mlp_forward},
+    owner=__name__,
+)
+
+
+def class_swap(arg: object = None) -> ClassSwap:
+    """The lean-MLP class swap (what unpickling a lean MLP looks up)."""
+    return _SWAP
+
+
+def is_lean_mlp(module: nn.Module | None) -> bool:
+    """Whether `module` runs the lean forward: made lean by `enable_lean_mlp`, tiled or not."""
+    if module is None:
+        return False
+    tiled = tiled_swap()
+    cls = tiled.original(module) if tiled.applied(module) else type(module)
+    return _PLAIN_CLASS_ATTR in cls.__dict__
+
+
+def _plain_projection(module: object) -> bool:
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+    )
+
+
+def _lean_class(module: nn.Module) -> type[nn.Module] | None:
+    """The class that makes `module` lean (tiled stays tiled), or None if it is not Hugging Face's MLP."""
+    tiled = tiled_swap()
+    plain = tiled.original(module) if tiled.applied(module) else type(module)
+    act_fn = getattr(module, "act_fn", None)
+    eligible = (
+        _same_code(plain.forward, _hf_mlp_forward)
+        and all(_plain_projection(getattr(module, name, None)) for name in _PROJECTIONS)
+        and callable(act_fn)
+        and not getattr(act_fn, "inplace", False)
+    )
+    if not eligible:
+        return None
+    lean = _SWAP.subclass(plain)
+    return tiled.subclass(lean) if tiled.applied(module) else lean
+
+
+def enable_lean_mlp(model: nn.Module) -> int:
+    """Make every decoder layer's Hugging Face Llama-style `mlp` in `model` lean (see the module docstring).
+
+    Returns the number of lean MLPs in the decoder layers afterwards (calling it again changes
+    nothing). A tiled MLP (`laden.model.tiled`) stays tiled and runs lean tiles. MLPs of other
+    kinds are left alone, with one warning. Parameters, their names and the state dict are
+    untouched; `disable_lean_mlp` undoes it.
+    """
+    layers = decoder_layers(
+        model,
+        "enable_lean_mlp",
+        "; for other modules call laden.model.lean_mlp.LeanGatedMLPFn.apply directly",
+    )
+    lean: list[tuple[nn.Module, type[nn.Module] | None]] = []
+    skipped = set()
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            skipped.add(f"{type(layer).__qualname__} without an `mlp`")
+        elif is_lean_mlp(mlp):
+            lean.append((mlp, None))
+        elif (cls := _lean_class(mlp)) is None:
+            skipped.add(type(mlp).__qualname__)
+        else:
+            check_own_forward(mlp, f"{type(model).__name__}: layers.{index}.mlp", "the lean MLP")
+            lean.append((mlp, cls))
+    if skipped:
+        warnings.warn(
+            f"enable_lean_mlp left {', '.join(sorted(skipped))} as is: not Hugging Face's Llama-style "
+            "gated MLP down_proj(act_fn(gate_proj(x)) * up_proj(x)) with plain nn.Linear projections (no "
+            "hooks, no LoRA or quantised layers) and an out-of-place act_fn, so it keeps its own backward",
+            stacklevel=2,
+        )
+    for mlp, cls in lean:  # all checked before any is switched
+        if cls is not None:
+            mlp.__class__ = cls
+    return len(lean)
+
+
+def disable_lean_mlp(model: nn.Module) -> int:
+    """Give every MLP `enable_lean_mlp` made lean its original class back (tiled ones stay tiled).
+
+    Returns how many.
+    """
+    tiled = tiled_swap()
+    undone = 0
+    for module in model.modules():
+        if _SWAP.applied(module):
+            module.__class__ = _SWAP.original(module)
+        elif tiled.applied(module) and is_lean_mlp(module):
+            module.__class__ = tiled.subclass(tiled.original(module).__dict__[_PLAIN_CLASS_ATTR])
+        else:
+            continue
+        undone += 1
+    return undone
