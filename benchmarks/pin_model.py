@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
     pinned = tt._uploads_pinned(engine)
     expected = None if pinned is None else args.pin_model != "off"
     problems = [] if pinned == expected else [f"pin_model={args.pin_model!r} but uploads_pinned={pinned}"]
+    if pinned is False and expected:
+        store = engine.pipe.store
+        pageable = [hp.name for hp in store.params if not all(store.page_locked(u) for u in hp.uploads)]
+        problems.append(
+            f"{len(pageable)} of {len(store.params)} parameters upload from pageable memory: {pageable[:3]}"
+        )
     result = {
         "name": "pin_model",
         "valid": not problems,

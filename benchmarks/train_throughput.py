@@ -552,7 +552,7 @@ def _uploads_pinned(engine) -> bool | None:
     pipe = getattr(engine, "pipe", None)
     if pipe is None or not torch.cuda.is_available():
         return None
-    return all(view.is_pinned() for hp in pipe.store.params for view in hp.uploads)
+    return all(pipe.store.page_locked(view) for hp in pipe.store.params for view in hp.uploads)
 
 
 def memory_peaks(engine=None) -> dict:
@@ -573,6 +573,11 @@ def memory_peaks(engine=None) -> dict:
                                                   range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
         out["peak_gpu_reserved_gib"] = round(max(torch.cuda.max_memory_reserved(i) for i in
                                                  range(torch.cuda.device_count())) / GIB, 3)  # fmt: skip
+        # Allocations that found no free block under the cap: each retry frees the cache and
+        # synchronises the device, stalls a memory-tight plan shows here first.
+        out["cuda_alloc_retries"] = sum(
+            torch.cuda.memory_stats(i).get("num_alloc_retries", 0) for i in range(torch.cuda.device_count())
+        )
         allocator_gib = pinned_allocator_bytes(torch.cuda.host_memory_stats()) / GIB
         store = getattr(getattr(engine, "pipe", None), "store", None)
         registered_gib = getattr(store, "registered_bytes", 0) / GIB

@@ -133,6 +133,16 @@ def test_whole_model_stage_sends_gradients_during_the_last_microbatch(monkeypatc
         download(store, res, key, inbox, on_landed)
 
     monkeypatch.setattr(residency, "_download", spy)
+    host_norms: list[int] = []  # vector_norm calls on a host gradient inbox (not on a device accumulator)
+    vector_norm = torch.linalg.vector_norm
+
+    def norm_spy(t, *args, **kwargs):
+        inboxes = {g.grad_flats[0].data_ptr() for g in one.pipe.store.groups if g.grad_flats}
+        if t.data_ptr() in inboxes:
+            host_norms.append(t.numel())
+        return vector_norm(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", norm_spy)
     o = settings(gradient_clipping=0.05)
     one = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32)
     assert one.plan == ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, 5)])
@@ -144,6 +154,7 @@ def test_whole_model_stage_sends_gradients_during_the_last_microbatch(monkeypatc
         a = one.train_batch(mbs, global_num_loss_tokens=n)
         assert sent and all(during for _, during in sent), sent
         assert len(sent) == len({key for key, _ in sent}) == len(one.pipe.trainable_groups())
+        assert host_norms == []  # every inbox is one copy: its norm came from the device
         b = staged.train_batch(mbs, global_num_loss_tokens=n)
         torch.testing.assert_close(a["loss"], b["loss"])
         torch.testing.assert_close(a["grad_norm"], b["grad_norm"])

@@ -98,6 +98,7 @@ class HostStore:
         self.pinned_rounding_bytes = 0  # what that rounding adds on top
         self.registered_bytes = 0  # page-locked in place (cudaHostRegister)
         self._registered: list[int] = []  # page-locked pointers, unregistered when the store dies
+        self._registered_spans: list[tuple[int, int]] = []  # (pointer, bytes) of each registered range
         self._registered_refs: list[torch.Tensor] = []  # keeps those storages alive until then
         weakref.finalize(self, _unregister_all, self._registered, self._registered_refs)
         self._allocate(create_masters, init_meta)
@@ -254,8 +255,20 @@ class HostStore:
                 )
                 continue
             self._registered.append(ptr)
+            self._registered_spans.append((ptr, size))
             self.registered_bytes += size
         self._registered_refs.extend(tensors)
+
+    def page_locked(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s memory is page-locked: pinned-allocated, or inside a span this store registered.
+
+        `Tensor.is_pinned()` sees only the first kind on recent torch (2.11 reports memory
+        page-locked with `cudaHostRegister` as pageable), so `pin_model='register'` is checked here.
+        """
+        if t.is_pinned():
+            return True
+        ptr, size = _span(t)
+        return any(start <= ptr and ptr + size <= start + length for start, length in self._registered_spans)
 
     # ---- masters and upload copies ------------------------------------------------------
     def move_masters_to(self, group: ParamGroup, buf: int) -> None:

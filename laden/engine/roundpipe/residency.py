@@ -78,6 +78,9 @@ class GradLanding:
     # Staged group members whose inbox holds nothing of this window yet: the host copies
     # (not adds) their part, since their inbox still holds an earlier step's (or no) data.
     overwrite: list[HostParam] = field(default_factory=list)
+    # The L2 norm of what was copied (fp32, a host scalar valid after `event`), computed on the
+    # device, where it is a few milliseconds instead of a host pass over the gradient.
+    norm: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -101,7 +104,16 @@ class Residency:
     same_writes: bool = True
     early: tuple[HostStore, int, Callable[[GradLanding], None]] | None = None
     landed: set[tuple[str, int]] = field(default_factory=set)
+    _members: dict[tuple[str, int], list[int]] | None = None
     layer_ready: dict[int, Event] = field(default_factory=dict)  # layer -> its upload, not yet waited on
+
+    def members_of(self, key: tuple[str, int]) -> list[int]:
+        """The parameters whose gradients feed accumulator `key` (built once per residency)."""
+        if self._members is None:
+            self._members = {}
+            for index, feeds in self.feeds.items():
+                self._members.setdefault(feeds, []).append(index)
+        return self._members.get(key, [])
 
     def layer(self, layer_id: int) -> nn.Module:
         """The layer's shell; the first call orders the compute stream after the layer's upload."""
@@ -258,7 +270,7 @@ def _land_if_complete(res: Residency, key: tuple[str, int]) -> None:
             "must run the same backward for every micro-batch of a call"
         )
     expected = res.writes_per_mb or {}
-    members = [i for i, k in res.feeds.items() if k == key]
+    members = res.members_of(key)
     if all(res.writes.get(i, 0) >= expected.get(i, 0) for i in members):
         store, inbox, on_landed = res.early  # type: ignore[misc]
         _download(store, res, key, inbox, on_landed)
@@ -330,10 +342,13 @@ def _download(
     lane = res.lane
     kind, index = key
     with torch.no_grad():
+        acc = res.group_accs[index] if kind == "group" else res.param_accs[index]
+        with lane.on(lane.compute):
+            norm = torch.linalg.vector_norm(acc, dtype=torch.float32)
         lane.wait(lane.d2h, lane.record(lane.compute))
         with lane.on(lane.d2h), store.lock:
             if kind == "group":
-                acc, group = res.group_accs[index], store.groups[index]
+                group = store.groups[index]
                 busy = [inbox_busy(hp, inbox) for hp in group.members]
                 staged = any(busy)
                 # A staging buffer is free again: the previous call's staged adds were applied
@@ -343,13 +358,16 @@ def _download(
                 landing = GradLanding(group, None, staged, inbox, None, overwrite=fresh)
                 members = group.members
             else:
-                acc, hp = res.param_accs[index], store.params[index]
+                hp = store.params[index]
                 staged = inbox_busy(hp, inbox)
                 target = store.staging_for_param(hp) if staged else hp.grad(inbox)
                 landing = GradLanding(None, hp, staged, inbox, None)
                 members = [hp]
             target.copy_(acc, non_blocking=True)
             lane.keep_alive(acc, lane.d2h)
+            landing.norm = torch.empty((), dtype=torch.float32, pin_memory=lane.pin)
+            landing.norm.copy_(norm, non_blocking=True)
+            lane.keep_alive(norm, lane.d2h)
             for hp in members:
                 hp.filled[inbox] = True
             landing.event = lane.record(lane.d2h)

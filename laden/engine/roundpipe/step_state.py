@@ -4,8 +4,9 @@ A parameter group's gradient is complete when every backward residency that touc
 has landed (two for a tied embedding used by the first and the last stage). Complete
 groups are *finalized* in a fixed order, the order a one-device run completes them (by the
 last backward stage that touches them, and within it from the last layer to the first, as the
-backward and the early gradient downloads reach them): data-parallel all-reduce, the group's norm, and,
-when no clipping needs the global norm first, the group's update. The fixed order makes
+backward and the early gradient downloads reach them): data-parallel all-reduce, the group's norm
+(computed on the device before the copy when the inbox holds exactly that one copy, else by a host
+pass), and, when no clipping needs the global norm first, the group's update. The fixed order makes
 every replica issue the same collectives in the same order and the norm's summation
 order deterministic; a group that lands early just waits for its turn.
 """
@@ -41,6 +42,10 @@ class StepGrads:
         self.process_group = process_group
         self.update = update
         self.remaining, last_stage = _expected_landings(self.store, plan)
+        # Groups whose inbox is exactly one landing's copy (one landing, not added to earlier
+        # data): the norm computed on the device before the copy is the inbox's norm.
+        self.copied_norms: dict[int, torch.Tensor] = {}
+        self.single = {gid for gid, n in self.remaining.items() if n == 1}
         groups = [g for g in self.store.groups if g.index in self.remaining]
         self.order = sorted(groups, key=lambda g: (last_stage[g.index], -g.layer, g.index))
         self.ready: set[int] = set()
@@ -53,6 +58,9 @@ class StepGrads:
         """Landing thread: count the landing; finalize every group whose turn has come."""
         group = landing.group if landing.group is not None else landing.param.group  # type: ignore[union-attr]
         with self.lock:
+            direct = landing.group is not None and not landing.staged and landing.norm is not None
+            if direct and group.index in self.single:
+                self.copied_norms[group.index] = landing.norm  # type: ignore[assignment]
             self.remaining[group.index] -= 1
             if self.remaining[group.index] == 0:
                 self.ready.add(group.index)
@@ -64,7 +72,12 @@ class StepGrads:
         flat = group.grad_flats[self.inbox]
         if self.process_group is not None:
             dist.all_reduce(flat, group=self.process_group)  # losses are normalised globally: a sum
-        self.norms.append(torch.linalg.vector_norm(flat, dtype=torch.float32))
+            norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+        else:  # a host pass over the gradient only where the device could not tell
+            norm = self.copied_norms.pop(group.index, None)
+            if norm is None:
+                norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+        self.norms.append(norm)
         if self.update is not None:
             self.update(group)
             self.updated.add(group.index)
