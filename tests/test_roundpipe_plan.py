@@ -107,6 +107,20 @@ def test_auto_plan_grows_the_fused_stage_to_skip_recompute():
     assert two.bwd_plan == [range(1, 12), range(0, 1)] and two.fwd_plan == [range(0, 1)]
 
 
+def test_layer_grain_does_not_grow_the_fused_stage():
+    """Layer grain recomputes the fused stage layer by layer too: growing it would only keep more
+    layer inputs on the device."""
+    model = FakeModel([100] * 12)
+    limit = 12 * 300 / GIB
+    layer = ModelExecutePlan.auto(
+        "fused", model, model_memory_limit=limit, min_stages=1, recompute_grain="layer"
+    )
+    balanced = ModelExecutePlan.auto(
+        "train", model, model_memory_limit=limit, min_stages=1, recompute_grain="layer"
+    )
+    assert layer.bwd_plan == balanced.bwd_plan and len(layer.bwd_plan) == 2
+
+
 class TiedModel(FakeModel):
     """FakeModel whose first and last layer share one weight, counted in both by layer_bytes."""
 
@@ -197,7 +211,7 @@ def test_auto_plan_counts_the_activations_of_a_microbatch(grain, num_tokens):
     )
     plan.check_valid(12, "fused")
     assert_fits(model, plan, num_tokens or 0, grain, limit_gib)
-    weights_only = ModelExecutePlan.auto("fused", model, model_memory_limit=limit_gib)
+    weights_only = ModelExecutePlan.auto("fused", model, model_memory_limit=limit_gib, recompute_grain=grain)
     if num_tokens is None:
         assert plan == weights_only
     elif num_tokens == 8192 and grain == "stage":  # 0.5 GiB kept per layer: weights only blows the limit

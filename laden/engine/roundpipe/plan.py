@@ -12,9 +12,10 @@ weights plus gradient accumulators (backward) must fit in `model_memory_limit / 
 because the next stage's weights are prefetched while the current one computes. Within
 that cap stages are balanced (the largest stage is as small as the stage count allows) and
 there are at least `min_stages` of them (one per device by default). The fused stage is
-the exception: it is then grown from the end for as long as it fits the whole limit beside
-what is resident with it (`_grow_fused`), because its layers are the only ones that skip
-the backward recompute; a model that fits whole is one stage, trained without recompute. Trade-off: bytes are
+the exception with `recompute_grain="stage"`: it is then grown from the end for as long as it
+fits the whole limit beside what is resident with it (`_grow_fused`), because its layers are
+the only ones that skip the backward recompute; a model that fits whole is one stage, trained
+without recompute. (With `"layer"` the fused stage recomputes too, so it is not grown.) Trade-off: bytes are
 known before the first step and deterministic; measured timings would balance better when
 layers differ in FLOPs but not in size (the embedding), at the price of a profiling step.
 
@@ -205,8 +206,10 @@ class ModelExecutePlan:
         bwd_plan = bwd.partition(cap, stages)[::-1]  # execution order: last layers first
         if run_type == "train":
             return cls(fwd_plan=fwd.partition(cap, stages), bwd_plan=bwd_plan)
+        # Layer grain recomputes the fused stage too (layer by layer, from inputs it keeps on the
+        # device): a larger one would save nothing and hold more inputs.
         shared = getattr(model, "shared_bytes", None)
-        grown = _grow_fused(
+        grown = None if recompute_grain == "layer" else _grow_fused(
             fwd, bwd, bwd_bytes, bwd_plan[0].start, limit=int(limit_gib * GIB), cap=cap, min_stages=stages,
             shared=shared(with_grads=True) if shared is not None else [],
         )  # fmt: skip
