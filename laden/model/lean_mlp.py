@@ -53,8 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model.lean_norm import _same_code
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, same_code
 from laden.model.tiled import class_swap as tiled_swap
 
 __all__ = ["LeanGatedMLPFn", "disable_lean_mlp", "enable_lean_mlp", "is_lean_mlp"]
@@ -221,7 +220,7 @@ def _lean_class(module: nn.Module) -> type[nn.Module] | None:
     plain = tiled.original(module) if tiled.applied(module) else type(module)
     act_fn = getattr(module, "act_fn", None)
     eligible = (
-        _same_code(plain.forward, _hf_mlp_forward)
+        same_code(plain.forward, _hf_mlp_forward)
         and all(_plain_projection(getattr(module, name, None)) for name in _PROJECTIONS)
         and callable(act_fn)
         and not getattr(act_fn, "inplace", False)

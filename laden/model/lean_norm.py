@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model.swap import ClassSwap, check_own_forward
+from laden.model.swap import ClassSwap, check_own_forward, same_code
 
 __all__ = [
     "LeanRMSNormFn",
@@ -135,15 +135,6 @@ def _hf_rmsnorm_forward(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
-_CODE_FIELDS = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount")
-
-
-def _same_code(fn: object, reference) -> bool:
-    code = getattr(fn, "__code__", None)
-    ref = reference.__code__
-    return code is not None and all(getattr(code, f) == getattr(ref, f) for f in _CODE_FIELDS)
-
-
 def _lean_rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The lean class's `forward`: the original's result, saving only the input and `rstd`."""
     return LeanRMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon)
@@ -168,7 +159,7 @@ def _is_hf_rmsnorm(module: nn.Module) -> bool:
         isinstance(weight, torch.Tensor)
         and weight.dim() == 1
         and isinstance(getattr(module, "variance_epsilon", None), float | int)
-        and _same_code(type(module).forward, _hf_rmsnorm_forward)
+        and same_code(type(module).forward, _hf_rmsnorm_forward)
     )
 
 

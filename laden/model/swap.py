@@ -22,7 +22,7 @@ from typing import Any, SupportsIndex
 
 from torch import nn
 
-__all__ = ["ClassSwap", "check_own_forward", "decoder_layers"]
+__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "same_code"]
 
 
 class ClassSwap:
@@ -113,3 +113,18 @@ def check_own_forward(module: nn.Module, where: str, bypasses: str) -> None:
             f"{where} has its forward replaced on the instance (e.g. by accelerate's device_map hooks), "
             f"which would bypass {bypasses}; load the model without a device_map"
         )
+
+
+_CODE_FIELDS = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount")
+
+
+def same_code(fn: object, reference: object) -> bool:
+    """Whether function `fn` compiles to the same code as `reference` (a copy of a library method's
+    statements, names included): how a swap recognises the exact forward it replaces."""
+    code = getattr(fn, "__code__", None)
+    ref = getattr(reference, "__code__", None)
+    return (
+        code is not None
+        and ref is not None
+        and all(getattr(code, f) == getattr(ref, f) for f in _CODE_FIELDS)
+    )
