@@ -126,7 +126,8 @@ class RoundPipeConfig:
     recompute_grain: Literal["stage", "layer"] = "stage"
     """Backward recomputation per stage (faster) or per layer (lower GPU peak)."""
     model_memory_limit: float | None = None
-    """GiB of weights per stage; None = 60% of GPU memory."""
+    """GiB of GPU memory the plan may use (stage weights, gradient accumulators, activations; a prefetched
+    stage beside the computing one); None = 60% of what this process may allocate on the GPU."""
     pin_model: Literal["alloc", "register", "off"] = "alloc"
     """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand)."""
     optim_step: Literal["sync", "async"] = "sync"
