@@ -433,3 +433,19 @@ def test_instance_level_forward_and_unknown_models_are_refused():
     assert not any(type(m).__name__.startswith("Lean") for m in model.modules())  # nothing switched
     with pytest.raises(ValueError, match=r"no decoder layers at `model\.model\.layers`.*enable_lean_mlp"):
         enable_lean_mlp(nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_projection_changed_after_enabling_runs_the_original_forward(tiled):
+    """A hook (or an adapter) added to a projection after the MLP was made lean is not bypassed."""
+    model = _tiny_model()
+    enable_lean_mlp(model)
+    if tiled:
+        enable_tiled_mlp(model, tile_tokens=2)
+    mlp = model.model.layers[0].mlp
+    calls = []
+    mlp.up_proj.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    x = torch.randn(1, 5, mlp.gate_proj.in_features)
+    y = mlp(x)
+    assert calls  # the hook ran: the original forward called the projection (once per tile when tiled)
+    torch.testing.assert_close(y, mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))

@@ -176,8 +176,18 @@ def _hf_mlp_forward(self, x):
 
 
 def _lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The lean class's `forward`: the original's result, saving only `x`, gate and up."""
+    """The lean class's `forward`: the original's result, saving only `x`, gate and up.
+
+    A projection replaced or hooked after the MLP was made lean (a LoRA adapter added later,
+    a forward hook) would be bypassed by reading its weight directly; such an MLP runs its
+    original forward instead.
+    """
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    if not (_plain_projection(gate) and _plain_projection(up) and _plain_projection(down)):
+        plain = next(
+            c.__dict__[_PLAIN_CLASS_ATTR] for c in type(self).__mro__ if _PLAIN_CLASS_ATTR in c.__dict__
+        )
+        return plain.forward(self, x)  # (tiled, the lean class is a base: look it up in the MRO)
     return LeanGatedMLPFn.apply(
         x, self.act_fn, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias
     )
