@@ -39,8 +39,9 @@ MLP forward (checked on the installed transformers), `gate_proj`, `up_proj` and 
 are plain `nn.Linear` (biases are supported, as `mlp_bias=True` gives) without hooks (the
 lean forward calls `F.linear` on their weights and would bypass a hook or a subclass's own
 forward, e.g. a LoRA or quantised layer), and `act_fn` is not in place. Other MLPs are left
-alone with one warning. Hooks registered on those projections after `enable_lean_mlp` are
-not run.
+alone with one warning. The check is repeated at every call: a projection hooked or
+replaced after `enable_lean_mlp` (a LoRA adapter added later) makes that MLP run its
+original forward, never bypassed.
 """
 
 from __future__ import annotations

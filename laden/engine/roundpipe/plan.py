@@ -12,12 +12,13 @@ weights plus gradient accumulators (backward) must fit in `model_memory_limit / 
 because the next stage's weights are prefetched while the current one computes. Within
 that cap stages are balanced (the largest stage is as small as the stage count allows) and
 there are at least `min_stages` of them (one per device by default). The fused stage is
-the exception with `recompute_grain="stage"`: it is then grown from the end for as long as it
-fits the whole limit beside what is resident with it (`_grow_fused`), because its layers are
-the only ones that skip the backward recompute; a model that fits whole is one stage, trained
-without recompute. (With `"layer"` the fused stage recomputes too, so it is not grown.) Trade-off: bytes are
-known before the first step and deterministic; measured timings would balance better when
-layers differ in FLOPs but not in size (the embedding), at the price of a profiling step.
+the exception with `recompute_grain="stage"`: it is then grown from the end for as long as
+it fits the whole limit beside what is resident with it (`_grow_fused`), because its layers
+are the only ones that skip the backward recompute; a model that fits whole is one stage,
+trained without recompute. (With `"layer"` the fused stage recomputes too: not grown.)
+Trade-off: bytes are known before the first step and deterministic; measured timings would
+balance better when layers differ in FLOPs but not in size (the embedding), at the price of
+a profiling step.
 
 Given the tokens of a micro-batch (`tokens_per_microbatch`), the stage that computes also
 counts its activations, from the model's own per-layer estimate (`layer_activation_bytes`:

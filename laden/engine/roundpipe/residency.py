@@ -17,8 +17,10 @@ dtype, `.grad` is pre-set to a view of a flat accumulator and autograd adds into
 place; otherwise (bf16 compute, fp32 master) each parameter's gradient is added into an
 fp32 accumulator as soon as autograd has written it (a post-accumulate-grad hook), so
 accumulation over micro-batches does not round to bf16 and no stage ever holds a full
-bf16 copy of its gradients beside the accumulators. At the end of the residency each group's accumulator goes back to the
-host in one copy, on the `d2h` stream.
+bf16 copy of its gradients beside the accumulators. At the end of the residency each
+group's accumulator goes back to the host in one copy, on the `d2h` stream, with its L2
+norm computed on the device; in the last micro-batch of a residency an accumulator is
+sent as soon as it is final (`arm_early_download`), overlapping the rest of the backward.
 """
 
 from __future__ import annotations
