@@ -25,7 +25,9 @@
 # 72, RoundPipe ref 57; the Qwen3 shapes are now initialised on the GPU (a CPU random fill runs on one
 # core: it cost the 8B run its 150 s). laden at 131072 tokens trained there (34 s/step, 14.2 GiB), so
 # the sweep now starts at 262144; RoundPipe's 131072 point (out of GPU memory per BENCHMARKS.md) comes
-# before its 65536 one.
+# before its 65536 one. Second round (same day, new planner): install + RoundPipe's kernel 44, laden ref
+# (8 micro-batches, --profile) 70, RoundPipe ref 46, plain 30, laden ref16 44, laden 8B 60, GPU tests 42,
+# pin_model 24 to 36 per mode; PARTS="ref ref16" took 233 s and PARTS="tests 8b pin" 196 s.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_roundpipe_h200.sh OUTDIR}
 mkdir -p "$out"

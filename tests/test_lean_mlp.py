@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lean_norm import _tiny_model
+from test_lean_norm import _tiny_model, check_enable_disable_round_trip
 from test_tiled import GatedMLP, _assert_model_same, _batch, _lm_step, _other_arch
 from torch import nn
 
@@ -360,20 +360,11 @@ def test_composes_with_tiled_mlp_in_either_order(lean_first, monkeypatch):
 
 
 def test_disable_and_reenable_keep_state_dict():
-    model = _tiny_model()
-    keys = list(model.state_dict().keys())
-    want = _lm_step(model, _batch(seed=2))
-    assert enable_lean_mlp(model) == 2
-    assert enable_lean_mlp(model) == 2  # already lean: counted, not switched twice
-    assert type(model.model.layers[0].mlp).__mro__[1].__name__ == "Qwen3MLP"
-    assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
-    assert disable_lean_mlp(model) == 2
-    assert disable_lean_mlp(model) == 0
-    assert all(type(layer.mlp).__name__ == "Qwen3MLP" for layer in model.model.layers)
-    assert not is_lean_mlp(model.model.layers[0].mlp)
-    assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
+    def mlps(model):
+        return [layer.mlp for layer in model.model.layers]
+
+    check_enable_disable_round_trip(enable_lean_mlp, disable_lean_mlp, 2, mlps, "Qwen3MLP")
+    assert not is_lean_mlp(_tiny_model().model.layers[0].mlp)
 
 
 def test_copies_and_pickles_stay_lean_on_their_own_weights():
