@@ -289,7 +289,7 @@ def activation_bytes(
         # the norm's fp32 input and its output; the loss's hidden and weight gradients, computed in
         # forward and held until backward
         kept = num_tokens * hidden * (4 + 2 * b) + vocab * hidden * b
-        # one chunk's fp32 logits and their fp32 softmax (then the softmax and its compute-dtype
+        # one chunk's fp32 logits and their fp32 log-softmax (then the softmax and its compute-dtype
         # copy); the fp32 [V, H] accumulator and a chunk's [V, H] product (laden.model.loss)
         return kept, chunk * vocab * max(8, 4 + b) + vocab * hidden * (4 + b)
     return 0, 0
