@@ -100,12 +100,29 @@ def test_cuda_uploads_and_gradient_inboxes_are_page_locked(pin_model):
     upload_bytes = grad_bytes = 0
     for group in store.groups:
         for hp in group.members:
-            assert hp.uploads[0].is_pinned(), hp.name
+            assert store.page_locked(hp.uploads[0]), hp.name
             upload_bytes += hp.numel * hp.uploads[0].element_size()
         for flat in group.grad_flats:
-            assert flat.is_pinned(), group.index
+            assert store.page_locked(flat), group.index
             grad_bytes += flat.numel() * flat.element_size()
     assert grad_bytes > 0 and store.pinned_bytes() >= upload_bytes + grad_bytes
+
+
+def test_cuda_default_memory_limit_follows_the_process_memory_fraction():
+    """A process capped with set_per_process_memory_fraction plans for the memory it may use."""
+    from laden.engine.roundpipe.plan import DEFAULT_MEMORY_FRACTION, GIB, default_memory_limit_gib
+
+    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        pytest.skip("this torch cannot report the per-process memory fraction")
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.25, device)
+        expected = DEFAULT_MEMORY_FRACTION * int(total * 0.25) / GIB
+        assert default_memory_limit_gib([device]) == pytest.approx(expected, rel=1e-6)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
 
 
 @pytest.mark.parametrize("optim_step", ["sync", "async"])
