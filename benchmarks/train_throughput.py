@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
     p.add_argument("--model-memory-limit", type=float, default=None,
                    help=f"GiB; default the cap less {HEADROOM_GIB} GiB (CUDA workspaces, allocator slack)")  # fmt: skip
+    p.add_argument("--fused-elementwise", action="store_true",
+                   help="laden: the lean modules' elementwise math as compiled fused kernels "
+                        "(actor.fused_elementwise)")  # fmt: skip
     p.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="lean RMSNorms and gated MLPs (actor.lean_activations; default: on for laden, off for "
                         "plain, which runs Hugging Face's modules as they are)")  # fmt: skip
@@ -149,6 +152,14 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
         enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
         enable_lean_mlp(model)
+    if args.fused_elementwise:
+        from laden.model.fused import use_fused_kernels
+
+        if not lean_activations(args):
+            raise SystemExit(
+                "train_throughput: --fused-elementwise needs the lean modules (drop --no-lean-activations)"
+            )
+        use_fused_kernels(True)  # actor.fused_elementwise
     if args.tiled_mlp_tokens:
         from laden.model.lean_norm import enable_lean_rmsnorm
         from laden.model.tiled import enable_tiled_mlp
@@ -399,6 +410,7 @@ def run(args: argparse.Namespace) -> dict:
             "loss_chunk_size": args.loss_chunk_size,
             "compile": args.compile,
             "lean_activations": lean_activations(args),
+            "fused_elementwise": args.fused_elementwise,
             "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),

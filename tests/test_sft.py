@@ -259,20 +259,35 @@ def test_torchrun_data_parallel_d2_equals_single_process(tmp_path, backend):
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)
 
 
-def test_tiled_mlp_run_matches_plain_run(tmp_path, caplog):
-    """actor.tiled_mlp_tokens (tiled MLPs, lean RMSNorms) changes memory, not the model that comes out."""
+def test_activation_knobs_change_memory_not_the_model(tmp_path, caplog):
+    """actor.lean_activations (the default), actor.tiled_mlp_tokens and actor.fused_elementwise change
+    memory and kernels, not the model that comes out (Hugging Face's modules as the reference)."""
     import logging
 
     from safetensors.torch import load_file
 
+    from laden.model.fused import fused_kernels_enabled
+
     caplog.set_level(logging.INFO, logger="laden.sft")
     extra = ("total_train_steps=3", "checkpoint.save_freq_steps=null")
-    plain = run_sft(_cfg(tmp_path, "plain", *extra), progress=False)
-    tiled = run_sft(_cfg(tmp_path, "tiled", *extra, "actor.tiled_mlp_tokens=16"), progress=False)
+    plain = run_sft(_cfg(tmp_path, "plain", *extra, "actor.lean_activations=false"), progress=False)
+    runs = {
+        "lean": run_sft(_cfg(tmp_path, "lean", *extra), progress=False),
+        "tiled": run_sft(_cfg(tmp_path, "tiled", *extra, "actor.tiled_mlp_tokens=16"), progress=False),
+        "fused": run_sft(_cfg(tmp_path, "fused", *extra, "actor.fused_elementwise=true"), progress=False),
+    }
+    assert "actor.lean_activations: 9 RMSNorms and 2 gated MLPs lean" in caplog.text
     assert "actor.tiled_mlp_tokens=16: 2 decoder MLPs tiled, 9 RMSNorms lean" in caplog.text
-    a, b = (load_file(r.run_dir / "hf" / "model.safetensors") for r in (plain, tiled))
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert "actor.fused_elementwise: the lean modules' elementwise math runs compiled" in caplog.text
+    assert fused_kernels_enabled()  # the last run's setting; the next run sets its own
+    run_sft(_cfg(tmp_path, "after", "total_train_steps=1", "checkpoint.save_freq_steps=null"), progress=False)
+    assert not fused_kernels_enabled()
+    want = load_file(plain.run_dir / "hf" / "model.safetensors")
+    for name, run in runs.items():
+        got = load_file(run.run_dir / "hf" / "model.safetensors")
+        tol = {"rtol": 1e-4, "atol": 1e-5} if name == "fused" else {"rtol": 1e-5, "atol": 1e-6}
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=f"{name}: {key}", **tol)
 
 
 def test_cli_config_show_and_doctor(capsys):

@@ -91,6 +91,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _micro_batch_errors(cfg, rl=rl)
     errors += _alloc_errors(cfg, rl=rl)
     errors += _alias_errors(cfg)
+    errors += _fused_errors(cfg)
     _warn_optimizer(cfg)
     _warn_ignored_sections(cfg)
     return errors
@@ -250,6 +251,15 @@ def _alias_errors(cfg: LadenConfig) -> list[str]:
         f"max_concurrent_rollouts={top} conflicts with rollout.max_concurrent_rollouts={nested}; "
         "set only one of them (rollout.max_concurrent_rollouts is the canonical key)"
     ]
+
+
+def _fused_errors(cfg: LadenConfig) -> list[str]:
+    if cfg.actor.fused_elementwise and not cfg.actor.lean_activations:
+        return [
+            "actor.fused_elementwise=true needs actor.lean_activations=true: the fused kernels are the "
+            "lean RMSNorm's and gated MLP's math; set actor.lean_activations: true or drop fused_elementwise"
+        ]
+    return []
 
 
 def _warn_optimizer(cfg: LadenConfig) -> None:

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from laden.model import fused
 from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, same_code
 from laden.model.tiled import class_swap as tiled_swap
 
@@ -90,7 +91,8 @@ class LeanGatedMLPFn(torch.autograd.Function):
         ctx.save_for_backward(x_in, gate, up, w_gate, w_up, w_down)  # before act_fn could write to gate
         ctx.act_fn, ctx.autocast, ctx.x_dtype = act_fn, _autocast_state(x.device.type), x.dtype
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
-        out = F.linear(act_fn(gate) * up, w_down, b_down)  # [..., H]
+        prod = fused.call(_swiglu, gate, up) if _fusable(act_fn) else act_fn(gate) * up  # [..., I]
+        out = F.linear(prod, w_down, b_down)  # [..., H]
         ctx.down_dtype = out.dtype  # the dtype down_proj computed in
         return out
 
@@ -104,9 +106,22 @@ class LeanGatedMLPFn(torch.autograd.Function):
         up = up.detach().requires_grad_(need_up)
         device_type = x_in.device.type
         enabled, dtype = ctx.autocast
-        with torch.set_grad_enabled(need_gate or need_up), _autocast(device_type, enabled, dtype):
-            prod = ctx.act_fn(gate) * up  # [..., I], recomputed: bitwise the forward's value
         bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
+        fused_swiglu = _fusable(ctx.act_fn)
+        grad_gate = grad_up = None
+        if fused_swiglu:  # the product and both its input gradients in one compiled pass
+            with _autocast(device_type, False, dtype):
+                if need_gate or need_up:
+                    grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(gate.dtype)  # [..., I]
+                    prod, grad_gate, grad_up = fused.call(
+                        _swiglu_backward, gate.detach(), up.detach(), grad_prod
+                    )
+                    del grad_prod
+                else:
+                    prod = fused.call(_swiglu, gate, up)
+        else:
+            with torch.set_grad_enabled(need_gate or need_up), _autocast(device_type, enabled, dtype):
+                prod = ctx.act_fn(gate) * up  # [..., I], recomputed: bitwise the forward's value
         # The gradients autograd's linear, cast and mul formulas give, in their dtypes, whatever
         # autocast state backward is called in.
         with _autocast(device_type, False, dtype):
@@ -117,12 +132,13 @@ class LeanGatedMLPFn(torch.autograd.Function):
                 grad_b_down = _bias_grad(grad_out, bias_down_dtype)
             grad_x = grad_w_gate = grad_b_gate = grad_w_up = grad_b_up = None
             if need_gate or need_up:
-                grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(prod.dtype)  # [..., I]
-                inputs = [t for t in (gate, up) if t.requires_grad]
-                grads = iter(torch.autograd.grad(prod, inputs, grad_prod))
-                del prod, grad_prod
-                grad_gate = next(grads) if need_gate else None  # [..., I], gate's dtype
-                grad_up = next(grads) if need_up else None
+                if not fused_swiglu:
+                    grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(prod.dtype)  # [..., I]
+                    inputs = [t for t in (gate, up) if t.requires_grad]
+                    grads = iter(torch.autograd.grad(prod, inputs, grad_prod))
+                    del prod, grad_prod
+                    grad_gate = next(grads) if need_gate else None  # [..., I], gate's dtype
+                    grad_up = next(grads) if need_up else None
                 if grad_gate is not None:
                     grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype) if need_wg else None
                     grad_b_gate = _bias_grad(grad_gate, bias_gate_dtype) if need_bg else None
@@ -135,6 +151,30 @@ class LeanGatedMLPFn(torch.autograd.Function):
                     grad_x = (grad_gate @ w_gate.to(gate.dtype)).to(ctx.x_dtype)  # [..., H]
                     grad_x += (grad_up @ w_up.to(up.dtype)).to(ctx.x_dtype)
         return grad_x, None, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+
+
+def _fusable(act_fn: object) -> bool:
+    """SiLU (the gated MLPs' activation) with fused kernels on: the compiled SwiGLU path."""
+    return fused.fused_kernels_enabled() and (
+        isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+    )
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, in fp32, rounded once to gate's dtype (fused kernels only)."""
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+
+
+def _swiglu_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_prod: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up as `_swiglu` computes it, grad wrt gate, grad wrt up), from one pass over [..., I]."""
+    g, u, gp = gate.float(), up.float(), grad_prod.float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    grad_gate = gp * u * (sig * (1 + g * (1 - sig)))  # d silu / d g = sig (1 + g (1 - sig))
+    return (silu * u).to(gate.dtype), grad_gate.to(gate.dtype), (gp * silu).to(up.dtype)
 
 
 def _weight_grad(grad: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

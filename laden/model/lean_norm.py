@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from laden.model import fused
 from laden.model.swap import ClassSwap, check_own_forward, same_code
 
 __all__ = [
@@ -69,12 +70,9 @@ class LeanRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # The very ops of Hugging Face's forward, so the output is bitwise the same.
-        x_f32 = x.to(torch.float32)
-        variance = x_f32.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        rstd = torch.rsqrt(variance + eps)  # [..., 1] fp32
+        out, rstd = fused.call(_norm_forward, x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x_f32 * rstd).to(x.dtype)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -84,16 +82,34 @@ class LeanRMSNormFn(torch.autograd.Function):
         # Autograd's formulas for Hugging Face's graph, in fp32 whatever autocast is active
         # (a backward called inside an autocast region must not change their dtypes).
         with _autocast_off(x.device.type):
-            x_f32 = x.to(torch.float32)  # [..., W]
-            grad_weight = None
-            if need_weight:
-                normed = (x_f32 * rstd).to(x.dtype)  # recomputed: bitwise the forward's value
-                grad_weight = (grad_out * normed).sum_to_size(weight.shape).to(weight.dtype)
-                del normed
-            grad_x = None
-            if need_x:
-                grad_x = _input_grad(grad_out, x_f32, weight, rstd, x.dtype)
+            grad_x, grad_weight = fused.call(_norm_backward, grad_out, x, weight, rstd, need_x, need_weight)
         return grad_x, grad_weight, None
+
+
+def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, rstd [..., 1] fp32): the very ops of Hugging Face's forward, so bitwise its output."""
+    x_f32 = x.to(torch.float32)
+    variance = x_f32.pow(2).mean(-1, keepdim=True)  # [..., 1]
+    rstd = torch.rsqrt(variance + eps)  # [..., 1] fp32
+    return weight * (x_f32 * rstd).to(x.dtype), rstd
+
+
+def _norm_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_x: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad wrt x, grad wrt weight), None where not needed."""
+    x_f32 = x.to(torch.float32)  # [..., W]
+    grad_weight = None
+    if need_weight:
+        normed = (x_f32 * rstd).to(x.dtype)  # recomputed: bitwise the forward's value
+        grad_weight = (grad_out * normed).sum_to_size(weight.shape).to(weight.dtype)
+    grad_x = _input_grad(grad_out, x_f32, weight, rstd, x.dtype) if need_x else None
+    return grad_x, grad_weight
 
 
 def _input_grad(

@@ -1,0 +1,52 @@
+"""Fused elementwise kernels for the lean RMSNorm and the lean gated MLP (`actor.fused_elementwise`).
+
+The lean modules (`laden.model.lean_norm`, `laden.model.lean_mlp`) run Hugging Face's ops
+one by one: an RMSNorm forward is eight kernels over the row (cast, square, mean, rsqrt,
+multiply, cast back, weight multiply) and its backward about twenty, each reading and
+writing the whole activation. On a GPU such memory-bound kernels, not the matmuls, took
+half of the kernel time of the reference training step (`benchmarks/RESULTS.md`).
+
+With `use_fused_kernels(True)` the same math goes through `torch.compile` (`fullgraph`,
+dynamic shapes): one function for the norm's forward, one for its backward, one for the
+SwiGLU product's backward (the product and both input gradients in one pass). Only these
+pure tensor functions are compiled, never a layer: no graph break at attention, no
+autograd tracing, and the guard check is the only per-call cost. Results agree with the
+eager ops to float rounding (the compiler fuses and may reorder a reduction), not bitwise,
+which is why it is a separate switch. It is process-wide: a kernel choice, like PyTorch's
+backend flags.
+
+Not yet measured on a GPU: whether the saved memory traffic beats the compiled calls' cost
+is the next measurement (`--fused-elementwise` in `benchmarks/train_throughput.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["call", "fused_kernels_enabled", "use_fused_kernels"]
+
+_ENABLED = False
+
+
+def use_fused_kernels(enabled: bool = True) -> None:
+    """Run the lean modules' elementwise math compiled (True) or as eager ops (False, the default)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def fused_kernels_enabled() -> bool:
+    return _ENABLED
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, compiled once per function when fused kernels are on."""
+    return _compiled(fn)(*args) if _ENABLED else fn(*args)

@@ -1,0 +1,98 @@
+"""actor.fused_elementwise: the lean modules' elementwise math compiled (inductor, here its CPU backend).
+
+Compiled == eager up to float rounding: the norm's forward and backward, the SwiGLU product and
+its gradients, and a whole tiny Qwen3 training step, against plain PyTorch autograd.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_lean_mlp import _hf_mlp
+from test_lean_norm import _tiny_model
+from test_tiled import _batch, _lm_step
+
+from laden.model.fused import fused_kernels_enabled, use_fused_kernels
+from laden.model.lean_mlp import enable_lean_mlp
+from laden.model.lean_norm import LeanRMSNormFn, enable_lean_rmsnorm
+
+
+@pytest.fixture
+def fused():
+    use_fused_kernels(True)
+    yield
+    use_fused_kernels(False)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama-style RMSNorm forward, under plain autograd."""
+    x_f32 = x.to(torch.float32)
+    variance = x_f32.pow(2).mean(-1, keepdim=True)
+    return weight * (x_f32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.float32, {}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})],
+    ids=["fp32", "bf16"],
+)
+def test_fused_norm_matches_autograd(fused, dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 32, generator=gen).to(dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(32, generator=gen)).to(dtype).requires_grad_()
+    grad = torch.randn(3, 5, 32, generator=gen).to(dtype)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    want = _hf_rms_norm(x_ref, w_ref, 1e-6)
+    want.backward(grad)
+    got = LeanRMSNormFn.apply(x, weight, 1e-6)
+    got.backward(grad)
+    assert fused_kernels_enabled()
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    torch.testing.assert_close(weight.grad, w_ref.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_swiglu_matches_autograd(fused, dtype):
+    tol = {} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    plain = _hf_mlp().to(dtype)
+    lean = copy.deepcopy(plain)
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.model.layers[0].mlp = lean
+    assert enable_lean_mlp(holder) == 1
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 16, generator=gen).to(dtype)
+    grad = torch.randn(2, 7, 16, generator=gen).to(dtype)
+    x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(x_ref).backward(grad)
+    out = lean(x_got)
+    out.backward(grad)
+    torch.testing.assert_close(out, plain(x_ref.detach()), **tol)
+    torch.testing.assert_close(x_got.grad, x_ref.grad, **tol)
+    for (name, p), (_, q) in zip(plain.named_parameters(), lean.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name, **tol)
+
+
+def test_fused_tiny_qwen3_step_matches_plain(fused):
+    model = _tiny_model()
+    use_fused_kernels(False)
+    want = _lm_step(model, _batch())
+    lean = copy.deepcopy(model)
+    enable_lean_rmsnorm(lean)
+    enable_lean_mlp(lean)
+    use_fused_kernels(True)
+    loss, grads = _lm_step(lean, _batch())
+    torch.testing.assert_close(loss, want[0], rtol=1e-5, atol=1e-5)
+    for name, g in want[1].items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fused_elementwise_needs_lean_activations():
+    from laden.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="actor.fused_elementwise=true needs actor.lean_activations=true"):
+        config_from_dict({"actor": {"lean_activations": False, "fused_elementwise": True}})
