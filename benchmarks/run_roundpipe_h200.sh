@@ -8,7 +8,7 @@
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
-# on it with 4 / 16 micro-batches (not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
+# on it with 4 / 16 micro-batches, fused = 16 with --fused-elementwise (these three not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
@@ -171,6 +171,8 @@ fi
 # micro-batch, so only part of the model fits the fused stage and the rest is recomputed).
 want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}"
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
+# actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
+want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
 # actor.roundpipe.compile: the warm-up step pays for the compilation.
 want compile && run laden_ref_compile 300 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --compile --profile
 
