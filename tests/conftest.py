@@ -22,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow; pass --run-slow"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core box they lose a lot.
+
+    Modules of tiny-model tests opt in with `pytestmark = [pytest.mark.usefixtures("one_thread"), ...]`.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A directory with a char-level tokenizer (loadable by AutoTokenizer) and a tiny Qwen3 config.json."""

@@ -19,14 +19,7 @@ from laden.engine.roundpipe.plan import GIB
 from laden.model.split import causal_lm_loss, shift_labels
 from laden.model.tiny import tiny_qwen3_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core box they lose a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp() -> nn.Sequential:

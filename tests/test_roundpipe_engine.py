@@ -25,15 +25,6 @@ from laden.model.tiny import tiny_qwen3_config
 from laden.optim import AdamWBF16, param_groups_with_decay
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads; on a busy 2-core box they lose a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tied_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     cfg = tiny_qwen3_config(vocab_size=64, num_hidden_layers=3)
     cfg.tie_word_embeddings = True
@@ -69,6 +60,19 @@ def reference_loss(model: nn.Module, micro_batches: list, num_tokens: int) -> to
     return total
 
 
+def assert_same_step(got: dict, want: dict) -> None:
+    """Two engines' metrics of one step: the same loss and gradient norm."""
+    torch.testing.assert_close(got["loss"], want["loss"])
+    torch.testing.assert_close(got["grad_norm"], want["grad_norm"])
+
+
+def assert_same_masters(got: RoundPipeEngine, want: RoundPipeEngine) -> None:
+    """Two engines hold the same master weights (each engine's state dict read once)."""
+    got_masters = got.state_dict()["model"]
+    for name, t in want.state_dict()["model"].items():
+        torch.testing.assert_close(got_masters[name], t, msg=name)
+
+
 def settings(**overrides) -> OptimSettings:
     # eps well above the tiny model's smallest gradients: Adam's m / (sqrt(v) + eps) amplifies the
     # last-bit differences of packed vs per-document attention on entries with |g| ~ eps.
@@ -90,7 +94,10 @@ SMALL_STAGES = 0.0004  # GiB: about one layer per stage for the tiny model
 # (the automatic plan then), and these tests are about stages that hand over to each other.
 STAGED = ModelExecutePlan.uniform(5, stage_layers=2, fused_layers=1)
 # Such a limit also warns when the first batch re-plans the stages with its activations.
-pytestmark = pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning"),
+]
 
 
 @pytest.mark.parametrize(
@@ -155,11 +162,8 @@ def test_whole_model_stage_sends_gradients_during_the_last_microbatch(monkeypatc
         assert sent and all(during for _, during in sent), sent
         assert len(sent) == len({key for key, _ in sent}) == len(one.pipe.trainable_groups())
         assert host_norms == []  # every inbox is one copy: its norm came from the device
-        b = staged.train_batch(mbs, global_num_loss_tokens=n)
-        torch.testing.assert_close(a["loss"], b["loss"])
-        torch.testing.assert_close(a["grad_norm"], b["grad_norm"])
-    for name, t in staged.state_dict()["model"].items():
-        torch.testing.assert_close(one.state_dict()["model"][name], t, msg=name)
+        assert_same_step(a, staged.train_batch(mbs, global_num_loss_tokens=n))
+    assert_same_masters(one, staged)
 
 
 def test_async_engine_equals_one_step_stale_reference():
@@ -233,8 +237,7 @@ def test_resumed_equals_uninterrupted():
     b = resumed.train_batch(steps[2], global_num_loss_tokens=n)
     torch.testing.assert_close(b["loss"], a["loss"])
     torch.testing.assert_close(b["lr"], a["lr"])
-    for name, t in whole.state_dict()["model"].items():
-        torch.testing.assert_close(resumed.state_dict()["model"][name], t, msg=name)
+    assert_same_masters(resumed, whole)
 
 
 def test_export_hf_roundtrip(tmp_path):
@@ -413,8 +416,7 @@ def test_auto_plan_follows_the_longest_microbatch():
         b = short.train_batch(mbs, global_num_loss_tokens=n)
         assert short.plan == long.plan
         torch.testing.assert_close(b["loss"], a["loss"])
-    for name, t in long.state_dict()["model"].items():
-        torch.testing.assert_close(short.state_dict()["model"][name], t, msg=name)
+    assert_same_masters(short, long)
 
 
 def test_engine_on_a_pool_of_two_workers_equals_one_worker():
@@ -426,11 +428,8 @@ def test_engine_on_a_pool_of_two_workers_equals_one_worker():
     for mbs in make_steps(2):
         n = sum(mb.num_loss_tokens for mb in mbs)
         a = one.train_batch(mbs, global_num_loss_tokens=n)
-        b = two.train_batch(mbs, global_num_loss_tokens=n)
-        torch.testing.assert_close(b["loss"], a["loss"])
-        torch.testing.assert_close(b["grad_norm"], a["grad_norm"])
-    for name, t in one.state_dict()["model"].items():
-        torch.testing.assert_close(two.state_dict()["model"][name], t, msg=name)
+        assert_same_step(two.train_batch(mbs, global_num_loss_tokens=n), a)
+    assert_same_masters(two, one)
 
 
 def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
@@ -462,8 +461,5 @@ def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
     for mbs in steps:
         n = sum(mb.num_loss_tokens for mb in mbs)
         a = clean.train_batch(mbs, global_num_loss_tokens=n)
-        b = retried.train_batch(mbs, global_num_loss_tokens=n)
-        torch.testing.assert_close(b["loss"], a["loss"])
-        torch.testing.assert_close(b["grad_norm"], a["grad_norm"])
-    for name, t in clean.state_dict()["model"].items():
-        torch.testing.assert_close(retried.state_dict()["model"][name], t, msg=name)
+        assert_same_step(retried.train_batch(mbs, global_num_loss_tokens=n), a)
+    assert_same_masters(retried, clean)

@@ -12,10 +12,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from test_roundpipe_engine import reference_loss
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -41,13 +41,7 @@ BYTES_PER_PARAM = {
     ("adam", torch.float32, torch.float32): {"sync": 16, "async": 24},  # 4 shared + 8 + 4 grad
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(*, tied: bool = False) -> Qwen3Config:
@@ -171,20 +165,6 @@ def test_measured_host_bytes_counts_a_storage_once():
 
 
 # ---- shared masters stay exact -----------------------------------------------------------------
-def reference_loss(model: Any, micro_batches: list, num_tokens: int) -> torch.Tensor:
-    from laden.model.loss import chunked_linear_cross_entropy
-    from laden.model.split import shift_labels
-
-    total = torch.zeros(())
-    for mb in micro_batches:
-        for doc in mb.input_ids.split(mb.seqlens):
-            hidden = model.model(input_ids=doc[None]).last_hidden_state[0]  # [T, H]
-            loss = chunked_linear_cross_entropy(hidden, model.lm_head.weight, shift_labels(doc[None])[0])
-            (loss / num_tokens).backward()
-            total = total + loss.detach() / num_tokens
-    return total
-
-
 def test_async_adam_bf16_equals_one_step_stale_kahan_reference():
     """The asynchronous step with shared bf16 masters (ping-pong between the two upload buffers):
     step k computes on the weights of update k-1 and its update applies to those of update k."""

@@ -33,15 +33,10 @@ from laden.engine.roundpipe.device import Lane
 from laden.model.split import causal_lm_loss, shift_labels
 
 # The tiny stage limits below also warn when the first batch re-plans with its activations.
-pytestmark = pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning"),
+]
 
 
 class LabelledLane(Lane):
