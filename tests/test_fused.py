@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_lean_mlp import _hf_mlp
+from test_lean_mlp import _hf_mlp, _holder
 from test_lean_norm import _tiny_model
 from test_tiled import _batch, _lm_step
 
@@ -59,11 +59,7 @@ def test_fused_swiglu_matches_autograd(fused, dtype):
     tol = {} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
     plain = _hf_mlp().to(dtype)
     lean = copy.deepcopy(plain)
-    holder = torch.nn.Module()
-    holder.model = torch.nn.Module()
-    holder.model.layers = torch.nn.ModuleList([torch.nn.Module()])
-    holder.model.layers[0].mlp = lean
-    assert enable_lean_mlp(holder) == 1
+    assert enable_lean_mlp(_holder(lean)) == 1
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 7, 16, generator=gen).to(dtype)
     grad = torch.randn(2, 7, 16, generator=gen).to(dtype)

@@ -97,8 +97,8 @@ class HostStore:
         self.pinned_alloc_bytes = 0  # requested from the pinned allocator (which rounds up to 2^k)
         self.pinned_rounding_bytes = 0  # what that rounding adds on top
         self.registered_bytes = 0  # page-locked in place (cudaHostRegister)
-        self._registered: list[int] = []  # page-locked pointers, unregistered when the store dies
-        self._registered_spans: list[tuple[int, int]] = []  # (pointer, bytes) of each registered range
+        # (pointer, bytes) of each page-locked range, unregistered when the store dies
+        self._registered: list[tuple[int, int]] = []
         self._registered_refs: list[torch.Tensor] = []  # keeps those storages alive until then
         weakref.finalize(self, _unregister_all, self._registered, self._registered_refs)
         self._allocate(create_masters, init_meta)
@@ -254,8 +254,7 @@ class HostStore:
                     stacklevel=3,
                 )
                 continue
-            self._registered.append(ptr)
-            self._registered_spans.append((ptr, size))
+            self._registered.append((ptr, size))
             self.registered_bytes += size
         self._registered_refs.extend(tensors)
 
@@ -268,7 +267,7 @@ class HostStore:
         if t.is_pinned():
             return True
         ptr, size = _span(t)
-        return any(start <= ptr and ptr + size <= start + length for start, length in self._registered_spans)
+        return any(start <= ptr and ptr + size <= start + length for start, length in self._registered)
 
     # ---- masters and upload copies ------------------------------------------------------
     def move_masters_to(self, group: ParamGroup, buf: int) -> None:
@@ -450,9 +449,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _unregister_all(pointers: list[int], refs: list[torch.Tensor]) -> None:
-    if not pointers or not torch.cuda.is_available():
+def _unregister_all(spans: list[tuple[int, int]], refs: list[torch.Tensor]) -> None:
+    if not spans or not torch.cuda.is_available():
         return
     cudart = torch.cuda.cudart()
-    for ptr in pointers:
+    for ptr, _ in spans:
         cudart.cudaHostUnregister(ptr)

@@ -81,7 +81,8 @@ class GradLanding:
     # (not adds) their part, since their inbox still holds an earlier step's (or no) data.
     overwrite: list[HostParam] = field(default_factory=list)
     # The L2 norm of what was copied (fp32, a host scalar valid after `event`), computed on the
-    # device, where it is a few milliseconds instead of a host pass over the gradient.
+    # device, where it is a few milliseconds instead of a host pass over the gradient; only for a
+    # direct copy (not staged), the one case where it is the inbox's norm.
     norm: torch.Tensor | None = None
 
 
@@ -300,12 +301,9 @@ def accumulate_microbatch(res: Residency) -> None:
     gradients not yet written, race the reuse of the freed `leaf.grad` blocks, and be
     downloaded half done: garbage (NaN) gradients on CUDA, invisible on the CPU.
     """
-    lane = res.lane
-    with torch.no_grad(), lane.on(lane.compute):
-        for acc, leaf in res.late_adds:
-            if leaf.grad is not None:
-                acc.add_(leaf.grad)
-                leaf.grad = None
+    for acc, leaf in res.late_adds:
+        if leaf.grad is not None:
+            _fold_grad(res.lane, acc, leaf)
     if res.writes_per_mb is None:
         res.writes_per_mb = res.writes
     elif res.writes != res.writes_per_mb:
@@ -343,38 +341,41 @@ def _download(
     """
     lane = res.lane
     kind, index = key
-    with torch.no_grad():
-        acc = res.group_accs[index] if kind == "group" else res.param_accs[index]
-        with lane.on(lane.compute):
-            norm = torch.linalg.vector_norm(acc, dtype=torch.float32)
+    acc = res.group_accs[index] if kind == "group" else res.param_accs[index]
+    with torch.no_grad(), store.lock:
+        if kind == "group":
+            group = store.groups[index]
+            busy = [inbox_busy(hp, inbox) for hp in group.members]
+            staged = any(busy)
+            # A staging buffer is free again: the previous call's staged adds were applied
+            # before that call returned (RoundPipe waits for its landings).
+            target = store.staging_for_group(group) if staged else group.grad_flats[inbox]
+            fresh = [hp for hp, b in zip(group.members, busy) if not b] if staged else []
+            landing = GradLanding(group, None, staged, inbox, None, overwrite=fresh)
+            members = group.members
+        else:
+            hp = store.params[index]
+            staged = inbox_busy(hp, inbox)
+            target = store.staging_for_param(hp) if staged else hp.grad(inbox)
+            landing = GradLanding(None, hp, staged, inbox, None)
+            members = [hp]
+        norm = None
+        if not staged:  # the inbox will be exactly this copy: its norm, on the device
+            with lane.on(lane.compute):
+                norm = torch.linalg.vector_norm(acc, dtype=torch.float32)
         lane.wait(lane.d2h, lane.record(lane.compute))
-        with lane.on(lane.d2h), store.lock:
-            if kind == "group":
-                group = store.groups[index]
-                busy = [inbox_busy(hp, inbox) for hp in group.members]
-                staged = any(busy)
-                # A staging buffer is free again: the previous call's staged adds were applied
-                # before that call returned (RoundPipe waits for its landings).
-                target = store.staging_for_group(group) if staged else group.grad_flats[inbox]
-                fresh = [hp for hp, b in zip(group.members, busy) if not b] if staged else []
-                landing = GradLanding(group, None, staged, inbox, None, overwrite=fresh)
-                members = group.members
-            else:
-                hp = store.params[index]
-                staged = inbox_busy(hp, inbox)
-                target = store.staging_for_param(hp) if staged else hp.grad(inbox)
-                landing = GradLanding(None, hp, staged, inbox, None)
-                members = [hp]
+        with lane.on(lane.d2h):
             target.copy_(acc, non_blocking=True)
             lane.keep_alive(acc, lane.d2h)
-            landing.norm = torch.empty((), dtype=torch.float32, pin_memory=lane.pin)
-            landing.norm.copy_(norm, non_blocking=True)
-            lane.keep_alive(norm, lane.d2h)
-            for hp in members:
-                hp.filled[inbox] = True
+            if norm is not None:
+                landing.norm = torch.empty((), dtype=torch.float32, pin_memory=lane.pin)
+                landing.norm.copy_(norm, non_blocking=True)
+                lane.keep_alive(norm, lane.d2h)
             landing.event = lane.record(lane.d2h)
-            res.landed.add(key)
-            on_landed(landing)
+        for hp in members:
+            hp.filled[inbox] = True
+        res.landed.add(key)
+        on_landed(landing)
 
 
 def inbox_busy(hp: HostParam, inbox: int) -> bool:

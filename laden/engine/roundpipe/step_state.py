@@ -58,9 +58,8 @@ class StepGrads:
         """Landing thread: count the landing; finalize every group whose turn has come."""
         group = landing.group if landing.group is not None else landing.param.group  # type: ignore[union-attr]
         with self.lock:
-            direct = landing.group is not None and not landing.staged and landing.norm is not None
-            if direct and group.index in self.single:
-                self.copied_norms[group.index] = landing.norm  # type: ignore[assignment]
+            if landing.group is not None and landing.norm is not None and group.index in self.single:
+                self.copied_norms[group.index] = landing.norm
             self.remaining[group.index] -= 1
             if self.remaining[group.index] == 0:
                 self.ready.add(group.index)
