@@ -8,8 +8,9 @@
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
-# on it with 4 / 16 micro-batches, fused = 16 with --fused-elementwise (these three not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
-# host peak and upload bandwidth per pin_model mode.
+# on it with 4 / 16 micro-batches, fused / fused8 = 16 / 8 with --fused-elementwise, gc = both of those with
+# --gc-freeze (these six not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B
+# shape, seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -141,11 +142,12 @@ if [[ ${SMOKE:-0} != 1 ]] && { want ref || want seq; }; then
   precompile_pid=$!
 fi
 
-# (b) laden's roundpipe GPU tests.
+# (b) laden's roundpipe and attention GPU tests.
 want tests || echo "skipped (PARTS=$parts)" >"$out/pytest.log"
 want tests && {
 left=$((deadline_s - SECONDS))
 timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
+  tests/test_attention.py \
   >"$out/pytest.log" 2>&1
 rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),
@@ -173,6 +175,10 @@ want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}"
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
 # actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
 want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
+want fused8 && run laden_ref_fused_mb8 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --profile
+# The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
+want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
+want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
 # actor.roundpipe.compile: the warm-up step pays for the compilation.
 want compile && run laden_ref_compile 300 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --compile --profile
 

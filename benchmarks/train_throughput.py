@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import sys
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="laden: torch.compile each decoder layer (actor.roundpipe.compile)")  # fmt: skip
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="before the timed steps: collect, freeze what exists and stop the cyclic garbage "
+                        "collector (does a collection pause stall the GPU's feed?)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile one more step: GPU kernel and copy busy time, top kernels")  # fmt: skip
     p.add_argument(
@@ -375,6 +379,10 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
     jobs = getattr(getattr(engine, "pipe", None), "jobs", None)
     busy_before = dict(jobs.busy_s) if jobs is not None else {}
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     start = time.perf_counter()
     for i, mbs in enumerate(steps[args.warmup : args.warmup + args.steps]):
         history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
@@ -411,6 +419,7 @@ def run(args: argparse.Namespace) -> dict:
             "compile": args.compile,
             "lean_activations": lean_activations(args),
             "fused_elementwise": args.fused_elementwise,
+            "gc_freeze": args.gc_freeze,
             "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
@@ -484,6 +493,7 @@ def profile_step(engine, mbs: list) -> dict:
         wall = time.perf_counter() - start
         spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": [], "other_copy": []}
         totals: dict[str, float] = {}
+        named: list[tuple[float, float, str]] = []  # kernels, for the idle gaps between them
         for ev in prof.events():
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -494,6 +504,7 @@ def profile_step(engine, mbs: list) -> dict:
             spans[kind].append((t_start, t_end))
             if kind == "kernel":
                 totals[name] = totals.get(name, 0.0) + (t_end - t_start)
+                named.append((t_start, t_end, name))
         top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
         by_category: dict[str, float] = {}
         for name, sec in totals.items():
@@ -507,6 +518,8 @@ def profile_step(engine, mbs: list) -> dict:
                 k: round(v, 3) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
             },
             "top_kernels": [[name[:80], round(sec, 3)] for name, sec in top],
+            "kernels": len(named),
+            "kernel_gaps": kernel_gaps(named),
         }
     except Exception as error:  # the timed result stands without the profile
         return {"error": f"{type(error).__name__}: {error}"[:500]}
@@ -528,6 +541,43 @@ def kernel_category(name: str) -> str:
         if any(f in low for f in fragments):
             return category
     return "other"
+
+
+GAP_BUCKETS_US = (10, 50, 200, 1000, 10000)
+
+
+def kernel_gaps(kernels: list[tuple[float, float, str]], top: int = 8) -> dict:
+    """Where the GPU computed nothing between its first and last kernel: idle seconds by gap
+    length (short gaps, many of them, mean the launching thread is the bound; long ones mean a
+    wait: an upload, a host result, a synchronisation), and the longest gaps with the kernels on
+    either side and their place in the step (0 = its first kernel, 1 = its last)."""
+    if not kernels:
+        return {}
+    kernels = sorted(kernels)
+    first, last = kernels[0][0], max(end for _, end, _ in kernels)
+    gaps: list[tuple[float, float, str, str]] = []
+    end, before = kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, end, before, name))
+        if stop > end:
+            end, before = stop, name
+    buckets = {f"<{b}us": 0.0 for b in GAP_BUCKETS_US} | {f">={GAP_BUCKETS_US[-1]}us": 0.0}
+    counts = dict.fromkeys(buckets, 0)
+    for gap, *_ in gaps:
+        key = next((f"<{b}us" for b in GAP_BUCKETS_US if gap * 1e6 < b), f">={GAP_BUCKETS_US[-1]}us")
+        buckets[key] += gap
+        counts[key] += 1
+    span = max(last - first, 1e-9)
+    return {
+        "idle_s": round(sum(g for g, *_ in gaps), 4),
+        "idle_s_by_length": {k: round(v, 4) for k, v in buckets.items()},
+        "gaps_by_length": counts,
+        "longest": [
+            {"ms": round(g * 1e3, 2), "at": round((t - first) / span, 3), "after": a[:60], "before": b[:60]}
+            for g, t, a, b in sorted(gaps, reverse=True)[:top]
+        ],
+    }
 
 
 def _union_seconds(spans: list[tuple[float, float]]) -> float:

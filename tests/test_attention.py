@@ -11,6 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden.model.attention import (
     LADEN_VARLEN,
+    LADEN_VARLEN_KERNEL,
+    _equal_documents,
+    kernel_varlen_attention_forward,
     lm_head_weight,
     packed_causal_lm_loss,
     packed_forward_hidden,
@@ -250,6 +253,64 @@ def test_attention_function_rejects_dropout_and_softcap():
         varlen_attention_forward(module, q, q, q, None, softcap=30.0, cu_seq_lens_q=cu, max_length_q=4)
 
 
+def _causal_per_document(q, k, v, bounds, scaling):
+    """Reference: q [N, Hq, D], k/v [N, Hkv, D]; softmax over each document's earlier tokens, in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scaling  # [H, L, L]
+        future = torch.ones(b - a, b - a, dtype=torch.bool).triu(1)
+        out.append(
+            torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), v[a:b])
+        )
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("forward", [varlen_attention_forward, kernel_varlen_attention_forward])
+def test_equal_documents_run_as_one_sdpa_batch(batch, forward):
+    """Documents of one length (three of 12 tokens) run as one [3, H, 12, D] SDPA batch: outputs
+    and gradients equal causal attention within each document, rows of [B, T] flattened."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, docs, scaling = 36, 3, 0.3
+    q = torch.randn(batch, 8, num_tokens // batch, 16, generator=gen).requires_grad_()
+    k = torch.randn(batch, 2, num_tokens // batch, 16, generator=gen).requires_grad_()
+    v = torch.randn(batch, 2, num_tokens // batch, 16, generator=gen).requires_grad_()
+    bounds = [0, 12, 24, 36]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out, _ = forward(torch.nn.Module(), q, k, v, None, scaling=scaling, cu_seq_lens_q=cu, max_length_q=12)
+    assert out.shape == (batch, num_tokens // batch, 8, 16)
+    grad = torch.randn(out.shape, generator=gen)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+
+    flat = [
+        t.detach().transpose(1, 2).reshape(num_tokens, t.shape[1], 16).requires_grad_() for t in (q, k, v)
+    ]
+    want = _causal_per_document(*flat, bounds, scaling)
+    want_grads = torch.autograd.grad(want, flat, grad.reshape(num_tokens, 8, 16))
+    torch.testing.assert_close(out.reshape(num_tokens, 8, 16), want)
+    for got, w, t in zip(got_grads, want_grads, (q, k, v)):
+        torch.testing.assert_close(got.transpose(1, 2).reshape(num_tokens, t.shape[1], 16), w)
+    assert _equal_documents(cu, 12, num_tokens, None) == docs
+
+
+def test_unequal_documents_and_short_windows_keep_the_per_document_path():
+    cu = torch.tensor([0, 12, 24, 36], dtype=torch.int32)
+    assert _equal_documents(cu, 12, 36, sliding_window=None) == 3
+    assert _equal_documents(cu, 12, 36, sliding_window=12) == 3  # the window spans a whole document
+    assert _equal_documents(cu, 12, 36, sliding_window=8) == 0
+    assert _equal_documents(torch.tensor([0, 10, 24, 36], dtype=torch.int32), 14, 36, None) == 0
+    assert _equal_documents(torch.tensor([0], dtype=torch.int32), 0, 0, None) == 0
+
+
+def test_varlen_impl_keeps_the_varlen_kernel():
+    model = _qwen3()
+    assert set_attention(model, "auto") == LADEN_VARLEN
+    assert set_attention(model, "varlen") == LADEN_VARLEN_KERNEL
+    assert model.config._attn_implementation == LADEN_VARLEN_KERNEL
+
+
 def test_set_attention_rejects_unknown_impl():
     with pytest.raises(ValueError, match="attn_impl='flash'"):
         set_attention(_qwen3(), "flash")
@@ -297,6 +358,27 @@ def test_varlen_kernel_matches_per_document_sdpa_on_cuda(sliding_window):
     torch.testing.assert_close(out.float().cpu(), want, rtol=2e-2, atol=2e-2)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g.float().cpu(), w, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_equal_documents_on_cuda_match_the_varlen_kernel():
+    """bf16 rows of equal documents (cuDNN's SDPA on Hopper) against the varlen kernel: outputs
+    and gradients within bf16 tolerance."""
+    torch.manual_seed(0)
+    num_tokens, length = 512, 256
+    cu = torch.tensor([0, length, num_tokens], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 16, num_tokens, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, num_tokens, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 8, num_tokens, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(1, num_tokens, 16, 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for forward in (varlen_attention_forward, kernel_varlen_attention_forward):
+        out, _ = forward(
+            torch.nn.Module(), q, k, v, None, scaling=128**-0.5, cu_seq_lens_q=cu, max_length_q=length
+        )
+        results.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

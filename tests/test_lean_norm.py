@@ -288,8 +288,11 @@ def test_instance_level_forward_is_refused():
 # --- memory ------------------------------------------------------------------------------------
 
 
-def _layer_saved_bytes(model, num_tokens: int) -> tuple[int, list[torch.Tensor]]:
-    """Bytes of the distinct non-parameter storages autograd saves in one decoder layer's forward."""
+def _layer_saved_bytes(
+    model, num_tokens: int, documents: tuple[int, ...] = ()
+) -> tuple[int, list[torch.Tensor]]:
+    """Bytes of the distinct non-parameter storages autograd saves in one decoder layer's forward,
+    over one document of `num_tokens` or, given `documents`, over those packed in one row."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storage_bytes: dict[int, int] = {}
     saved: list[torch.Tensor] = []  # keeps every saved tensor alive, so no storage is reused
@@ -304,7 +307,8 @@ def _layer_saved_bytes(model, num_tokens: int) -> tuple[int, list[torch.Tensor]]
     hidden = model.config.hidden_size
     x = torch.randn(1, num_tokens, hidden, generator=torch.Generator().manual_seed(7))
     x = x.to(torch.bfloat16).requires_grad_()
-    pos = torch.arange(num_tokens)[None]
+    pos = torch.cat([torch.arange(n) for n in documents or (num_tokens,)])[None]
+    assert pos.shape[1] == num_tokens, f"documents {documents} do not sum to {num_tokens} tokens"
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model.layers[0](
             x, attention_mask=None, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos)

@@ -13,9 +13,19 @@ through to every attention layer, where:
 
 - on CUDA in bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10) runs all
   documents in one kernel, causal, GQA native or with repeated KV heads;
+- when every document of the row has the same length (known from `cu_seqlens`' length and
+  `max_seqlen` alone, no sync: D documents of `max_seqlen` tokens fill T), the row is a
+  `[D, H, max_seqlen, head_dim]` batch for one causal `scaled_dot_product_attention` call. On
+  Hopper GPUs (compute capability 9+) in bf16/fp16 that call prefers cuDNN's attention, which
+  runs a 4096-token Qwen3-1.7B layer's forward and backward in 0.73 ms where the varlen flash
+  kernel takes 1.24 ms (`benchmarks/kernels_h200.py`); `attn_impl='varlen'` keeps the varlen
+  kernel for every row. On the CPU this path replaces the per-document loop below;
 - otherwise (CPU, fp32, older torch) a Python loop runs `scaled_dot_product_attention` per
   document: exact, memory `O(max_seqlen^2)` per head instead of `O(T^2)`, but one kernel
   launch per document. That is the price of correctness without a varlen kernel.
+
+`cu_seqlens` must end at the row's token count (a padding tail is its own document), as
+`PackedBatch` and the boundaries recovered from `position_ids` do.
 
 Without `cu_seq_lens_*` (a plain `model(input_ids, position_ids=...)` call) the documents
 are recovered from `position_ids` at the cost of one host sync; a padded batch with a 2-D
@@ -28,8 +38,10 @@ Not registering it would save that sync but drop the padding mask of padded batc
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import torch
@@ -43,6 +55,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     _varlen_attn = None  # type: ignore[assignment]
 
 __all__ = [
+    "LADEN_VARLEN_KERNEL",
     "LADEN_VARLEN",
     "AttnImpl",
     "lm_head_weight",
@@ -54,9 +67,15 @@ __all__ = [
     "varlen_attention_forward",
 ]
 
-LADEN_VARLEN = "laden_varlen"
+LADEN_VARLEN = "laden_varlen"  # equal-length documents through SDPA (cuDNN on Hopper), others varlen
+LADEN_VARLEN_KERNEL = "laden_varlen_kernel"  # every packed row through the varlen kernel
 AttnImpl = Literal["auto", "varlen", "sdpa", "eager"]
-_IMPL_NAMES: dict[str, str] = {"auto": LADEN_VARLEN, "varlen": LADEN_VARLEN, "sdpa": "sdpa", "eager": "eager"}
+_IMPL_NAMES: dict[str, str] = {
+    "auto": LADEN_VARLEN,
+    "varlen": LADEN_VARLEN_KERNEL,
+    "sdpa": "sdpa",
+    "eager": "eager",
+}
 _VARLEN_PARAMS = (
     frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 )
@@ -112,6 +131,54 @@ def _per_document_sdpa(q, k, v, cu_seqlens, scaling, sliding_window) -> torch.Te
     return torch.cat(pieces, dim=0)
 
 
+def _equal_documents(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int, sliding_window) -> int:
+    """D when the row is D documents of exactly `max_seqlen` tokens each (and a sliding window,
+    if any, spans a whole document), else 0. Read from shapes and host ints only: no sync."""
+    docs = cu_seqlens.numel() - 1
+    if docs < 1 or max_seqlen * docs != num_tokens:  # boundaries end at num_tokens: all D equal
+        return 0
+    if sliding_window is not None and max_seqlen > sliding_window:
+        return 0
+    return docs
+
+
+@functools.cache
+def _cudnn_attention(device: torch.device) -> bool:
+    """Whether SDPA should prefer cuDNN's attention on `device`: a Hopper or newer GPU with it enabled."""
+    if device.type != "cuda" or not torch.backends.cudnn.is_available():
+        return False
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _cudnn_first() -> AbstractContextManager:
+    """SDPA backends with cuDNN's tried first, the others after it for inputs it does not take."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]  # fmt: skip
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return sdpa_kernel(order, set_priority=True)
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])  # older torch: cuDNN only, as measured
+
+
+def _equal_documents_sdpa(query, key, value, docs: int, scaling, cudnn: bool) -> torch.Tensor:
+    """query [B, Hq, T, D], key/value [B, Hkv, T, D] as `docs` equal documents -> [B, T, Hq, Dv]."""
+    batch, _, num_q, _ = query.shape
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [docs, H, L, D], a view when B == 1
+        heads, dim = x.shape[1], x.shape[-1]
+        return x.transpose(1, 2).reshape(docs, batch * num_q // docs, heads, dim).transpose(1, 2)
+
+    q, k, v = split(query), split(key), split(value)
+    with _cudnn_first() if cudnn else nullcontext():
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )  # [docs, Hq, L, Dv]
+    return out.transpose(1, 2).reshape(batch, num_q, out.shape[1], out.shape[-1])
+
+
 def _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, sliding_window) -> torch.Tensor:
     """All documents in one `varlen_attn` call; adapts to the installed torch's signature."""
     kwargs: dict = {}
@@ -156,7 +223,41 @@ def varlen_attention_forward(
     """The `laden_varlen` attention: query [B, Hq, T, D], key/value [B, Hkv, T, D] -> ([B, T, Hq, D], None).
 
     Reads `cu_seq_lens_q` (int32, over the B*T flattened tokens) and `max_length_q` from kwargs.
+    Rows of equal-length documents run as one SDPA batch, through cuDNN on Hopper GPUs.
     """
+    return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                             prefer_cudnn=True, **kwargs)  # fmt: skip
+
+
+def kernel_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`laden_varlen_kernel`: `varlen_attention_forward` with every CUDA row through the varlen kernel."""
+    return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                             prefer_cudnn=False, **kwargs)  # fmt: skip
+
+
+def _packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout,
+    scaling,
+    sliding_window,
+    *,
+    prefer_cudnn: bool,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     _unsupported(kwargs, dropout)
     batch, num_heads, num_q, _ = query.shape
     cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -173,11 +274,16 @@ def varlen_attention_forward(
         max_seqlen = cu_seqlens.diff().max()
     if isinstance(max_seqlen, torch.Tensor):
         max_seqlen = int(max_seqlen)  # sync; callers that care pass a Python int
+    varlen = _varlen_attn is not None and query.is_cuda and query.dtype in _FLASH_DTYPES
+    cudnn = varlen and prefer_cudnn and _cudnn_attention(query.device)
+    docs = _equal_documents(cu_seqlens, max_seqlen, batch * num_q, sliding_window)
+    if docs and (cudnn or not varlen):
+        return _equal_documents_sdpa(query, key, value, docs, scaling, cudnn), None
     q = query.transpose(1, 2).reshape(batch * num_q, num_heads, -1)  # [N, Hq, D]
     k = key.transpose(1, 2).reshape(batch * num_q, key.shape[1], -1)  # [N, Hkv, D]
     v = value.transpose(1, 2).reshape(batch * num_q, value.shape[1], -1)  # [N, Hkv, Dv]
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    if _varlen_attn is not None and q.is_cuda and q.dtype in _FLASH_DTYPES:
+    if varlen:
         out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, sliding_window)
     else:
         out = _per_document_sdpa(q, k, v, cu_seqlens, scaling, sliding_window)
@@ -194,12 +300,13 @@ def _varlen_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> tor
 
 
 def register_packed_attention() -> None:
-    """Register `laden_varlen` with transformers (idempotent)."""
+    """Register `laden_varlen` and `laden_varlen_kernel` with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(LADEN_VARLEN, varlen_attention_forward)
-    AttentionMaskInterface.register(LADEN_VARLEN, _varlen_mask)
+    for name, forward in ((LADEN_VARLEN, varlen_attention_forward), (LADEN_VARLEN_KERNEL, kernel_varlen_attention_forward)):  # fmt: skip
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, _varlen_mask)
 
 
 def set_attention(model: torch.nn.Module, impl: AttnImpl = "auto") -> str:

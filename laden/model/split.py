@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from laden.config.schema import ActorConfig
+from laden.model.attention import LADEN_VARLEN, LADEN_VARLEN_KERNEL
 from laden.model.lean_mlp import is_lean_mlp
 from laden.model.lean_norm import class_swap as lean_norm_swap
 from laden.model.loss import chunked_linear_cross_entropy
@@ -65,7 +66,7 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_VARLEN_IMPL = "laden_varlen"
+_PACKED_IMPLS = (LADEN_VARLEN, LADEN_VARLEN_KERNEL)  # attention kept per document by cu_seq_lens
 DEFAULT_LOSS_CHUNK_SIZE = cast(int, ActorConfig.__dataclass_fields__["loss_chunk_size"].default)
 """Tokens per chunk of the chunked loss when none is given: `actor.loss_chunk_size`'s default."""
 
@@ -361,7 +362,7 @@ def _attention_type(config: Any, layer_index: int) -> str:
 
 def _build_mask(config: Any, attention_type: str, state: DecoderState):
     """The 4-D mask (or None) the attention implementation wants, built as the model's forward does."""
-    if config._attn_implementation == _VARLEN_IMPL and state.attention_mask is None and state.packed:
+    if config._attn_implementation in _PACKED_IMPLS and state.attention_mask is None and state.packed:
         return None  # the varlen kernel separates documents by cu_seq_lens; no mask, no host sync
     from transformers import masking_utils
 

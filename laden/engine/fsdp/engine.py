@@ -106,7 +106,7 @@ class FSDPEngine:
         return self.mesh.group(axis)
 
     def _setup_model(self, model, gradient_checkpointing, memory_efficient_load, full_state_dict) -> None:
-        from laden.model.attention import set_attention
+        from laden.model.attention import LADEN_VARLEN, LADEN_VARLEN_KERNEL, set_attention
 
         self._full_state_dict: dict[str, torch.Tensor] | None = None
         if memory_efficient_load and not self.distributed:
@@ -127,7 +127,12 @@ class FSDPEngine:
             check_head_rule(model, self.cp, axis_name="context parallel")
             assert self.mesh is not None  # cp > 1 needs a process group (checked in __init__)
             enable_ulysses(model, self.mesh.group("cp"))
-        elif getattr(model.config, "_attn_implementation", None) not in ("laden_varlen", "sdpa", "eager"):
+        elif getattr(model.config, "_attn_implementation", None) not in (
+            LADEN_VARLEN,
+            LADEN_VARLEN_KERNEL,
+            "sdpa",
+            "eager",
+        ):
             set_attention(model, "auto")
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)  # FSDP2 re-gathers the weights in the recompute
