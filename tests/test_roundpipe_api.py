@@ -139,6 +139,37 @@ def test_a_last_microbatch_that_writes_a_sent_gradient_is_refused():
         rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
 
 
+def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it():
+    """Inside a call (the loss runs in it) the cyclic collector is off; after the call, and after
+    a call that failed, it is on again. A caller that turned it off keeps it off."""
+    import gc
+
+    seen: list[bool] = []
+
+    def recording_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return mse_sum(out, y)
+
+    def failing_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise ValueError("loss failed")
+
+    rp = RoundPipe(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=PLANS["hand"])
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    assert gc.isenabled()
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss, run_config=cfg)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(ValueError, match="loss failed"):
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=failing_loss, run_config=cfg)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss, run_config=cfg)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("pin_model", ["alloc", "register", "off"])
 def test_pin_modes_train_identically(pin_model):
     """On the CPU the modes only change the layout (flat vs per tensor); results must not change."""

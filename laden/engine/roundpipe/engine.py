@@ -425,8 +425,8 @@ def _build_optimizer(pipe: Pipeline, o: OptimSettings, on_gpu: bool) -> torch.op
     if o.type not in ("adam", "adam_bf16"):
         raise ValueError(f"actor.optimizer.type={o.type!r} is not supported; use adam, adam_bf16 or sgd")
     state_dtype = groups[0]["params"][0].dtype
-    # Leave two cores to the thread feeding the GPU and to the gradient landings.
-    threads = max(1, torch.get_num_threads() - 2) if on_gpu else None
+    # Leave four cores: the thread feeding the GPU, autograd's device thread, gradient landings, uploads.
+    threads = max(1, torch.get_num_threads() - 4) if on_gpu else None
     return HostAdamW(
         groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, state_dtype=state_dtype,
         num_threads=threads,

@@ -15,7 +15,9 @@ reads the other buffer (the weights from one update earlier) while the update ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +34,25 @@ from laden.engine.roundpipe.scheduler import run_tasks
 from laden.engine.roundpipe.transfer import Aborted, Handoff
 
 LandingHook = Callable[[GradLanding], None]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector does not run while a call queues its GPU work.
+
+    A call allocates tens of thousands of small Python objects (autograd nodes, tensors,
+    closures), so the collector would otherwise start collections in the middle of it, and a
+    full one stops the one thread that feeds the GPU for as long as it walks every tracked
+    object. The collector runs again after the call, at the device synchronisation where the
+    GPU waits for the host anyway. One call's cyclic garbage is held until then.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Pipeline:
@@ -122,7 +143,8 @@ class Pipeline:
             host_failed=self.jobs.failed,
         )
         try:
-            run_tasks(run, self.lanes)
+            with gc_paused():
+                run_tasks(run, self.lanes)
         except Aborted:
             self.jobs.raise_errors()  # the host job whose failure stopped the run
             raise
