@@ -153,7 +153,7 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them."""
     attn_impl: Literal["auto", "varlen", "sdpa", "eager"] = "auto"
-    """Attention kernel; `auto` picks varlen (padding-free) when available."""
+    """Attention kernel. `auto`: packed (padding-free) rows; rows of equal-length documents as one SDPA batch (cuDNN on Hopper GPUs), others through the varlen kernel. `varlen`: every packed row through the varlen kernel."""
     chunked_loss: bool = True
     """Compute the LM head + cross-entropy in token chunks so full logits never exist."""
     loss_chunk_size: int = 1024
