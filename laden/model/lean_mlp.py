@@ -20,6 +20,9 @@ matmuls in the dtypes autograd uses: gradients in the compute dtype, weight (and
 gradients then cast to the parameter's dtype, the input gradient summed over both
 projections in the input's dtype. fp32 gradients agree with Hugging Face's to float
 rounding, bf16 ones to bf16 rounding. Frozen weights get no gradient (nor is it computed).
+A weight with a `GradSink` (`laden.model.grad_sink`, attached by an engine that sums
+gradients in fp32 accumulators) gets none either: its gradient is added into the sink's
+accumulator, in one fp32-output GEMM on CUDA.
 
 The tiled MLP (`laden.model.tiled`) already keeps only `x` for the whole MLP; the two
 compose in either order (`enable_lean_mlp` then `enable_tiled_mlp`, or the reverse): the
@@ -55,6 +58,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model import fused
+from laden.model.grad_sink import GradSink, sink_of
 from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, same_code
 from laden.model.tiled import class_swap as tiled_swap
 
@@ -89,6 +93,7 @@ class LeanGatedMLPFn(torch.autograd.Function):
         gate = F.linear(x_in, w_gate, b_gate)  # [..., I]
         up = F.linear(x_in, w_up, b_up)  # [..., I]
         ctx.save_for_backward(x_in, gate, up, w_gate, w_up, w_down)  # before act_fn could write to gate
+        ctx.sinks = (sink_of(w_gate), sink_of(w_up), sink_of(w_down))  # an engine's fp32 accumulators
         ctx.act_fn, ctx.autocast, ctx.x_dtype = act_fn, _autocast_state(x.device.type), x.dtype
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
         prod = fused.call(_swiglu, gate, up) if _fusable(act_fn) else act_fn(gate) * up  # [..., I]
@@ -108,6 +113,7 @@ class LeanGatedMLPFn(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
         fused_swiglu = _fusable(ctx.act_fn)
+        sink_gate, sink_up, sink_down = ctx.sinks
         grad_gate = grad_up = None
         if fused_swiglu:  # the product and both its input gradients in one compiled pass
             with _autocast(device_type, False, dtype):
@@ -127,7 +133,9 @@ class LeanGatedMLPFn(torch.autograd.Function):
         with _autocast(device_type, False, dtype):
             grad_w_down = grad_b_down = None
             if need_wd:
-                grad_w_down = _weight_grad(grad_out, prod.detach().to(ctx.down_dtype), w_down.dtype)
+                grad_w_down = _weight_grad(
+                    grad_out, prod.detach().to(ctx.down_dtype), w_down.dtype, sink_down
+                )
             if need_bd:
                 grad_b_down = _bias_grad(grad_out, bias_down_dtype)
             grad_x = grad_w_gate = grad_b_gate = grad_w_up = grad_b_up = None
@@ -140,10 +148,10 @@ class LeanGatedMLPFn(torch.autograd.Function):
                     grad_gate = next(grads) if need_gate else None  # [..., I], gate's dtype
                     grad_up = next(grads) if need_up else None
                 if grad_gate is not None:
-                    grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype) if need_wg else None
+                    grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype, sink_gate) if need_wg else None
                     grad_b_gate = _bias_grad(grad_gate, bias_gate_dtype) if need_bg else None
                 if grad_up is not None:
-                    grad_w_up = _weight_grad(grad_up, x_in, w_up.dtype) if need_wu else None
+                    grad_w_up = _weight_grad(grad_up, x_in, w_up.dtype, sink_up) if need_wu else None
                     grad_b_up = _bias_grad(grad_up, bias_up_dtype) if need_bu else None
                 if need_x:
                     assert grad_gate is not None and grad_up is not None
@@ -177,9 +185,16 @@ def _swiglu_backward(
     return (silu * u).to(gate.dtype), grad_gate.to(gate.dtype), (gp * silu).to(up.dtype)
 
 
-def _weight_grad(grad: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad [..., n_out]^T @ inp [..., n_in] over all rows: [n_out, n_in], cast to the weight's dtype."""
-    return grad.reshape(-1, grad.shape[-1]).t().mm(inp.reshape(-1, inp.shape[-1])).to(dtype)
+def _weight_grad(
+    grad: torch.Tensor, inp: torch.Tensor, dtype: torch.dtype, sink: GradSink | None
+) -> torch.Tensor | None:
+    """grad [..., n_out]^T @ inp [..., n_in] over all rows: [n_out, n_in], cast to the weight's dtype;
+    or, given the weight's sink, added into the sink's accumulator (no gradient is returned then)."""
+    grad, inp = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
+    if sink is not None:
+        sink.accumulate(grad, inp, dtype)
+        return None
+    return grad.t().mm(inp).to(dtype)
 
 
 def _bias_grad(grad: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from laden.model import grad_sink
 from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
 
 __all__ = [
@@ -119,8 +120,12 @@ class TiledMLP(torch.autograd.Function):
         for start in range(0, x_flat.shape[0], ctx.tile_tokens):
             stop = min(start + ctx.tile_tokens, x_flat.shape[0])
             tile = _tile_view(x_flat, start, stop, ctx.ndim).detach().requires_grad_(need_x)
-            with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-                y = ctx.fn(tile)
+            with (
+                torch.enable_grad(),
+                torch.autocast(x.device.type, dtype=dtype, enabled=enabled),
+                grad_sink.suspended(),
+            ):
+                y = ctx.fn(tile)  # weights' gradients come back per tile, summed below: one per backward
             inputs = ([tile] if need_x else []) + params
             grads = torch.autograd.grad(y, inputs, grad_flat[start:stop].reshape(y.shape), allow_unused=True)
             if grad_x is not None:

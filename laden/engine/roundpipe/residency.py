@@ -17,7 +17,10 @@ dtype, `.grad` is pre-set to a view of a flat accumulator and autograd adds into
 place; otherwise (bf16 compute, fp32 master) each parameter's gradient is added into an
 fp32 accumulator as soon as autograd has written it (a post-accumulate-grad hook), so
 accumulation over micro-batches does not round to bf16 and no stage ever holds a full
-bf16 copy of its gradients beside the accumulators. At the end of the residency each
+bf16 copy of its gradients beside the accumulators. A module that computes its weights'
+gradients itself (the lean gated MLP) skips that add: each such leaf carries a
+`laden.model.grad_sink.GradSink`, and the module adds the gradient's product into the fp32
+accumulator directly (one fp32-output GEMM on CUDA). At the end of the residency each
 group's accumulator goes back to the host in one copy, on the `d2h` stream, with its L2
 norm computed on the device; in the last micro-batch of a residency an accumulator is
 sent as soon as it is final (`arm_early_download`), overlapping the rest of the backward.
@@ -36,6 +39,7 @@ from torch import nn
 
 from laden.engine.roundpipe.device import Event, Lane
 from laden.engine.roundpipe.host import HostParam, HostStore, LayerInfo, ParamGroup
+from laden.model.grad_sink import accumulate_product, attach_sink
 
 
 def make_shell(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -212,11 +216,17 @@ def _zeros(lane: Lane, shape, dtype: torch.dtype) -> torch.Tensor:
     return acc
 
 
+SINK_WEIGHT_GRADS = True
+"""Give compute-dtype leaves with fp32 accumulators a `GradSink` (see `_AccumulatorSink`)."""
+
+
 def _make_leaf(res: Residency, hp: HostParam, acc: torch.Tensor, feeds: tuple[str, int]) -> None:
     leaf = nn.Parameter(res.device_params[hp.index], requires_grad=True)
     fold = acc.dtype != leaf.dtype
     if fold:
         res.late_adds.append((acc, leaf))
+        if SINK_WEIGHT_GRADS:
+            attach_sink(leaf, _AccumulatorSink(res, hp.index, acc))
     else:
         leaf.grad = acc  # autograd accumulates in place into the flat accumulator
     res.feeds[hp.index] = feeds
@@ -227,10 +237,33 @@ def _make_leaf(res: Residency, hp: HostParam, acc: torch.Tensor, feeds: tuple[st
 def _on_grad(res: Residency, index: int, fold_into: torch.Tensor | None, leaf: torch.Tensor) -> None:
     """After autograd wrote a gradient of parameter `index`: fold it, count it, maybe send its accumulator."""
     if fold_into is not None:
+        if leaf.grad is None:  # the module gave its sink the gradient (and the sink counted it) and
+            return  # autograd no gradient; torch may still call the hook for that empty gradient
         _fold_grad(res.lane, fold_into, leaf)
+    _count_write(res, index)
+
+
+def _count_write(res: Residency, index: int) -> None:
     res.writes[index] = res.writes.get(index, 0) + 1
     if res.early is not None:
         _land_if_complete(res, res.feeds[index])
+
+
+@dataclass(eq=False)
+class _AccumulatorSink:
+    """A compute-dtype leaf's `GradSink`: a module that computes the leaf's weight gradient itself
+    (the lean gated MLP) adds it straight into the fp32 accumulator, in one fp32-output GEMM on
+    CUDA, instead of writing `leaf.grad` for `_fold_grad` to add. The write is counted as the
+    hook counts autograd's, so early downloads see it; on the compute stream, as `_fold_grad`."""
+
+    res: Residency
+    index: int
+    acc: torch.Tensor
+
+    def accumulate(self, grad_out: torch.Tensor, inp: torch.Tensor, weight_dtype: torch.dtype) -> None:
+        with self.res.lane.on(self.res.lane.compute):
+            accumulate_product(self.acc, grad_out, inp, weight_dtype)
+        _count_write(self.res, self.index)
 
 
 def _fold_grad(lane: Lane, acc: torch.Tensor, leaf: torch.Tensor) -> None:

@@ -1,0 +1,181 @@
+"""Weight gradients through a GradSink == autograd's gradients folded into fp32 accumulators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_lean_mlp import _hf_mlp, _lean_copy
+from test_roundpipe_engine import (
+    STAGED,
+    assert_same_masters,
+    assert_same_step,
+    make_steps,
+    settings,
+    tied_model,
+)
+
+from laden.engine.roundpipe import RoundPipeEngine, residency
+from laden.model.grad_sink import accumulate_product, attach_sink, sink_of, suspended
+from laden.model.lean_mlp import enable_lean_mlp
+from laden.model.tiled import enable_tiled_mlp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class RecordingSink:
+    """An fp32 accumulator that counts its writes."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.acc = torch.zeros(weight.shape, dtype=torch.float32)
+        self.calls = 0
+
+    def accumulate(self, grad_out, inp, weight_dtype) -> None:
+        accumulate_product(self.acc, grad_out, inp, weight_dtype)
+        self.calls += 1
+
+
+def _bf16_lean_mlp(**config):
+    return _lean_copy(_hf_mlp(**config)).to(torch.bfloat16)
+
+
+def _micro_batches(count: int = 3):
+    gen = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(2, 5, 16, generator=gen), torch.randn(2, 5, 16, generator=gen)) for _ in range(count)
+    ]
+
+
+def _fp32_sums_of_autograd_grads(mlp) -> dict[str, torch.Tensor]:
+    """What an engine's hook path accumulates: each micro-batch's bf16 `.grad` added into fp32."""
+    sums = {n: torch.zeros(p.shape) for n, p in mlp.named_parameters()}
+    for x, g in _micro_batches():
+        mlp.zero_grad()
+        mlp(x.to(torch.bfloat16).requires_grad_()).backward(g.to(torch.bfloat16))
+        for n, p in mlp.named_parameters():
+            sums[n].add_(p.grad)
+    return sums
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lean_mlp_weight_gradients_go_to_their_sinks(bias):
+    """With sinks on the three projection weights, the lean MLP leaves their `.grad` empty and its
+    sinks hold exactly the fp32 sums of what autograd would have written (the CPU path computes the
+    product in bf16 and adds it, as the fold does); biases and the input get gradients as before."""
+    plain, sunk = _bf16_lean_mlp(mlp_bias=bias), _bf16_lean_mlp(mlp_bias=bias)
+    want = _fp32_sums_of_autograd_grads(plain)
+    weights = {n: p for n, p in sunk.named_parameters() if n.endswith("weight")}
+    sinks = {n: RecordingSink(p) for n, p in weights.items()}
+    for n, p in weights.items():
+        attach_sink(p, sinks[n])
+    bias_sums = {n: torch.zeros(p.shape) for n, p in sunk.named_parameters() if n.endswith("bias")}
+    for x, g in _micro_batches():
+        sunk.zero_grad()
+        leaf = x.to(torch.bfloat16).requires_grad_()
+        sunk(leaf).backward(g.to(torch.bfloat16))
+        assert leaf.grad is not None
+        assert all(p.grad is None for p in weights.values())
+        for n in bias_sums:
+            bias_sums[n].add_(dict(sunk.named_parameters())[n].grad)
+    assert sorted(weights) == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    for n, sink in sinks.items():
+        assert sink.calls == 3, n
+        torch.testing.assert_close(sink.acc, want[n], rtol=0, atol=0, msg=n)
+    for n, total in bias_sums.items():
+        torch.testing.assert_close(total, want[n], rtol=0, atol=0, msg=n)
+
+
+def test_a_tiled_lean_mlp_returns_its_gradients_once_per_backward():
+    """Inside the tiled MLP the sinks are suspended: the tiles' gradients are summed and written once,
+    as autograd's one gradient per backward, and the sinks see nothing."""
+    mlp = _bf16_lean_mlp()
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.layers[0].mlp = mlp
+    assert enable_tiled_mlp(holder, tile_tokens=4) == 1
+    sinks = [RecordingSink(p) for p in mlp.parameters()]
+    for p, sink in zip(mlp.parameters(), sinks):
+        attach_sink(p, sink)
+    x = torch.randn(1, 10, 16, dtype=torch.bfloat16, requires_grad=True)
+    mlp(x * 1).sum().backward()
+    assert all(sink.calls == 0 for sink in sinks)
+    assert all(p.grad is not None for p in mlp.parameters())
+
+
+def test_suspended_hides_sinks_in_this_thread_only():
+    weight = torch.nn.Parameter(torch.zeros(2, 2))
+    sink = RecordingSink(weight)
+    attach_sink(weight, sink)
+    assert sink_of(weight) is sink
+    with suspended():
+        assert sink_of(weight) is None
+        with suspended():
+            assert sink_of(weight) is None
+        assert sink_of(weight) is None
+    assert sink_of(weight) is sink
+
+
+def lean_model():
+    model = tied_model()
+    enable_lean_mlp(model)
+    return model
+
+
+@pytest.mark.parametrize("plan", ["one_stage", "staged"])
+def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
+    """bf16 compute, fp32 masters, lean MLPs: the residency's sinks (the MLP weights' gradients added
+    into their fp32 accumulators by the MLP itself) train exactly as autograd's gradients folded by
+    the post-accumulate hooks, one stage (early downloads count the sinks' writes) or staged."""
+    o = settings(gradient_clipping=0.05)
+    execute_plan = None if plan == "one_stage" else STAGED
+    calls: list[int] = []
+    accumulate = residency._AccumulatorSink.accumulate
+
+    def spy(self, grad_out, inp, weight_dtype):
+        calls.append(self.index)
+        accumulate(self, grad_out, inp, weight_dtype)
+
+    monkeypatch.setattr(residency._AccumulatorSink, "accumulate", spy)
+    writes: list[int] = []  # the writes the residency counted (early downloads wait for them)
+    count_write = residency._count_write
+    monkeypatch.setattr(
+        residency, "_count_write", lambda res, index: writes.append(index) or count_write(res, index)
+    )
+    sunk = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan)
+    monkeypatch.setattr(residency, "SINK_WEIGHT_GRADS", False)
+    hooked = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan)
+    assert (len(sunk.plan.bwd_plan) == 1) == (plan == "one_stage")
+    for mbs in make_steps(2):  # 3 micro-batches per step
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        monkeypatch.setattr(residency, "SINK_WEIGHT_GRADS", True)
+        writes.clear()
+        got = sunk.train_batch(mbs, global_num_loss_tokens=n)
+        sunk_writes = sorted(writes)
+        monkeypatch.setattr(residency, "SINK_WEIGHT_GRADS", False)
+        before = len(calls)
+        writes.clear()
+        assert_same_step(got, hooked.train_batch(mbs, global_num_loss_tokens=n))
+        assert len(calls) == before  # the hooked engine used none
+        assert sunk_writes == sorted(writes)  # every sink write counted once, as a hook counts
+    # 3 MLP weights x 3 decoder layers x 3 micro-batches per step, 2 steps
+    assert len(calls) == 3 * 3 * 3 * 2
+    assert_same_masters(sunk, hooked)
+
+
+@pytest.mark.gpu
+def test_cuda_sinks_accumulate_in_one_fp32_output_gemm():
+    """On CUDA the product is added by one addmm with an fp32 output: the sum equals the fp32
+    product of the bf16 factors to fp32 rounding, closer than the bf16-rounded gradient's sum."""
+    from laden.model import grad_sink
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert grad_sink._fp32_out_addmm(g.device, torch.bfloat16)
+    acc = torch.zeros(768, 256, device="cuda")
+    for _ in range(2):
+        accumulate_product(acc, g, x, torch.bfloat16)
+    exact = 2 * (g.double().t() @ x.double())
+    rounded = 2 * (g.t() @ x).double()  # what the fold adds: the gradient rounded to bf16 first
+    err, rounded_err = (acc.double() - exact).abs().max(), (rounded - exact).abs().max()
+    assert err <= 1e-5 * exact.abs().max()
+    assert err < rounded_err
