@@ -94,10 +94,12 @@ def _fp32_out_addmm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch.addmm(fp32, low, low, out_dtype=float32, out=fp32)` runs here and adds right."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
         return False
-    try:
-        a = torch.ones(16, 16, device=device, dtype=dtype)
-        acc = torch.ones(16, 16, device=device, dtype=torch.float32)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return bool((acc == 17).all())
+    try:  # as the engine calls it: a transposed factor, the accumulator a view into a flat buffer
+        g = torch.ones(8, 16, device=device, dtype=dtype)
+        x = torch.ones(8, 24, device=device, dtype=dtype)
+        flat = torch.ones(8 + 16 * 24, device=device, dtype=torch.float32)
+        acc = flat[8:].view(16, 24)
+        torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+        return bool((acc == 9).all()) and bool((flat[:8] == 1).all())
     except (TypeError, RuntimeError, NotImplementedError):
         return False
