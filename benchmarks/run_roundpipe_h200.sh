@@ -147,7 +147,7 @@ want tests || echo "skipped (PARTS=$parts)" >"$out/pytest.log"
 want tests && {
 left=$((deadline_s - SECONDS))
 timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
-  tests/test_attention.py tests/test_grad_sink.py \
+  tests/test_attention.py tests/test_grad_sink.py tests/test_fused_rotary.py \
   >"$out/pytest.log" 2>&1
 rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),

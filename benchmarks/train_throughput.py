@@ -164,6 +164,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
                 "train_throughput: --fused-elementwise needs the lean modules (drop --no-lean-activations)"
             )
         use_fused_kernels(True)  # actor.fused_elementwise
+        from laden.model.fused_rotary import enable_fused_rotary
+
+        enable_fused_rotary(model)
     if args.tiled_mlp_tokens:
         from laden.model.lean_norm import enable_lean_rmsnorm
         from laden.model.tiled import enable_tiled_mlp

@@ -278,7 +278,10 @@ def test_activation_knobs_change_memory_not_the_model(tmp_path, caplog):
     }
     assert "actor.lean_activations: 9 RMSNorms and 2 gated MLPs lean" in caplog.text
     assert "actor.tiled_mlp_tokens=16: 2 decoder MLPs tiled, 9 RMSNorms lean" in caplog.text
-    assert "actor.fused_elementwise: the lean modules' elementwise math runs compiled" in caplog.text
+    assert (
+        "actor.fused_elementwise: the lean modules' elementwise math and 2 attention layers' rotary embeddings "
+        "run compiled" in caplog.text
+    )
     assert fused_kernels_enabled()  # the last run's setting; the next run sets its own
     run_sft(_cfg(tmp_path, "after", "total_train_steps=1", "checkpoint.save_freq_steps=null"), progress=False)
     assert not fused_kernels_enabled()

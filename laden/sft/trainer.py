@@ -406,9 +406,10 @@ def _maybe_resume(
 
 def apply_activation_knobs(model: Any, actor: Any) -> None:
     """`actor.lean_activations` (lean RMSNorms and gated MLPs), `actor.fused_elementwise` (their math
-    compiled) and `actor.tiled_mlp_tokens` (tiled MLPs, with lean RMSNorms) on a Hugging Face causal LM,
+    and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs, with lean RMSNorms) on a Hugging Face causal LM,
     before an engine wraps it."""
     from laden.model.fused import use_fused_kernels
+    from laden.model.fused_rotary import enable_fused_rotary
     from laden.model.lean_mlp import enable_lean_mlp
     from laden.model.lean_norm import enable_lean_rmsnorm
     from laden.model.tiled import enable_tiled_mlp
@@ -418,7 +419,8 @@ def apply_activation_knobs(model: Any, actor: Any) -> None:
                  enable_lean_rmsnorm(model), enable_lean_mlp(model))  # fmt: skip
     use_fused_kernels(actor.fused_elementwise)  # process-wide: set (or reset) by every run
     if actor.fused_elementwise:
-        log.info("actor.fused_elementwise: the lean modules' elementwise math runs compiled")
+        log.info("actor.fused_elementwise: the lean modules' elementwise math and %d attention layers' "
+                 "rotary embeddings run compiled", enable_fused_rotary(model))  # fmt: skip
     if actor.tiled_mlp_tokens:
         num_tiled = enable_tiled_mlp(model, tile_tokens=actor.tiled_mlp_tokens)
         num_norms = enable_lean_rmsnorm(model)
