@@ -3,7 +3,7 @@
 Hugging Face's attention layers (Qwen3, Qwen2, Llama, Mistral) rotate queries and keys with
 their module's `apply_rotary_pos_emb(q, k, cos, sin)`: `q * cos + rotate_half(q) * sin`, where
 `rotate_half` slices, negates and concatenates. That is five kernels per tensor in forward
-and about a dozen in backward (slice backwards allocate zeros and copy), each a full pass
+and about seven in backward (slice backwards allocate zeros and copy), each a full pass
 over the queries or keys. At one or two 4096-token sequences per micro-batch on an H200 the
 training step waits for the thread that launches kernels, and these are about 25 of a
 decoder layer's launches per micro-batch (`benchmarks/RESULTS.md`).
