@@ -304,7 +304,11 @@ def register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for name, forward in ((LADEN_VARLEN, varlen_attention_forward), (LADEN_VARLEN_KERNEL, kernel_varlen_attention_forward)):  # fmt: skip
+    functions = (
+        (LADEN_VARLEN, varlen_attention_forward),
+        (LADEN_VARLEN_KERNEL, kernel_varlen_attention_forward),
+    )
+    for name, forward in functions:
         AttentionInterface.register(name, forward)
         AttentionMaskInterface.register(name, _varlen_mask)
 

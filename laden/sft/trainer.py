@@ -406,8 +406,8 @@ def _maybe_resume(
 
 def apply_activation_knobs(model: Any, actor: Any) -> None:
     """`actor.lean_activations` (lean RMSNorms and gated MLPs), `actor.fused_elementwise` (their math
-    and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs, with lean RMSNorms) on a Hugging Face causal LM,
-    before an engine wraps it."""
+    and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs,
+    with lean RMSNorms) on a Hugging Face causal LM, before an engine wraps it."""
     from laden.model.fused import use_fused_kernels
     from laden.model.fused_rotary import enable_fused_rotary
     from laden.model.lean_mlp import enable_lean_mlp
