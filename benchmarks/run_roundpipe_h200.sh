@@ -54,7 +54,8 @@ plain=(python3 benchmarks/train_throughput.py --system plain --clip 0)
 rp_env=(env -u PYTORCH_CUDA_ALLOC_CONF ${RP_ALLOC_CONF:+PYTORCH_CUDA_ALLOC_CONF=$RP_ALLOC_CONF}
   PYTHONPATH=/tmp/rpsite TORCH_EXTENSIONS_DIR=/tmp/rp_torch_ext)
 rp=("${rp_env[@]}" python3 benchmarks/roundpipe_ref.py --optim-step async)
-ref=(--model "$m17" --seq-len "$ref_seq" --num-seqs 16 --num-microbatch 4 --recompute-grain stage --steps 3 --warmup 1)
+# Five timed steps: with three, identical runs differed by up to a third (RESULTS, third round).
+ref=(--model "$m17" --seq-len "$ref_seq" --num-seqs 16 --num-microbatch 4 --recompute-grain stage --steps 5 --warmup 1)
 sweep=(--model "$m17" --num-seqs 1 --num-microbatch 1 --recompute-grain layer --steps 1 --warmup 1)
 
 # record NAME RC LIMIT_S WALL_S LOG CMD...: append one JSON line to $results (the run's own result, or an

@@ -354,7 +354,7 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from laden.model import lean_mlp, lean_norm, tiled
+    from laden.model import fused_rotary, lean_mlp, lean_norm, tiled
 
     t0 = time.perf_counter()
     device = (
@@ -387,8 +387,10 @@ def run(args: argparse.Namespace) -> dict:
         gc.freeze()
         gc.disable()
     start = time.perf_counter()
+    marks = [start]  # when each step's call returned (laden's call ends at a device synchronisation)
     for i, mbs in enumerate(steps[args.warmup : args.warmup + args.steps]):
         history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
+        marks.append(time.perf_counter())
         progress(t0, f"step {i + 1}/{args.steps} queued")
     finish(engine)
     seconds = time.perf_counter() - start
@@ -429,7 +431,9 @@ def run(args: argparse.Namespace) -> dict:
         "tiled_mlps": sum(tiled.class_swap().applied(m) for m in model.modules()),
         "lean_rmsnorms": sum(lean_norm.class_swap().applied(m) for m in model.modules()),
         "lean_mlps": sum(lean_mlp.is_lean_mlp(m) for m in model.modules()),
+        "fused_rotary_attentions": sum(fused_rotary.is_fused_rotary(m) for m in model.modules()),
         "fused_layers": _fused_layers(engine),
+        "step_call_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
         "valid": not problems,
         "problems": problems,
         "tokens_per_s": round(tok_s, 1),

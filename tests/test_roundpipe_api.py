@@ -139,11 +139,17 @@ def test_a_last_microbatch_that_writes_a_sent_gradient_is_refused():
         rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
 
 
-def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it():
+def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it(monkeypatch):
     """Inside a call (the loss runs in it) the cyclic collector is off; after the call, and after
-    a call that failed, it is on again. A caller that turned it off keeps it off."""
+    a call that failed, it is on again. A caller that turned it off keeps it off. The pipeline
+    runs one full collection itself, after its first call."""
     import gc
 
+    from laden.engine.roundpipe import pipeline
+
+    collections: list[bool] = []
+    collect = gc.collect
+    monkeypatch.setattr(pipeline.gc, "collect", lambda *args: collections.append(True) or collect(*args))
     seen: list[bool] = []
 
     def recording_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -159,6 +165,9 @@ def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it():
     assert gc.isenabled()
     rp.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss, run_config=cfg)
     assert seen == [False, False] and gc.isenabled()
+    assert len(collections) == 1
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=recording_loss, run_config=cfg)
+    assert len(collections) == 1  # only after the first call
     with pytest.raises(ValueError, match="loss failed"):
         rp.forward_backward(input_args=(x,), label=y, loss_fn=failing_loss, run_config=cfg)
     assert gc.isenabled()
