@@ -141,8 +141,8 @@ def test_a_last_microbatch_that_writes_a_sent_gradient_is_refused():
 
 def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it(monkeypatch):
     """Inside a call (the loss runs in it) the cyclic collector is off; after the call, and after
-    a call that failed, it is on again. A caller that turned it off keeps it off. The pipeline
-    runs one full collection itself, after its first call."""
+    a call that failed, it is on again. A caller that turned it off keeps it off. The first
+    pipeline of a process runs one full collection itself, after its first call."""
     import gc
 
     from laden.engine.roundpipe import pipeline
@@ -150,6 +150,7 @@ def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it(monkey
     collections: list[bool] = []
     collect = gc.collect
     monkeypatch.setattr(pipeline.gc, "collect", lambda *args: collections.append(True) or collect(*args))
+    monkeypatch.setattr(pipeline, "_collected", False)  # as in a fresh process
     seen: list[bool] = []
 
     def recording_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

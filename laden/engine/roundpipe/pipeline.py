@@ -34,6 +34,7 @@ from laden.engine.roundpipe.scheduler import run_tasks
 from laden.engine.roundpipe.transfer import Aborted, Handoff
 
 LandingHook = Callable[[GradLanding], None]
+_collected = False  # whether a pipeline ran its one full garbage collection (see gc_paused)
 
 
 @contextlib.contextmanager
@@ -48,8 +49,8 @@ def gc_paused() -> Iterator[None]:
     Held back, the collector's first full collection (every object tracked since the process
     started: the model, compiled code, library state) would fall right after the second call,
     and the third would wait for it (0.3 s for a tiny CPU model with fused kernels, a step
-    otherwise takes 0.04 s). So a pipeline runs that collection itself, once, after its first
-    call's device synchronisation, where the GPU waits for the host anyway. (Freezing the
+    otherwise takes 0.04 s). So the first pipeline of a process runs that collection itself,
+    once, after its first call's device synchronisation, where the GPU waits for the host anyway. (Freezing the
     objects alive then, `gc.freeze()`, would make later collections cheaper still, but the
     parameter groups of a pipeline dropped later, which sit in reference cycles, would never
     be collected.)
@@ -92,7 +93,6 @@ class Pipeline:
         )  # fmt: skip
         self.jobs = HostJobs(name)
         self.read_buf = 0
-        self._collected = False  # see gc_paused
         self.loss_chunk_size = loss_chunk_size  # for activation estimates; None: laden's default
 
     # ---- what ModelExecutePlan.auto asks -----------------------------------------------
@@ -159,9 +159,10 @@ class Pipeline:
             raise
         for lane in self.lanes:
             lane.synchronize()  # deliberate: losses are read on the host next
-        if not self._collected:  # once, after the first call, at the synchronisation (see gc_paused)
+        global _collected
+        if not _collected:  # once per process, after a first call's synchronisation (see gc_paused)
             gc.collect()
-            self._collected = True
+            _collected = True
         self.jobs.drain_landing()
         return run
 
