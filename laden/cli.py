@@ -66,6 +66,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(f"cuda:{i}        {props.name}, {props.total_memory / 2**30:.1f} GiB")
     else:
         print("cuda          not available: laden runs on the CPU")
+    from laden.model.attention import describe_auto
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    print(f"attention     auto on {device}: {describe_auto(device)}")
     try:
         from laden.optim.cpu_adam import backend_name
 

@@ -301,6 +301,10 @@ def test_cli_config_show_and_doctor(capsys):
     report = capsys.readouterr().out
     assert f"torch         {torch.__version__}" in report
     assert "host adam" in report
+    assert (
+        "attention     auto on cpu: equal-length documents through SDPA in one batch, others through SDPA per document"
+        in report
+    )
 
 
 def test_backend_needing_more_processes_fails_before_loading(tmp_path, capsys):

@@ -58,6 +58,7 @@ __all__ = [
     "LADEN_VARLEN_KERNEL",
     "LADEN_VARLEN",
     "AttnImpl",
+    "describe_auto",
     "lm_head_weight",
     "packed_causal_lm_loss",
     "packed_forward_hidden",
@@ -177,6 +178,17 @@ def _equal_documents_sdpa(query, key, value, docs: int, scaling, cudnn: bool) ->
             q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )  # [docs, Hq, L, Dv]
     return out.transpose(1, 2).reshape(batch, num_q, out.shape[1], out.shape[-1])
+
+
+def describe_auto(device: torch.device) -> str:
+    """What `attn_impl='auto'` runs on `device` in bf16 (for `laden doctor`)."""
+    if _varlen_attn is not None and device.type == "cuda":
+        if _cudnn_attention(device):
+            return (
+                "equal-length documents through cuDNN's SDPA in one batch, others through the varlen kernel"
+            )
+        return "every packed row through the varlen kernel"
+    return "equal-length documents through SDPA in one batch, others through SDPA per document"
 
 
 def _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, sliding_window) -> torch.Tensor:
