@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["GradSink", "accumulate_product", "attach_sink", "detach_sink", "sink_of", "suspended"]
+__all__ = ["GradSink", "accumulate_product", "attach_sink", "sink_of", "suspended"]
 
 _ATTR = "_laden_grad_sink"
 
@@ -65,12 +65,8 @@ def suspended() -> Iterator[None]:
 
 
 def attach_sink(weight: torch.Tensor, sink: GradSink) -> None:
+    """Send `weight`'s gradient to `sink` from modules that honour sinks (the weight keeps it)."""
     setattr(weight, _ATTR, sink)
-
-
-def detach_sink(weight: torch.Tensor) -> None:
-    if hasattr(weight, _ATTR):
-        delattr(weight, _ATTR)
 
 
 def accumulate_product(
