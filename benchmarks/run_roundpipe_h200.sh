@@ -9,8 +9,9 @@
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
 # on it with 4 / 16 micro-batches, fused / fused8 = 16 / 8 with --fused-elementwise, gc = both of those with
-# --gc-freeze (these six not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B
-# shape, seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
+# --gc-freeze, spy = fused8 under py-spy (these seven not in the default), compile = laden on it with
+# compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin = host peak and upload
+# bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -180,6 +181,17 @@ want fused8 && run laden_ref_fused_mb8 150 "${laden[@]}" "${ref[@]}" --num-micro
 # The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
 want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
 want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
+# Where the host threads spend a step that waits for them: 8 micro-batches, fused math, under py-spy with
+# native frames (blocking sampling, so it runs slower than measured above). Needs the py-spy wheel in
+# the carried, ignored .prof/ (pip download py-spy); writes spy.txt (collapsed stacks, one per thread).
+if want spy; then
+  if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl >>"$out/runs.log" 2>&1; then
+    run laden_ref_fused_mb8_spy 150 /tmp/pyspy/bin/py-spy record --native --threads --idle -r 50 -f raw \
+      -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise
+  else
+    echo "!! no py-spy wheel in .prof/: spy skipped" >&2
+  fi
+fi
 # actor.roundpipe.compile: the warm-up step pays for the compilation.
 want compile && run laden_ref_compile 300 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --compile --profile
 
