@@ -17,9 +17,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # laden from this checkout
 
 
 def timed(fn: Callable[[], object], iters: int) -> float:
@@ -56,10 +59,10 @@ def attention(seq_len: int, docs: int, iters: int) -> dict:
     cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
 
-    def varlen() -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
+    def varlen() -> torch.Tensor:  # laden's call: it adapts to the installed torch's signature
+        from laden.model.attention import _varlen_kernel
 
-        return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
+        return _varlen_kernel(q, k, v, cu, longest, None, None)
 
     def per_doc() -> torch.Tensor:
         outs = []
