@@ -525,6 +525,7 @@ def profile_step(engine, mbs: list) -> dict:
                 k: round(v, 3) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
             },
             "top_kernels": [[name[:80], round(sec, 3)] for name, sec in top],
+            "top_kernels_by_category": top_by_category(totals),
             "kernels": len(named),
             "kernel_gaps": kernel_gaps(named),
         }
@@ -548,6 +549,18 @@ def kernel_category(name: str) -> str:
         if any(f in low for f in fragments):
             return category
     return "other"
+
+
+def top_by_category(totals: dict[str, float], top: int = 4) -> dict[str, list]:
+    """The `top` kernels of each category by total seconds: which casts, copies or elementwise
+    kernels the category's time is made of."""
+    grouped: dict[str, list[tuple[str, float]]] = {}
+    for name, sec in totals.items():
+        grouped.setdefault(kernel_category(name), []).append((name, sec))
+    return {
+        category: [[name[:100], round(sec, 4)] for name, sec in sorted(kernels, key=lambda kv: -kv[1])[:top]]
+        for category, kernels in grouped.items()
+    }
 
 
 GAP_BUCKETS_US = (10, 50, 200, 1000, 10000)
