@@ -8,10 +8,10 @@
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
-# on it with 4 / 16 micro-batches, fused / fused8 = 16 / 8 with --fused-elementwise, gc = both of those with
-# --gc-freeze, spy = fused8 under py-spy (these seven not in the default), compile = laden on it with
-# compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin = host peak and upload
-# bandwidth per pin_model mode.
+# on it with 4 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
+# laden_ref with --no-fused-elementwise, gc = 16 and 8 micro-batches with --gc-freeze, spy = laden_ref under
+# py-spy (these seven not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B
+# shape, seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -163,7 +163,8 @@ if [[ -n $precompile_pid ]]; then
   wait "$precompile_pid"
   { echo "== precompile rc=$?"; tail -n 20 "$logs/precompile.log"; } >>"$out/runs.log"
 fi
-# laden runs 8 micro-batches of 2 sequences (RoundPipe keeps its 4 of 4): its planner then keeps 19 of
+# laden runs its defaults (on a GPU: fused elementwise math, actor.fused_elementwise) with 8 micro-batches
+# of 2 sequences (RoundPipe keeps its 4 of 4): its planner then keeps 19 of
 # the 30 pipeline layers in the fused stage (no recompute). One sequence per micro-batch fits the whole
 # model but is bound by the Python thread feeding the GPU; 4 of 4 recomputes more (both measured).
 if want ref; then
@@ -177,17 +178,19 @@ want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}"
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
 # actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
 want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
-want fused8 && run laden_ref_fused_mb8 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --profile
+# laden's default runs its elementwise math fused on a GPU; eager8 is laden_ref without it (the default
+# before 2026-11-30's third round).
+want eager8 && run laden_ref_eager_mb8 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --no-fused-elementwise --profile
 # The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
 want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
 want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
-# Where the host threads spend a step that waits for them: 8 micro-batches, fused math, under py-spy with
+# Where the host threads spend a step that waits for them: laden_ref (fused math) under py-spy with
 # native frames (blocking sampling, so it runs slower than measured above). Needs the py-spy wheel in
 # the carried, ignored .prof/ (pip download py-spy); writes spy.txt (collapsed stacks, one per thread).
 if want spy; then
   if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl >>"$out/runs.log" 2>&1; then
-    run laden_ref_fused_mb8_spy 150 /tmp/pyspy/bin/py-spy record --native --threads --idle -r 50 -f raw \
-      -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise
+    run laden_ref_spy 150 /tmp/pyspy/bin/py-spy record --native --threads --idle -r 50 -f raw \
+      -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8
   else
     echo "!! no py-spy wheel in .prof/: spy skipped" >&2
   fi

@@ -71,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
     p.add_argument("--model-memory-limit", type=float, default=None,
                    help=f"GiB; default the cap less {HEADROOM_GIB} GiB (CUDA workspaces, allocator slack)")  # fmt: skip
-    p.add_argument("--fused-elementwise", action="store_true",
-                   help="laden: the lean modules' elementwise math as compiled fused kernels "
-                        "(actor.fused_elementwise)")  # fmt: skip
+    p.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="laden: the lean modules' elementwise math and the rotary embeddings as compiled fused "
+                        "kernels (actor.fused_elementwise; default as in `laden sft`: on for laden with a GPU)")  # fmt: skip
     p.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="lean RMSNorms and gated MLPs (actor.lean_activations; default: on for laden, off for "
                         "plain, which runs Hugging Face's modules as they are)")  # fmt: skip
@@ -156,16 +156,16 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
         enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
         enable_lean_mlp(model)
-    if args.fused_elementwise:
-        from laden.model.fused import use_fused_kernels
+    from laden.model.fused import use_fused_kernels
+
+    use_fused_kernels(fused_elementwise(args))  # actor.fused_elementwise
+    if fused_elementwise(args):
+        from laden.model.fused_rotary import enable_fused_rotary
 
         if not lean_activations(args):
             raise SystemExit(
                 "train_throughput: --fused-elementwise needs the lean modules (drop --no-lean-activations)"
             )
-        use_fused_kernels(True)  # actor.fused_elementwise
-        from laden.model.fused_rotary import enable_fused_rotary
-
         enable_fused_rotary(model)
     if args.tiled_mlp_tokens:
         from laden.model.lean_norm import enable_lean_rmsnorm
@@ -178,6 +178,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 def lean_activations(args: argparse.Namespace) -> bool:
     return args.lean_activations if args.lean_activations is not None else args.system == "laden"
+
+
+def fused_elementwise(args: argparse.Namespace) -> bool:
+    """As `actor.fused_elementwise` resolves: unset means on for laden's lean modules with a GPU."""
+    if args.fused_elementwise is not None:
+        return args.fused_elementwise
+    return args.system == "laden" and lean_activations(args) and torch.cuda.is_available()
 
 
 def on_meta(args: argparse.Namespace) -> bool:
@@ -423,7 +430,7 @@ def run(args: argparse.Namespace) -> dict:
             "loss_chunk_size": args.loss_chunk_size,
             "compile": args.compile,
             "lean_activations": lean_activations(args),
-            "fused_elementwise": args.fused_elementwise,
+            "fused_elementwise": fused_elementwise(args),
             "gc_freeze": args.gc_freeze,
             "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip

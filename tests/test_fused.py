@@ -92,3 +92,57 @@ def test_fused_elementwise_needs_lean_activations():
 
     with pytest.raises(ConfigError, match="actor.fused_elementwise=true needs actor.lean_activations=true"):
         config_from_dict({"actor": {"lean_activations": False, "fused_elementwise": True}})
+    # The default (null) follows the machine, so it never conflicts with lean_activations=false.
+    cfg = config_from_dict({"actor": {"lean_activations": False}})
+    assert cfg.actor.fused_elementwise is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "lean", "cuda", "want"),
+    [(None, True, False, False), (None, True, True, True), (None, False, True, False),
+     (True, True, False, True), (False, True, True, False)],
+)  # fmt: skip
+def test_the_default_is_on_with_a_gpu_and_off_on_the_cpu(monkeypatch, setting, lean, cuda, want):
+    from laden.config import config_from_dict
+    from laden.sft.trainer import fused_elementwise
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = config_from_dict({"actor": {"lean_activations": lean, "fused_elementwise": setting}})
+    assert fused_elementwise(cfg.actor) is want
+
+
+def test_a_function_that_does_not_compile_runs_eager_with_one_warning(fused, monkeypatch):
+    """A compiler failure (here a stand-in dynamo error) warns once and runs the function eager from
+    then on; an error of the computation itself is raised as usual."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from laden.model import fused as fused_module
+
+    attempts: list[str] = []
+
+    def failing_compile(fn):
+        def run(*args):
+            attempts.append(fn.__name__)
+            if fn.__name__ == "bad_input":
+                raise ValueError("a real error")
+            raise TorchDynamoException("no backend here")
+
+        return run
+
+    monkeypatch.setattr(fused_module, "_compiled", failing_compile)
+    monkeypatch.setattr(fused_module, "_EAGER", set())
+
+    def double(x):
+        return 2 * x
+
+    x = torch.arange(3.0)
+    with pytest.warns(UserWarning, match="double did not compile .*TorchDynamoException: no backend here"):
+        torch.testing.assert_close(fused_module.call(double, x), 2 * x)
+    torch.testing.assert_close(fused_module.call(double, x), 2 * x)  # eager now: no new attempt
+    assert attempts == ["double"]
+
+    def bad_input(x):
+        return x
+
+    with pytest.raises(ValueError, match="a real error"):
+        fused_module.call(bad_input, x)

@@ -162,10 +162,11 @@ class ActorConfig:
     """RMSNorms and gated MLPs keep for backward only what they cannot recompute elementwise (their
     input and rstd; gate and up): same outputs and gradients as Hugging Face's modules, about 45% less
     activation memory per decoder layer, so more layers train without recompute; False = as is."""
-    fused_elementwise: bool = False
+    fused_elementwise: bool | None = None
     """Run the lean RMSNorms' and SwiGLU MLPs' elementwise math and the attention layers' rotary
     embeddings as torch.compile'd fused kernels (only that math, not the layers); equal to the eager ops
-    up to float rounding; needs lean_activations."""
+    up to float rounding; needs lean_activations. null = on when a CUDA GPU is present (with
+    lean_activations), off on the CPU; a kernel that fails to compile runs eager, with a warning."""
     tiled_mlp_tokens: int | None = None
     """Long-context memory: run each decoder MLP over sequence tiles of this many tokens (recomputed in
     backward) and let RMSNorms keep their input, not fp32 copies, for backward; None = off."""

@@ -254,7 +254,7 @@ def _alias_errors(cfg: LadenConfig) -> list[str]:
 
 
 def _fused_errors(cfg: LadenConfig) -> list[str]:
-    if cfg.actor.fused_elementwise and not cfg.actor.lean_activations:
+    if cfg.actor.fused_elementwise is True and not cfg.actor.lean_activations:
         return [
             "actor.fused_elementwise=true needs actor.lean_activations=true: the fused kernels are the "
             "lean RMSNorm's and gated MLP's math; set actor.lean_activations: true or drop fused_elementwise"

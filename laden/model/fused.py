@@ -24,6 +24,7 @@ switch.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,35 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - depends on the installed torch
+        return ()
+    return (TorchDynamoException,)
+
+
+_COMPILE_ERRORS = _compile_errors()
+_EAGER: set[Callable[..., Any]] = set()  # functions whose compilation failed: they run eager
+
+
 def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, compiled once per function when fused kernels are on."""
-    return _compiled(fn)(*args) if _ENABLED else fn(*args)
+    """`fn(*args)`, compiled once per function when fused kernels are on.
+
+    A function the compiler cannot handle here (no triton for the GPU, no C++ compiler for the
+    CPU, an unsupported construct) runs eager from then on, with one warning: the same values
+    to float rounding, without the fusion. Errors of the computation itself are raised as usual.
+    """
+    if not _ENABLED or fn in _EAGER:
+        return fn(*args)
+    try:
+        return _compiled(fn)(*args)
+    except _COMPILE_ERRORS as error:
+        _EAGER.add(fn)
+        warnings.warn(
+            f"fused kernels: {fn.__qualname__} did not compile ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:300] if str(error) else ''}); it runs as eager ops from now on "
+            "(actor.fused_elementwise=false avoids the attempt)",
+            stacklevel=2,
+        )
+        return fn(*args)

@@ -404,6 +404,13 @@ def _maybe_resume(
     return int(trainer_state["step"])
 
 
+def fused_elementwise(actor: Any) -> bool:
+    """`actor.fused_elementwise` resolved: null means on with lean activations on a CUDA machine."""
+    if actor.fused_elementwise is None:
+        return bool(actor.lean_activations) and torch.cuda.is_available()
+    return bool(actor.fused_elementwise)
+
+
 def apply_activation_knobs(model: Any, actor: Any) -> None:
     """`actor.lean_activations` (lean RMSNorms and gated MLPs), `actor.fused_elementwise` (their math
     and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs,
@@ -417,8 +424,9 @@ def apply_activation_knobs(model: Any, actor: Any) -> None:
     if actor.lean_activations:
         log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean",
                  enable_lean_rmsnorm(model), enable_lean_mlp(model))  # fmt: skip
-    use_fused_kernels(actor.fused_elementwise)  # process-wide: set (or reset) by every run
-    if actor.fused_elementwise:
+    fused = fused_elementwise(actor)
+    use_fused_kernels(fused)  # process-wide: set (or reset) by every run
+    if fused:
         log.info("actor.fused_elementwise: the lean modules' elementwise math and %d attention layers' "
                  "rotary embeddings run compiled", enable_fused_rotary(model))  # fmt: skip
     if actor.tiled_mlp_tokens:
