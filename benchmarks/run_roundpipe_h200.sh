@@ -17,7 +17,7 @@
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
 # DEADLINE_S=530 s after the start, and a run left with under 30 s is skipped. Nominal limits, in
 # order (most important first, so a slow machine loses the least important runs):
-#   install 40, pytest 90, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
+#   install 40, pytest 120, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
 #   laden 8B 170, laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80, pin 3 x 60
 #   = 1450 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS, e.g.
 #   PARTS="ref compile" (about 520 s) and PARTS="tests 8b pin" (about 300 s). RoundPipe's host Adam
@@ -148,7 +148,7 @@ fi
 want tests || echo "skipped (PARTS=$parts)" >"$out/pytest.log"
 want tests && {
 left=$((deadline_s - SECONDS))
-timeout -k 5 $((left < 90 ? left : 90)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
+timeout -k 5 $((left < 120 ? left : 120)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
   tests/test_attention.py tests/test_grad_sink.py tests/test_fused_rotary.py \
   >"$out/pytest.log" 2>&1
 rc=$?
