@@ -9,9 +9,10 @@
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
 # on it with 4 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
-# laden_ref with --no-fused-elementwise, gc = 16 and 8 micro-batches with --gc-freeze, spy = laden_ref under
-# py-spy (these seven not in the default), compile = laden on it with compiled layers, 8b = Qwen3-8B
-# shape, seq = the longest-sequence runs, pin = host peak and upload bandwidth per pin_model mode.
+# laden_ref with --no-fused-elementwise, limit23 = laden_ref with a 23 GiB model_memory_limit, gc = 16 and
+# 8 micro-batches with --gc-freeze, spy = laden_ref under py-spy (these eight not in the default),
+# compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
+# host peak and upload bandwidth per pin_model mode.
 #
 # Time budget. The device command may run 600 s; this script ends within about 545 s whatever happens:
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
@@ -181,6 +182,9 @@ want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch
 # laden's default runs its elementwise math fused on a GPU; eager8 is laden_ref without it (the default
 # before 2026-11-30's third round).
 want eager8 && run laden_ref_eager_mb8 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --no-fused-elementwise --profile
+# laden_ref with 1 GiB less headroom under the cap (model_memory_limit 23 instead of 22 GiB): the planner
+# keeps more layers out of recompute; peak reserved memory and allocator retries say whether it is safe.
+want limit23 && run laden_ref_limit23 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --model-memory-limit 23
 # The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
 want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
 want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
