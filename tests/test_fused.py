@@ -146,3 +146,27 @@ def test_a_function_that_does_not_compile_runs_eager_with_one_warning(fused, mon
 
     with pytest.raises(ValueError, match="a real error"):
         fused_module.call(bad_input, x)
+
+
+def test_tensor_subclasses_run_eager(fused, monkeypatch):
+    """A tensor subclass (tensor parallelism's DTensor) never reaches the compiler; plain tensors and
+    parameters do."""
+    from laden.model import fused as fused_module
+
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        fused_module, "_compiled", lambda fn: lambda *args: compiled.append(fn.__name__) or fn(*args)
+    )
+
+    class Marked(torch.Tensor):
+        pass
+
+    def double(x):
+        return 2 * x
+
+    x = torch.arange(3.0)
+    fused_module.call(double, x.as_subclass(Marked))
+    assert compiled == []
+    fused_module.call(double, x)
+    fused_module.call(double, torch.nn.Parameter(x))
+    assert compiled == ["double", "double"]

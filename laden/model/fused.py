@@ -59,6 +59,12 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 
 _COMPILE_ERRORS = _compile_errors()
+
+
+def _subclass(arg: Any) -> bool:
+    return isinstance(arg, torch.Tensor) and type(arg) not in (torch.Tensor, torch.nn.Parameter)
+
+
 _EAGER: set[Callable[..., Any]] = set()  # functions whose compilation failed: they run eager
 
 
@@ -68,8 +74,9 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     A function the compiler cannot handle here (no triton for the GPU, no C++ compiler for the
     CPU, an unsupported construct) runs eager from then on, with one warning: the same values
     to float rounding, without the fusion. Errors of the computation itself are raised as usual.
+    Tensor subclasses (tensor parallelism's DTensors) always run eager.
     """
-    if not _ENABLED or fn in _EAGER:
+    if not _ENABLED or fn in _EAGER or any(_subclass(a) for a in args):
         return fn(*args)
     try:
         return _compiled(fn)(*args)
