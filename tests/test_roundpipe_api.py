@@ -180,6 +180,41 @@ def test_the_garbage_collector_waits_for_the_call_and_runs_again_after_it(monkey
         gc.enable()
 
 
+def test_a_dropped_model_frees_its_pipeline_without_the_garbage_collector():
+    """No reference cycle holds a pipeline (its parameter groups refer to their members, the members
+    to their groups only weakly; a call's tasks are dropped with the call), so dropping the last
+    reference frees its host buffers and stops its host threads at once."""
+    import gc
+    import threading
+    import weakref
+
+    def threads() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("roundpipe-dropped")}
+
+    gc.disable()
+    try:
+        rp = RoundPipe(mlp(), name="dropped")
+        opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-2)
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        for _ in range(2):
+            rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum,
+                                run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=PLANS["hand"]))  # fmt: skip
+            rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.synchronize()
+        assert threads()
+        pipe = weakref.ref(rp.pipe)
+        group = weakref.ref(rp.pipe.store.groups[0])
+        del rp
+        assert pipe() is None and group() is None
+        for _ in range(100):  # the executors' threads exit once they see the shutdown
+            if not threads():
+                break
+            threading.Event().wait(0.01)
+        assert not threads()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("pin_model", ["alloc", "register", "off"])
 def test_pin_modes_train_identically(pin_model):
     """On the CPU the modes only change the layout (flat vs per tensor); results must not change."""

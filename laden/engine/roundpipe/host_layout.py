@@ -21,6 +21,7 @@ per update instead (see `HostStore.move_masters_to`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,13 +40,24 @@ class HostParam:
     param: nn.Parameter
     trainable: bool
     grad_dtype: torch.dtype
-    group: ParamGroup | None = None
+    _group: weakref.ref[ParamGroup] | None = None  # see `group`
     offset: int = 0
     slots: list[tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) holding it
     uploads: list[torch.Tensor] = field(default_factory=list)
     master: nn.Parameter | None = None
     filled: list[bool] = field(default_factory=lambda: [False, False])
     staging: torch.Tensor | None = None
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The group holding this param's flat buffers. Held weakly: the group holds its members, and
+        a strong reference back would make every pipeline a reference cycle, freed (with its host
+        buffers and threads) only by the cyclic collector instead of when it is dropped."""
+        return None if self._group is None else self._group()
+
+    @group.setter
+    def group(self, group: ParamGroup | None) -> None:
+        self._group = None if group is None else weakref.ref(group)
 
     @property
     def numel(self) -> int:
@@ -58,7 +70,7 @@ class HostParam:
         return flat[self.offset : self.offset + self.numel].view(self.param.shape)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)  # not slots: members refer to it weakly (HostParam.group)
 class ParamGroup:
     """Params of one layer sharing dtype, trainability and key; flat host buffers per role."""
 

@@ -157,6 +157,8 @@ class Pipeline:
         except Aborted:
             self.jobs.raise_errors()  # the host job whose failure stopped the run
             raise
+        finally:
+            run.tasks = []  # each task refers to the run: a cycle that would hold this pipeline
         for lane in self.lanes:
             lane.synchronize()  # deliberate: losses are read on the host next
         global _collected
