@@ -50,10 +50,10 @@ def gc_paused() -> Iterator[None]:
     started: the model, compiled code, library state) would fall right after the second call,
     and the third would wait for it (0.3 s for a tiny CPU model with fused kernels, a step
     otherwise takes 0.04 s). So the first pipeline of a process runs that collection itself,
-    once, after its first call's device synchronisation, where the GPU waits for the host anyway. (Freezing the
-    objects alive then, `gc.freeze()`, would make later collections cheaper still, but the
-    parameter groups of a pipeline dropped later, which sit in reference cycles, would never
-    be collected.)
+    once, after its first call's device synchronisation, where the GPU waits for the host
+    anyway. (Freezing the objects alive then, `gc.freeze()`, would make later collections
+    cheaper still, but it would also keep every reference cycle of the process alive then from
+    ever being collected: a decision for the application, not for a library.)
     """
     enabled = gc.isenabled()
     gc.disable()
