@@ -153,15 +153,31 @@ def _cudnn_attention(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _cudnn_first() -> AbstractContextManager:
-    """SDPA backends with cuDNN's tried first, the others after it for inputs it does not take."""
+@functools.cache
+def _cudnn_first_args() -> tuple[list, dict]:
+    """`sdpa_kernel` arguments (looked up once): cuDNN's backend tried first, the others after it
+    for inputs it does not take; on a torch without priorities, cuDNN's alone, as measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return [SDPBackend.CUDNN_ATTENTION], {}
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]  # fmt: skip
-    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-        return sdpa_kernel(order, set_priority=True)
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])  # older torch: cuDNN only, as measured
+    return order, {"set_priority": True}
+
+
+def _cudnn_first() -> AbstractContextManager:
+    from torch.nn.attention import sdpa_kernel
+
+    backends, kwargs = _cudnn_first_args()
+    return sdpa_kernel(backends, **kwargs)
+
+
+def _kernels(device: torch.device, dtype: torch.dtype, prefer_cudnn: bool) -> tuple[bool, bool]:
+    """(the varlen kernel runs here, equal-length documents go to cuDNN's SDPA): the one choice that
+    the attention function makes and `describe_auto` reports."""
+    varlen = _varlen_attn is not None and device.type == "cuda" and dtype in _FLASH_DTYPES
+    return varlen, varlen and prefer_cudnn and _cudnn_attention(device)
 
 
 def _equal_documents_sdpa(query, key, value, docs: int, scaling, cudnn: bool) -> torch.Tensor:
@@ -182,11 +198,10 @@ def _equal_documents_sdpa(query, key, value, docs: int, scaling, cudnn: bool) ->
 
 def describe_auto(device: torch.device) -> str:
     """What `attn_impl='auto'` runs on `device` in bf16 (for `laden doctor`)."""
-    if _varlen_attn is not None and device.type == "cuda":
-        if _cudnn_attention(device):
-            return (
-                "equal-length documents through cuDNN's SDPA in one batch, others through the varlen kernel"
-            )
+    varlen, cudnn = _kernels(device, torch.bfloat16, prefer_cudnn=True)
+    if cudnn:
+        return "equal-length documents through cuDNN's SDPA in one batch, others through the varlen kernel"
+    if varlen:
         return "every packed row through the varlen kernel"
     return "equal-length documents through SDPA in one batch, others through SDPA per document"
 
@@ -230,46 +245,16 @@ def varlen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    *,
+    prefer_cudnn: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The `laden_varlen` attention: query [B, Hq, T, D], key/value [B, Hkv, T, D] -> ([B, T, Hq, D], None).
 
     Reads `cu_seq_lens_q` (int32, over the B*T flattened tokens) and `max_length_q` from kwargs.
-    Rows of equal-length documents run as one SDPA batch, through cuDNN on Hopper GPUs.
+    Rows of equal-length documents run as one SDPA batch, through cuDNN on Hopper GPUs unless
+    `prefer_cudnn=False` (then the varlen kernel takes every CUDA row).
     """
-    return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
-                             prefer_cudnn=True, **kwargs)  # fmt: skip
-
-
-def kernel_varlen_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """`laden_varlen_kernel`: `varlen_attention_forward` with every CUDA row through the varlen kernel."""
-    return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
-                             prefer_cudnn=False, **kwargs)  # fmt: skip
-
-
-def _packed_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout,
-    scaling,
-    sliding_window,
-    *,
-    prefer_cudnn: bool,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
     _unsupported(kwargs, dropout)
     batch, num_heads, num_q, _ = query.shape
     cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -286,8 +271,7 @@ def _packed_attention(
         max_seqlen = cu_seqlens.diff().max()
     if isinstance(max_seqlen, torch.Tensor):
         max_seqlen = int(max_seqlen)  # sync; callers that care pass a Python int
-    varlen = _varlen_attn is not None and query.is_cuda and query.dtype in _FLASH_DTYPES
-    cudnn = varlen and prefer_cudnn and _cudnn_attention(query.device)
+    varlen, cudnn = _kernels(query.device, query.dtype, prefer_cudnn)
     docs = _equal_documents(cu_seqlens, max_seqlen, batch * num_q, sliding_window)
     if docs and (cudnn or not varlen):
         return _equal_documents_sdpa(query, key, value, docs, scaling, cudnn), None
@@ -300,6 +284,11 @@ def _packed_attention(
     else:
         out = _per_document_sdpa(q, k, v, cu_seqlens, scaling, sliding_window)
     return out.reshape(batch, num_q, num_heads, -1), None  # [B, T, Hq, Dv]
+
+
+def kernel_varlen_attention_forward(*args, **kwargs) -> tuple[torch.Tensor, None]:
+    """`laden_varlen_kernel`: `varlen_attention_forward` with every CUDA row through the varlen kernel."""
+    return varlen_attention_forward(*args, prefer_cudnn=False, **kwargs)
 
 
 def _varlen_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
