@@ -140,10 +140,6 @@ def _cell_holds(cell: types.CellType, obj: object) -> bool:
         return False
 
 
-def _innermost(fn: Callable) -> Callable:
-    return inspect.unwrap(fn)
-
-
 @functools.cache
 def _standard_rotation(fn: Callable) -> bool:
     """Whether `fn(q, k, cos, sin)` is the standard rotation (float64, CPU, small random inputs)."""
@@ -173,7 +169,7 @@ def _standard_rotation(fn: Callable) -> bool:
 
 def _methods(cls: type[nn.Module]) -> dict[str, Any]:
     forward = cls.forward
-    original = _innermost(forward).__globals__[_NAME]
+    original = inspect.unwrap(forward).__globals__[_NAME]
     return {"forward": _rebound(forward, _rotary_for(original))}
 
 
@@ -193,7 +189,7 @@ def _eligible(cls: type[nn.Module]) -> bool:
     forward = getattr(cls, "forward", None)
     if not isinstance(forward, types.FunctionType):
         return False
-    inner = _innermost(forward)
+    inner = inspect.unwrap(forward)
     rotation = getattr(inner, "__globals__", {}).get(_NAME)
     if rotation is None or _NAME not in inner.__code__.co_names or not _standard_rotation(rotation):
         return False
