@@ -124,7 +124,12 @@ def lean_model():
 def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
     """bf16 compute, fp32 masters, lean MLPs: the residency's sinks (the MLP weights' gradients added
     into their fp32 accumulators by the MLP itself) train exactly as autograd's gradients folded by
-    the post-accumulate hooks, one stage (early downloads count the sinks' writes) or staged."""
+    the post-accumulate hooks, one stage (early downloads count the sinks' writes) or staged. On CUDA
+    the sinks are held to the fold's arithmetic (the bf16 product, then an fp32 add): their one
+    fp32-output GEMM is closer than the fold, so not bit-equal (its own test is below)."""
+    from laden.model import grad_sink
+
+    monkeypatch.setattr(grad_sink, "_fp32_out_addmm", lambda device, dtype: False)
     o = settings(gradient_clipping=0.05)
     execute_plan = None if plan == "one_stage" else STAGED
     calls: list[int] = []
