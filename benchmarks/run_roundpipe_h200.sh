@@ -175,7 +175,7 @@ if want ref; then
 fi
 # The same with 4 micro-batches of 4 sequences (laden's previous reference setting: a larger
 # micro-batch, so only part of the model fits the fused stage and the rest is recomputed).
-want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}"
+want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}" --profile
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
 # actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
 want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
@@ -193,12 +193,18 @@ want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microb
 # the carried, ignored .prof/ (pip download py-spy); writes spy.txt (collapsed stacks, one per thread).
 if want spy; then
   if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl >>"$out/runs.log" 2>&1; then
-    run laden_ref_spy 150 /tmp/pyspy/bin/py-spy record --native --threads --idle -r 50 -f raw \
+    # Without pausing the process (--nonblocking: it runs at full speed), Python frames only: every
+    # thread's samples (--idle), then only the samples of the thread holding the GIL (--gil).
+    run laden_ref_spy 150 /tmp/pyspy/bin/py-spy record --nonblocking --threads --idle -r 200 -f raw \
       -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8
+    run laden_ref_spy_gil 150 /tmp/pyspy/bin/py-spy record --nonblocking --threads --gil -r 200 -f raw \
+      -o "$out/spy_gil.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8
   else
     echo "!! no py-spy wheel in .prof/: spy skipped" >&2
   fi
 fi
+# laden_ref with a 0.5 ms switch interval: does a thread running Python hold the GIL from the feeding thread?
+want switch && run laden_ref_switch 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --switch-interval 0.0005 --profile
 # actor.roundpipe.compile: the warm-up step pays for the compilation.
 want compile && run laden_ref_compile 300 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --compile --profile
 

@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gc-freeze", action="store_true",
                    help="before the timed steps: collect, freeze what exists and stop the cyclic garbage "
                         "collector (does a collection pause stall the GPU's feed?)")  # fmt: skip
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the whole run, seconds (Python's default 0.005): how long a "
+                        "thread running Python may keep the GIL from the thread that feeds the GPU")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile one more step: GPU kernel and copy busy time, top kernels")  # fmt: skip
     p.add_argument(
@@ -432,6 +435,7 @@ def run(args: argparse.Namespace) -> dict:
             "lean_activations": lean_activations(args),
             "fused_elementwise": fused_elementwise(args),
             "gc_freeze": args.gc_freeze,
+            "switch_interval": sys.getswitchinterval(),
             "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
@@ -707,7 +711,10 @@ def _transformers_version() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Print the result as one JSON line; exit non-zero (SystemExit) if it is not valid."""
-    result = run(parse_args(argv))
+    args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    result = run(args)
     print(json.dumps(result), flush=True)
     if not result["valid"]:
         raise SystemExit("train_throughput: INVALID RESULT: " + "; ".join(result["problems"]))
