@@ -432,6 +432,51 @@ def test_engine_on_a_pool_of_two_workers_equals_one_worker():
     assert_same_masters(two, one)
 
 
+@pytest.mark.parametrize("optim_step", ["sync", "async"])
+def test_tied_gradient_kept_on_the_device_equals_the_host_add(monkeypatch, optim_step):
+    """The head's gradient of the tied embedding stays on the device until the embedding's stage
+    adds it: one landing of that group per step, a direct copy with its norm from the device, and
+    the same training as two landings added on the host. Several devices keep the host path."""
+    from laden.engine.roundpipe.pipeline import Pipeline
+
+    landings: list[tuple[bool, int | None]] = []  # (staged, the tied group's index or None)
+    submit, carried_params = Pipeline._submit_landing, Pipeline.carried_params
+
+    def spy(self, landing, hook):
+        group = landing.group if landing.group is not None else landing.param.group
+        landings.append((landing.staged, group.index if group.index in tied else None))
+        submit(self, landing, hook)
+
+    monkeypatch.setattr(Pipeline, "_submit_landing", spy)
+    o = settings(gradient_clipping=0.05)
+    with pytest.warns(UserWarning, match="largest layer"):
+        kept = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, optim_step=optim_step,
+                               model_memory_limit=SMALL_STAGES)  # fmt: skip
+        host = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, optim_step=optim_step,
+                               model_memory_limit=SMALL_STAGES)  # fmt: skip
+        pool = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, optim_step=optim_step,
+                               model_memory_limit=SMALL_STAGES, devices=[torch.device("cpu")] * 2)  # fmt: skip
+    tied = {g.index for g in kept.pipe.store.layout.tied_groups()}
+    embed = kept.pipe.store.layers[0].groups[0]
+    assert tied == {embed.index} and kept.plan == host.plan and len(kept.plan.bwd_plan) > 2
+    assert len(kept.pipe.carried_params(kept.plan)) == 1  # the head's use of the embedding
+    assert pool.pipe.carried_params(pool.plan) == frozenset()
+    for mbs in make_steps(3):
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        landings.clear()
+        got = kept.train_batch(mbs, global_num_loss_tokens=n)
+        assert [k for k in landings if k[1] is not None] == [(False, embed.index)]
+        monkeypatch.setattr(Pipeline, "carried_params", lambda self, plan: frozenset())
+        landings.clear()
+        want = host.train_batch(mbs, global_num_loss_tokens=n)
+        assert [k for k in landings if k[1] is not None] == [(False, embed.index), (True, embed.index)]
+        assert_same_step(got, want)
+        assert_same_step(pool.train_batch(mbs, global_num_loss_tokens=n), want)
+        monkeypatch.setattr(Pipeline, "carried_params", carried_params)
+    assert_same_masters(kept, host)
+    assert_same_masters(pool, host)
+
+
 def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
     """An out-of-memory error in a late backward stage, after earlier stages' gradients landed,
     must not leak partial gradients into the retried step."""

@@ -155,6 +155,30 @@ def test_cuda_bf16_engine_tracks_resident_reference(optim_step):
     )
 
 
+def test_cuda_tied_gradient_kept_on_the_device_equals_the_host_add(monkeypatch):
+    """fp32 on the GPU: the head's gradient of the tied embedding waits on the device for the
+    embedding's stage (added on the compute stream behind the backward that wrote it) and trains
+    as the two host landings added on the host."""
+    from test_roundpipe_engine import assert_same_masters, assert_same_step, make_steps, settings, tied_model
+
+    from laden.engine.roundpipe import RoundPipeEngine
+    from laden.engine.roundpipe.pipeline import Pipeline
+
+    o = settings(gradient_clipping=0.05)
+    cuda = [torch.device("cuda", 0)]
+    kept = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, min_stages=3, devices=cuda)
+    host = RoundPipeEngine(tied_model(), optim=o, compute_dtype=torch.float32, min_stages=3, devices=cuda)
+    carried_params = Pipeline.carried_params
+    assert len(kept.pipe.carried_params(kept.plan)) == 1
+    for mbs in make_steps(3):
+        n = sum(mb.num_loss_tokens for mb in mbs)
+        got = kept.train_batch(mbs, global_num_loss_tokens=n)
+        monkeypatch.setattr(Pipeline, "carried_params", lambda self, plan: frozenset())
+        assert_same_step(got, host.train_batch(mbs, global_num_loss_tokens=n))
+        monkeypatch.setattr(Pipeline, "carried_params", carried_params)
+    assert_same_masters(kept, host)
+
+
 def test_cuda_bf16_kernels_only_the_engine_reaches():
     """Pure bf16 compute (no autocast) is the first path to reach two CUDA kernels: the varlen
     attention kernel (under autocast q and k come out of the fp32 norms, so the per-document SDPA

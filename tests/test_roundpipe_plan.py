@@ -138,6 +138,22 @@ def test_auto_plan_counts_a_tied_weight_once_in_the_fused_stage():
     assert untied.bwd_plan[0].start > 0  # counted twice, the whole model does not fit
 
 
+def test_auto_plan_leaves_room_for_the_tied_gradient_kept_on_the_device():
+    """The head's gradient of a tied weight stays on the device until the first layer's stage:
+    the two backward stages in flight after the fused one share the limit with it."""
+    weights = [100] * 12  # 300 B per layer with gradients; the tied weight's gradient is 200 B
+    limit, grain = 2400, "layer"  # layer grain: no grown fused stage, every stage at the cap
+    tied = ModelExecutePlan.auto("fused", TiedModel(weights), model_memory_limit=limit / GIB, min_stages=1,
+                                 recompute_grain=grain)  # fmt: skip
+    untied = ModelExecutePlan.auto("fused", FakeModel(weights), model_memory_limit=limit / GIB, min_stages=1,
+                                   recompute_grain=grain)  # fmt: skip
+    assert [len(s) for s in untied.bwd_plan] == [4, 4, 4]  # 1200 B: half the limit each
+    assert [len(s) for s in tied.bwd_plan] == [3, 3, 3, 3]  # 2 x 900 + 200 <= 2400 < 2 x 1200 + 200
+    # a grown fused stage: the stages after it are small anyway
+    grown = ModelExecutePlan.auto("fused", TiedModel(weights), model_memory_limit=limit / GIB, min_stages=1)
+    assert all(2 * 300 * len(s) + 200 <= limit for s in grown.bwd_plan[1:]) and len(grown.bwd_plan[0]) == 7
+
+
 def test_auto_plan_warns_when_a_layer_exceeds_half_the_limit():
     model = FakeModel([GIB, GIB // 8, GIB // 8])
     with pytest.warns(UserWarning, match="largest layer") as caught:

@@ -164,9 +164,12 @@ class RoundPipeEngine:
         pipe = self.pipe
         buf = pipe.read_buf
         clipping = self.optim_settings.gradient_clipping > 0
+        # A tied weight's gradient stays on the device between its stages; the automatic plan
+        # leaves room for it (a given plan keeps the host path: its stages were sized without it).
+        carried = pipe.carried_params(self.plan) if self._auto_plan else frozenset()
         grads = StepGrads(
             pipe, self.plan, buf, process_group=self.process_group,
-            update=None if clipping else (lambda g: self._submit_update(g, buf, 1.0)),
+            update=None if clipping else (lambda g: self._submit_update(g, buf, 1.0)), carried=carried,
         )  # fmt: skip
         try:
             run = pipe.run_call(
@@ -174,7 +177,7 @@ class RoundPipeEngine:
                 labels=[mb.labels[None] for mb in micro_batches],
                 loss_fn=_ScaledLoss(global_num_loss_tokens, self.loss_chunk_size),
                 plan=self.plan, grain=self.recompute_grain, backward=True, preserve_rng=self.preserve_rng,
-                on_landing=grads.on_landing,
+                on_landing=grads.on_landing, carried=carried,
             )  # fmt: skip
         except BaseException as error:
             self._abandon_step(grads, buf, error)

@@ -90,11 +90,14 @@ def planned_host_bytes(
     pinned: bool,
     optim_step: Literal["sync", "async"],
     optimizer_states: Sequence[str],
+    tied_staging: bool = True,
 ) -> dict[str, int]:
     """What the engine's store and optimizer will hold for `layout`, by kind, after the first step.
 
-    `pinned`: whether a CUDA device makes the store page-lock (the GPU machine); staging for a
-    tied group assumes its two uses sit in different backward stages (the usual plan).
+    `pinned`: whether a CUDA device makes the store page-lock (the GPU machine); `tied_staging`:
+    whether a tied group's two uses land separately, so the second is staged and added on the
+    host (two backward stages on several devices, or a given plan; one device with an automatic
+    plan keeps the first use's gradient on the device instead).
     """
     out = dict.fromkeys(HOST_KINDS, 0)
     copies = 2 if optim_step == "async" else 1
@@ -118,7 +121,7 @@ def planned_host_bytes(
             out["master"] += g.numel * g.grad_dtype.itemsize
         for _ in range(copies):
             take("grad", g.numel, g.grad_dtype, exact=True)
-        if g.index in tied:
+        if g.index in tied and tied_staging:
             take("grad_staging", g.numel, g.grad_dtype, exact=True)
         for key in optimizer_states:
             out[f"optim.{key}"] += g.numel * g.grad_dtype.itemsize
@@ -195,8 +198,9 @@ def predict_engine_host_bytes(
     )  # fmt: skip
     states = optimizer_state_keys(optim.type, getattr(optim, "momentum", 0.0))
     out = planned_host_bytes(
-        layout, pin_mode=pin_model, pinned=pinned, optim_step=optim_step, optimizer_states=states
-    )
+        layout, pin_mode=pin_model, pinned=pinned, optim_step=optim_step, optimizer_states=states,
+        tied_staging=num_devices > 1 or execute_plan is not None,  # see `RoundPipeEngine.train_batch`
+    )  # fmt: skip
     if num_microbatches and max_tokens_per_mb:
         plan = execute_plan or ModelExecutePlan.auto(
             "fused", _LayoutPlanView(layout, num_devices, loss_chunk_size), model_memory_limit=model_memory_limit,

@@ -28,7 +28,7 @@ from laden.engine.roundpipe.host import HostStore, InitFn, LayerInfo, ParamGroup
 from laden.engine.roundpipe.host_jobs import HostJobs
 from laden.engine.roundpipe.host_layout import HostLayout
 from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_gib
-from laden.engine.roundpipe.residency import GradLanding
+from laden.engine.roundpipe.residency import GradLanding, carried_params
 from laden.engine.roundpipe.runner import AutocastState, CallSpec, Grain, Run
 from laden.engine.roundpipe.scheduler import run_tasks
 from laden.engine.roundpipe.transfer import Aborted, Handoff
@@ -129,8 +129,13 @@ class Pipeline:
         backward: bool,
         preserve_rng: bool,
         on_landing: LandingHook | None = None,
+        carried: frozenset[int] = frozenset(),
     ) -> Run:
-        """Run every micro-batch through the plan; gradients land in inbox `read_buf`."""
+        """Run every micro-batch through the plan; gradients land in inbox `read_buf`.
+
+        `carried`: tied parameters whose gradient stays on the device between the backward
+        stages that use it (`carried_params`; the caller counts their landings accordingly).
+        """
         self.jobs.raise_errors()
         if loss_fn is None and not backward:  # inference: a fused plan's last stage runs forward too
             plan = ModelExecutePlan(fwd_plan=plan.forward_stages(self.num_layers))
@@ -143,7 +148,7 @@ class Pipeline:
             labels=None if labels is None else [Handoff.of_host(y, pin=pin) for y in labels],
             loss_fn=loss_fn, plan=plan, grain=grain, backward=backward, preserve_rng=preserve_rng,
             autocast=AutocastState.capture(), buf=self.read_buf, inbox=self.read_buf,
-            required=self.store.required_gens(self.read_buf),
+            required=self.store.required_gens(self.read_buf), carried=carried if backward else frozenset(),
         )  # fmt: skip
         run = Run(
             self.store,
@@ -167,6 +172,12 @@ class Pipeline:
             _collected = True
         self.jobs.drain_landing()
         return run
+
+    def carried_params(self, plan: ModelExecutePlan) -> frozenset[int]:
+        """The tied parameters whose gradient a call of `plan` can keep on the device: those of
+        `residency.carried_params` when one device runs every stage in plan order (with several,
+        the stages that use a tied weight may run on different devices)."""
+        return carried_params(self.store, plan) if len(self.lanes) == 1 else frozenset()
 
     def _submit_landing(self, landing: GradLanding, hook: LandingHook | None) -> None:
         self.jobs.submit_landing(_land, landing, hook)

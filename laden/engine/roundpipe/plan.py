@@ -204,15 +204,22 @@ class ModelExecutePlan:
         _warn_if_oversized(bwd if run_type != "infer" else fwd, cap, limit_gib, tokens_per_microbatch)
         if run_type == "infer":
             return cls(fwd_plan=fwd.partition(cap, stages))
-        bwd_plan = bwd.partition(cap, stages)[::-1]  # execution order: last layers first
         if run_type == "train":
-            return cls(fwd_plan=fwd.partition(cap, stages), bwd_plan=bwd_plan)
+            return cls(fwd_plan=fwd.partition(cap, stages), bwd_plan=bwd.partition(cap, stages)[::-1])
+        # A fused run keeps a tied weight's gradient from the fused stage on the device until its
+        # owner's stage (`carried_params`): the backward stages after the fused one share the
+        # limit with it.
+        shared = getattr(model, "shared_bytes", None)
+        shared_with_grads = shared(with_grads=True) if shared is not None else []
+        shared_weights = shared(with_grads=False) if shared is not None else []
+        carried = sum(n for _, n in shared_with_grads) - sum(n for _, n in shared_weights)  # their gradients
+        bwd_cap = max(1, (int(limit_gib * GIB) - carried) // 2)
+        bwd_plan = bwd.partition(bwd_cap, stages)[::-1]  # execution order: last layers first
         # Layer grain recomputes the fused stage too (layer by layer, from inputs it keeps on the
         # device): a larger one would save nothing and hold more inputs.
-        shared = getattr(model, "shared_bytes", None)
         grown = None if recompute_grain == "layer" else _grow_fused(
             fwd, bwd, bwd_bytes, bwd_plan[0].start, limit=int(limit_gib * GIB), cap=cap, min_stages=stages,
-            shared=shared(with_grads=True) if shared is not None else [],
+            shared=shared_with_grads, bwd_cap=bwd_cap,
         )  # fmt: skip
         if grown is not None:
             return grown
@@ -231,6 +238,7 @@ def _grow_fused(
     cap: int,
     min_stages: int,
     shared: Sequence[tuple[frozenset[int], int]] = (),
+    bwd_cap: int | None = None,
 ) -> ModelExecutePlan | None:
     """The plan with the largest fused stage that fits `limit` beside its neighbours, if larger than `start`.
 
@@ -244,8 +252,9 @@ def _grow_fused(
     before it, never more recompute. A whole model that fits is one stage. `min_stages`
     still holds. `resident`: per layer, the weight and accumulator bytes a prefetched
     backward stage holds; `shared`: parameters several layers use, counted in each of them
-    by `resident`, held once by the fused stage. None when no fused stage larger than the
-    balanced plan's (starting at `start`) fits.
+    by `resident`, held once by the fused stage; `bwd_cap`: the most a backward stage after the
+    fused one may hold (default `cap`). None when no fused stage larger than the balanced plan's
+    (starting at `start`) fits.
     """
     for first in range(max(0, min_stages - 1), start):
         twice = sum(
@@ -257,14 +266,15 @@ def _grow_fused(
             if fused_cost <= limit:
                 return ModelExecutePlan(fwd_plan=[], bwd_plan=[range(0, len(bwd.sizes))])
             continue
-        bwd_cap, fwd_cap = min(cap, limit - fused_cost), min(cap, limit - fused_weights)
-        if bwd_cap < max(resident[:first]) or fwd_cap < fwd.first(first).largest():
+        rest_cap = min(cap if bwd_cap is None else bwd_cap, limit - fused_cost)
+        fwd_cap = min(cap, limit - fused_weights)
+        if rest_cap < max(resident[:first]) or fwd_cap < fwd.first(first).largest():
             continue
-        rest = bwd.first(first).partition(bwd_cap, min_stages - 1)
+        rest = bwd.first(first).partition(rest_cap, min_stages - 1)
         fwd_plan = fwd.first(first).partition(fwd_cap, min(min_stages, first))
         last_fwd = fwd_plan[-1]
         last_fwd_cost = sum(fwd.sizes[i] for i in last_fwd) + max(fwd.peaks[i] for i in last_fwd)
-        if sum(resident[i] for i in rest[-1]) <= bwd_cap and last_fwd_cost <= fwd_cap:
+        if sum(resident[i] for i in rest[-1]) <= rest_cap and last_fwd_cost <= fwd_cap:
             return ModelExecutePlan(fwd_plan=fwd_plan, bwd_plan=[range(first, len(bwd.sizes)), *rest[::-1]])
     return None
 

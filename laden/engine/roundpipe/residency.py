@@ -24,6 +24,12 @@ accumulator directly (one fp32-output GEMM on CUDA). At the end of the residency
 group's accumulator goes back to the host in one copy, on the `d2h` stream, with its L2
 norm computed on the device; in the last micro-batch of a residency an accumulator is
 sent as soon as it is final (`arm_early_download`), overlapping the rest of the backward.
+
+A tied weight used by an earlier backward stage than its owner's (the head of a causal LM
+with tied embeddings, and the embedding layer) keeps that stage's gradient on the device
+when both run on one device (`carry_out`): the owner's stage adds it into its own
+accumulator before the one download. The host then receives one copy, with its norm from
+the device, instead of two copies, a host add and a host norm pass at the end of the step.
 """
 
 from __future__ import annotations
@@ -113,6 +119,11 @@ class Residency:
     landed: set[tuple[str, int]] = field(default_factory=set)
     _members: dict[tuple[str, int], list[int]] | None = None
     layer_ready: dict[int, Event] = field(default_factory=dict)  # layer -> its upload, not yet waited on
+    # Tied weights (see the module docstring): the foreign parameters whose accumulator stays on
+    # the device, and the call's table of such accumulators (HostParam.index -> accumulator),
+    # shared by its residencies: filled by the stage that uses them, emptied by their owner's.
+    carry_out: frozenset[int] = frozenset()
+    carried: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def members_of(self, key: tuple[str, int]) -> list[int]:
         """The parameters whose gradients feed accumulator `key` (built once per residency)."""
@@ -136,7 +147,14 @@ class Residency:
 
 
 def upload_stage(
-    store: HostStore, lane: Lane, layer_ids: Sequence[int], *, buf: int, trainable: bool
+    store: HostStore,
+    lane: Lane,
+    layer_ids: Sequence[int],
+    *,
+    buf: int,
+    trainable: bool,
+    carry_out: frozenset[int] = frozenset(),
+    carried: dict[int, torch.Tensor] | None = None,
 ) -> Residency:
     """Queue the uploads of `layer_ids` (weights from upload buffer `buf`) and build their shells.
 
@@ -144,9 +162,11 @@ def upload_stage(
     zeroed accumulators, then an event the compute stream waits on before the layer first
     runs (`Residency.layer`). A stage's first layer computes while its later layers are
     still crossing the bus, so even a stage that is the whole model (nothing to prefetch it
-    behind) waits only for its first layer.
+    behind) waits only for its first layer. `carry_out`, `carried`: see `Residency`.
     """
-    res = Residency(lane=lane, layer_ids=list(layer_ids), trainable=trainable)
+    res = Residency(lane=lane, layer_ids=list(layer_ids), trainable=trainable, carry_out=carry_out)
+    if carried is not None:
+        res.carried = carried
     buffers: dict[int, torch.Tensor] = {}
     owned = {g.index for i in layer_ids for g in store.layers[i].groups if g.trainable}
     with torch.no_grad(), lane.on(lane.weights):
@@ -375,6 +395,12 @@ def _download(
     lane = res.lane
     kind, index = key
     acc = res.group_accs[index] if kind == "group" else res.param_accs[index]
+    if kind == "param" and index in res.carry_out:  # stays on the device for its owner's stage
+        res.carried[index] = acc
+        res.landed.add(key)
+        return
+    if kind == "group":
+        _add_carried(res, store.groups[index], acc)
     with torch.no_grad(), store.lock:
         if kind == "group":
             group = store.groups[index]
@@ -409,6 +435,38 @@ def _download(
             hp.filled[inbox] = True
         res.landed.add(key)
         on_landed(landing)
+
+
+def _add_carried(res: Residency, group: ParamGroup, acc: torch.Tensor) -> None:
+    """Add the gradients an earlier stage of this call left on the device for `group`'s members
+    into its flat accumulator (compute stream: behind that stage's backward, on this device)."""
+    for hp in group.members:
+        carried = res.carried.pop(hp.index, None)
+        if carried is not None:
+            with torch.no_grad(), res.lane.on(res.lane.compute):
+                acc[hp.offset : hp.offset + hp.numel].add_(carried.view(-1))
+
+
+def carried_params(store: HostStore, plan: Any) -> frozenset[int]:
+    """The tied parameters whose gradient a call keeps on the device (see the module docstring).
+
+    A parameter qualifies when one backward stage uses it outside its owner layer, and that
+    owner's stage runs later in the backward (stages run in plan order on one device).
+    """
+    users: dict[int, set[int]] = {}
+    owner: dict[int, int] = {}
+    for stage_index, stage in enumerate(plan.bwd_plan):
+        owned = {g.index for layer in stage for g in store.layers[layer].groups if g.trainable}
+        owner.update(dict.fromkeys(owned, stage_index))
+        for layer in stage:
+            for hp in store.layers[layer].foreign:
+                if hp.trainable and hp.group.index not in owned:  # type: ignore[union-attr]
+                    users.setdefault(hp.index, set()).add(stage_index)
+    return frozenset(
+        index
+        for index, stages in users.items()
+        if len(stages) == 1 and min(stages) < owner.get(store.params[index].group.index, -1)  # type: ignore[union-attr]
+    )
 
 
 def inbox_busy(hp: HostParam, inbox: int) -> bool:

@@ -75,6 +75,7 @@ class CallSpec:
     buf: int
     inbox: int
     required: list[int]
+    carried: frozenset[int] = frozenset()  # tied parameters whose gradient stays on the device
 
 
 @dataclass(eq=False)
@@ -95,7 +96,12 @@ class StageTask:
         if not store.wait_weights(deps, buf, required, run.aborted):
             raise Aborted
         trainable = run.spec.backward and self.kind != "forward"
-        return upload_stage(store, lane, self.layers, buf=buf, trainable=trainable)
+        carry_out = frozenset(
+            hp.index for layer in self.layers for hp in store.layers[layer].foreign if hp.index in run.spec.carried
+        )
+        return upload_stage(
+            store, lane, self.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
+        )
 
     def execute(self, lane: Lane, res: Residency) -> None:
         from laden.engine.roundpipe import stages
@@ -120,6 +126,7 @@ class Run:
     losses: list[Handoff | None] = field(default_factory=list)
     outputs: list[Handoff | None] = field(default_factory=list)
     tasks: list[StageTask] = field(default_factory=list)
+    carried: dict[int, torch.Tensor] = field(default_factory=dict)  # see `Residency.carried`
 
     def __post_init__(self) -> None:
         spec, num_layers = self.spec, len(self.store.layers)

@@ -36,12 +36,13 @@ class StepGrads:
         *,
         process_group: Any,
         update: Callable[[ParamGroup], None] | None,
+        carried: frozenset[int] = frozenset(),
     ) -> None:
         self.store = pipe.store
         self.inbox = inbox
         self.process_group = process_group
         self.update = update
-        self.remaining, last_stage = _expected_landings(self.store, plan)
+        self.remaining, last_stage = _expected_landings(self.store, plan, carried)
         # Groups whose inbox is exactly one landing's copy (one landing, not added to earlier
         # data): the norm computed on the device before the copy is the inbox's norm.
         self.copied_norms: dict[int, torch.Tensor] = {}
@@ -99,11 +100,14 @@ class StepGrads:
         return [g for g in sorted(self.order, key=lambda g: g.index) if g.index not in self.updated]
 
 
-def _expected_landings(store: Any, plan: ModelExecutePlan) -> tuple[dict[int, int], dict[int, int]]:
+def _expected_landings(
+    store: Any, plan: ModelExecutePlan, carried: frozenset[int] = frozenset()
+) -> tuple[dict[int, int], dict[int, int]]:
     """Landings per trainable group in one call, and the last backward stage that touches it.
 
     Mirrors `residency.upload_stage`: one landing per owned group per stage, plus one per
-    parameter used in a stage that does not own its group.
+    parameter used in a stage that does not own its group, unless its gradient is `carried`
+    on the device to the owner's stage (`residency.carried_params`).
     """
     remaining: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -113,7 +117,7 @@ def _expected_landings(store: Any, plan: ModelExecutePlan) -> tuple[dict[int, in
             hp.index: hp.group.index
             for layer in stage
             for hp in store.layers[layer].foreign
-            if hp.trainable and hp.group.index not in owned
+            if hp.trainable and hp.group.index not in owned and hp.index not in carried
         }
         for gid in [*owned, *foreign.values()]:
             remaining[gid] = remaining.get(gid, 0) + 1
