@@ -175,7 +175,7 @@ if want ref; then
 fi
 # The same with 4 micro-batches of 4 sequences (laden's previous reference setting: a larger
 # micro-batch, so only part of the model fits the fused stage and the rest is recomputed).
-want ref4 && run laden_ref_mb4 100 "${laden[@]}" "${ref[@]}" --profile
+want ref4 && run laden_ref_mb4 130 "${laden[@]}" "${ref[@]}" --profile
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
 # actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
 want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
