@@ -7,10 +7,11 @@
 # timeout, skipped, error), pytest.log, runs.log (the last lines of every run's output).
 # SMOKE=1 runs the same plumbing with the tiny model and short sequences (CPU check).
 # PARTS picks what runs (default: all of "tests ref compile 8b seq pin", in that order): tests =
-# laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref4 / ref16 = laden
-# on it with 4 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
-# laden_ref with --no-fused-elementwise, limit23 = laden_ref with a 23 GiB model_memory_limit, gc = 16 and
-# 8 micro-batches with --gc-freeze, spy = laden_ref under py-spy (these eight not in the default),
+# laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref8 / ref16 = laden
+# on it with 8 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
+# ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
+# micro-batches with --gc-freeze, spy = ref8 under py-spy, switch = ref8 with a 0.5 ms GIL switch
+# interval (these eight not in the default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
@@ -18,7 +19,7 @@
 # every run has its own `timeout` (SIGTERM, SIGKILL 10 s later), cut to what is left before a deadline
 # DEADLINE_S=530 s after the start, and a run left with under 30 s is skipped. Nominal limits, in
 # order (most important first, so a slow machine loses the least important runs):
-#   install 40, pytest 120, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
+#   install 40, pytest 200, laden ref 100, RoundPipe ref 130, plain ref 80, laden compiled 300,
 #   laden 8B 170, laden 262144 180, RoundPipe 131072 100, RoundPipe 65536 80, pin 3 x 60
 #   = 1450 s in all, so the deadline, not the sum, is the bound: run it in parts with PARTS, e.g.
 #   PARTS="ref compile" (about 520 s) and PARTS="tests 8b pin" (about 300 s). RoundPipe's host Adam
@@ -149,8 +150,11 @@ fi
 want tests || echo "skipped (PARTS=$parts)" >"$out/pytest.log"
 want tests && {
 left=$((deadline_s - SECONDS))
-timeout -k 5 $((left < 120 ? left : 120)) python3 -m pytest -q -x -p no:cacheprovider tests/test_roundpipe_gpu.py \
-  tests/test_attention.py tests/test_grad_sink.py tests/test_fused_rotary.py \
+# The whole of test_grad_sink and test_sink_linear (their engine tests run on the GPU when there is
+# one), then the GPU-marked tests of the others (the one-GPU kind).
+timeout -k 5 $((left < 200 ? left : 200)) bash -c 'python3 -m pytest -q -x -p no:cacheprovider -m "not multigpu" \
+  tests/test_grad_sink.py tests/test_sink_linear.py && python3 -m pytest -q -x -p no:cacheprovider \
+  -m "gpu and not multigpu" tests/test_roundpipe_gpu.py tests/test_attention.py tests/test_fused_rotary.py' \
   >"$out/pytest.log" 2>&1
 rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),
@@ -164,32 +168,30 @@ if [[ -n $precompile_pid ]]; then
   wait "$precompile_pid"
   { echo "== precompile rc=$?"; tail -n 20 "$logs/precompile.log"; } >>"$out/runs.log"
 fi
-# laden runs its defaults (on a GPU: fused elementwise math, actor.fused_elementwise) with 8 micro-batches
-# of 2 sequences (RoundPipe keeps its 4 of 4): its planner then keeps 19 of
-# the 30 pipeline layers in the fused stage (no recompute). One sequence per micro-batch fits the whole
-# model but is bound by the Python thread feeding the GPU; 4 of 4 recomputes more (both measured).
+# laden runs its defaults (on a GPU: fused elementwise math, actor.fused_elementwise) with RoundPipe's
+# 4 micro-batches of 4 sequences: its planner keeps 12 of the 30 pipeline layers in the fused stage (no
+# recompute) and recomputes the rest. 8 micro-batches of 2 sequences (ref8) keep 19 layers but launch
+# twice the kernels, each half as long, and the Python thread feeding them then shows (see RESULTS).
 if want ref; then
-  run laden_ref 100 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --profile
+  run laden_ref 130 "${laden[@]}" "${ref[@]}" --profile
   run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
   run plain_ref 80 "${plain[@]}" "${ref[@]}"
 fi
-# The same with 4 micro-batches of 4 sequences (laden's previous reference setting: a larger
-# micro-batch, so only part of the model fits the fused stage and the rest is recomputed).
-want ref4 && run laden_ref_mb4 130 "${laden[@]}" "${ref[@]}" --profile
+# The same with 8 micro-batches of 2 sequences (the reference setting of the third round).
+want ref8 && run laden_ref_mb8 130 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --profile
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16
 # actor.fused_elementwise: the lean modules' elementwise math compiled (the warm-up step compiles it).
 want fused && run laden_ref_fused 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --profile
-# laden's default runs its elementwise math fused on a GPU; eager8 is laden_ref without it (the default
+# laden's default runs its elementwise math fused on a GPU; eager8 is ref8 without it (the default
 # before 2026-11-30's third round).
 want eager8 && run laden_ref_eager_mb8 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --no-fused-elementwise --profile
-# laden_ref with 1 GiB less headroom under the cap (model_memory_limit 23 instead of 22 GiB): the planner
+# ref8 with 1 GiB less headroom under the cap (model_memory_limit 23 instead of 22 GiB): the planner
 # keeps more layers out of recompute; peak reserved memory and allocator retries say whether it is safe.
 want limit23 && run laden_ref_limit23 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --model-memory-limit 23
 # The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
 want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
 want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
-# Where the host threads spend a step that waits for them: laden_ref (fused math) under py-spy with
-# native frames (blocking sampling, so it runs slower than measured above). Needs the py-spy wheel in
+# Where the host threads spend a step that waits for them: ref8 under py-spy, Python frames. Needs the py-spy wheel in
 # the carried, ignored .prof/ (pip download py-spy); writes spy.txt (collapsed stacks, one per thread).
 if want spy; then
   if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl >>"$out/runs.log" 2>&1; then
@@ -203,7 +205,7 @@ if want spy; then
     echo "!! no py-spy wheel in .prof/: spy skipped" >&2
   fi
 fi
-# laden_ref with a 0.5 ms switch interval: does a thread running Python hold the GIL from the feeding thread?
+# ref8 with a 0.5 ms switch interval: does a thread running Python hold the GIL from the feeding thread?
 want switch && run laden_ref_switch 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --switch-interval 0.0005 --profile
 # actor.roundpipe.compile: the warm-up step pays for the compilation.
 want compile && run laden_ref_compile 300 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --compile --profile

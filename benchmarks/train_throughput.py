@@ -156,9 +156,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     if lean_activations(args):
         from laden.model.lean_mlp import enable_lean_mlp
         from laden.model.lean_norm import enable_lean_rmsnorm
+        from laden.model.sink_linear import enable_sink_linears
 
         enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
         enable_lean_mlp(model)
+        enable_sink_linears(model)
     from laden.model.fused import use_fused_kernels
 
     use_fused_kernels(fused_elementwise(args))  # actor.fused_elementwise
@@ -364,7 +366,7 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from laden.model import fused_rotary, lean_mlp, lean_norm, tiled
+    from laden.model import fused_rotary, lean_mlp, lean_norm, sink_linear, tiled
 
     t0 = time.perf_counter()
     device = (
@@ -442,6 +444,7 @@ def run(args: argparse.Namespace) -> dict:
         "tiled_mlps": sum(tiled.class_swap().applied(m) for m in model.modules()),
         "lean_rmsnorms": sum(lean_norm.class_swap().applied(m) for m in model.modules()),
         "lean_mlps": sum(lean_mlp.is_lean_mlp(m) for m in model.modules()),
+        "sink_linears": sum(sink_linear.is_sink_linear(m) for m in model.modules()),
         "fused_rotary_attentions": sum(fused_rotary.is_fused_rotary(m) for m in model.modules()),
         "fused_layers": _fused_layers(engine),
         "step_call_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],

@@ -17,6 +17,7 @@ from test_roundpipe_engine import (
 from laden.engine.roundpipe import RoundPipeEngine, residency
 from laden.model.grad_sink import accumulate_product, attach_sink, sink_of, suspended
 from laden.model.lean_mlp import enable_lean_mlp
+from laden.model.sink_linear import enable_sink_linears
 from laden.model.tiled import enable_tiled_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,13 +118,14 @@ def test_suspended_hides_sinks_in_this_thread_only():
 def lean_model():
     model = tied_model()
     enable_lean_mlp(model)
+    enable_sink_linears(model)
     return model
 
 
 @pytest.mark.parametrize("plan", ["one_stage", "staged"])
 def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
-    """bf16 compute, fp32 masters, lean MLPs: the residency's sinks (the MLP weights' gradients added
-    into their fp32 accumulators by the MLP itself) train exactly as autograd's gradients folded by
+    """bf16 compute, fp32 masters, lean MLPs and sink projections: the residency's sinks (the MLP
+    and attention projection weights' gradients added into their fp32 accumulators by the modules) train exactly as autograd's gradients folded by
     the post-accumulate hooks, one stage (early downloads count the sinks' writes) or staged. On CUDA
     the sinks are held to the fold's arithmetic (the bf16 product, then an fp32 add): their one
     fp32-output GEMM is closer than the fold, so not bit-equal (its own test is below)."""
@@ -161,8 +163,8 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
         assert_same_step(got, hooked.train_batch(mbs, global_num_loss_tokens=n))
         assert len(calls) == before  # the hooked engine used none
         assert sunk_writes == sorted(writes)  # every sink write counted once, as a hook counts
-    # 3 MLP weights x 3 decoder layers x 3 micro-batches per step, 2 steps
-    assert len(calls) == 3 * 3 * 3 * 2
+    # (3 MLP + 4 attention projection weights) x 3 decoder layers x 3 micro-batches per step, 2 steps
+    assert len(calls) == (3 + 4) * 3 * 3 * 2
     assert_same_masters(sunk, hooked)
 
 

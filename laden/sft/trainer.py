@@ -419,11 +419,13 @@ def apply_activation_knobs(model: Any, actor: Any) -> None:
     from laden.model.fused_rotary import enable_fused_rotary
     from laden.model.lean_mlp import enable_lean_mlp
     from laden.model.lean_norm import enable_lean_rmsnorm
+    from laden.model.sink_linear import enable_sink_linears
     from laden.model.tiled import enable_tiled_mlp
 
     if actor.lean_activations:
-        log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean",
-                 enable_lean_rmsnorm(model), enable_lean_mlp(model))  # fmt: skip
+        log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean, %d attention projections "
+                 "add their weight gradients into the engine's accumulators", enable_lean_rmsnorm(model),
+                 enable_lean_mlp(model), enable_sink_linears(model))  # fmt: skip
     fused = fused_elementwise(actor)
     use_fused_kernels(fused)  # process-wide: set (or reset) by every run
     if fused:
