@@ -152,7 +152,8 @@ want tests && {
 left=$((deadline_s - SECONDS))
 # The whole of test_grad_sink and test_sink_linear (their engine tests run on the GPU when there is
 # one), then the GPU-marked tests of the others (the one-GPU kind).
-timeout -k 5 $((left < 200 ? left : 200)) bash -c 'python3 -m pytest -q -x -p no:cacheprovider -m "not multigpu" \
+pytest_s=${PYTEST_S:-200}
+timeout -k 5 $((left < pytest_s ? left : pytest_s)) bash -c 'python3 -m pytest -q -x -p no:cacheprovider -m "not multigpu" \
   tests/test_grad_sink.py tests/test_sink_linear.py && python3 -m pytest -q -x -p no:cacheprovider \
   -m "gpu and not multigpu" tests/test_roundpipe_gpu.py tests/test_attention.py tests/test_fused_rotary.py' \
   >"$out/pytest.log" 2>&1
