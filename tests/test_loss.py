@@ -131,6 +131,24 @@ def test_bf16_inputs_return_bf16_grads_close_to_fp32():
     torch.testing.assert_close(grad_weight.float(), want_w, rtol=5e-2, atol=3e-2)
 
 
+@pytest.mark.gpu
+def test_cuda_bf16_weight_gradient_sums_chunks_in_fp32():
+    """On CUDA each chunk's [V, H] weight-gradient product is added into the fp32 accumulator by
+    one fp32-output GEMM, so the bf16 gradient is the fp32 computation rounded once: within half
+    a bf16 unit in the last place of it (the sum of bf16-rounded products is not)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from laden.model import grad_sink
+
+    hidden, weight, labels = (t.cuda() for t in _inputs(dtype=torch.bfloat16))
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    assert grad_sink._fp32_out_addmm(hidden.device, torch.bfloat16)
+    _, got = _grads(chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=8), hidden, weight)
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    _, want = _grads(_reference_ce(h32, w32, labels), h32, w32)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
+
+
 def test_no_grad_forward_matches_and_saves_no_gradient():
     hidden, weight, labels = _inputs()
     with torch.no_grad():

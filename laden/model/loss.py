@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from laden.model.grad_sink import accumulate_product
+
 __all__ = [
     "chunked_entropy",
     "chunked_linear_cross_entropy",
@@ -83,12 +85,16 @@ def _logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with `acc` possibly fp32 while `a`, `b` are bf16/fp16."""
+    """acc += a @ b, with `acc` possibly fp32 while `a`, `b` are bf16/fp16.
+
+    Mixed: the [V, H] product summed across chunks in fp32, in one fp32-output GEMM where there
+    is one (CUDA): no bf16 product and no mixed-dtype add over the vocabulary-sized gradient per
+    chunk; elsewhere the product in the input dtype, then the add (`grad_sink.accumulate_product`).
+    """
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
-        # A [V, H] product in the input dtype, summed across chunks in fp32.
-        acc.add_(torch.mm(a, b))
+        accumulate_product(acc, a.t(), b, a.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
