@@ -97,7 +97,10 @@ class StageTask:
             raise Aborted
         trainable = run.spec.backward and self.kind != "forward"
         carry_out = frozenset(
-            hp.index for layer in self.layers for hp in store.layers[layer].foreign if hp.index in run.spec.carried
+            hp.index
+            for layer in self.layers
+            for hp in store.layers[layer].foreign
+            if hp.index in run.spec.carried
         )
         return upload_stage(
             store, lane, self.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
