@@ -424,8 +424,8 @@ def apply_activation_knobs(model: Any, actor: Any) -> None:
 
     if actor.lean_activations:
         log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean, %d attention projections "
-                 "add their weight gradients into the engine's accumulators", enable_lean_rmsnorm(model),
-                 enable_lean_mlp(model), enable_sink_linears(model))  # fmt: skip
+                 "able to add their weight gradients into the roundpipe engine's fp32 accumulators",
+                 enable_lean_rmsnorm(model), enable_lean_mlp(model), enable_sink_linears(model))  # fmt: skip
     fused = fused_elementwise(actor)
     use_fused_kernels(fused)  # process-wide: set (or reset) by every run
     if fused:
