@@ -122,7 +122,7 @@ def lean_model():
     return model
 
 
-@pytest.mark.parametrize("plan", ["one_stage", "staged"])
+@pytest.mark.parametrize("plan", ["one_stage", "staged", "staged_layer_grain"])
 def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
     """bf16 compute, fp32 masters, lean MLPs and sink projections: the residency's sinks (the MLP
     and attention projection weights' gradients added into their fp32 accumulators by the modules) train exactly as autograd's gradients folded by
@@ -147,9 +147,12 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
     monkeypatch.setattr(
         residency, "_count_write", lambda res, index: writes.append(index) or count_write(res, index)
     )
-    sunk = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan)
+    grain = "layer" if plan == "staged_layer_grain" else "stage"  # recomputed layer by layer
+    sunk = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
+                           recompute_grain=grain)  # fmt: skip
     monkeypatch.setattr(residency, "SINK_WEIGHT_GRADS", False)
-    hooked = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan)
+    hooked = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
+                             recompute_grain=grain)  # fmt: skip
     assert (len(sunk.plan.bwd_plan) == 1) == (plan == "one_stage")
     for mbs in make_steps(2):  # 3 micro-batches per step
         n = sum(mb.num_loss_tokens for mb in mbs)
