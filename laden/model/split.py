@@ -291,7 +291,8 @@ def activation_bytes(
         # forward and held until backward
         kept = num_tokens * hidden * (4 + 2 * b) + vocab * hidden * b
         # one chunk's fp32 logits and their fp32 log-softmax (then the softmax and its compute-dtype
-        # copy); the fp32 [V, H] accumulator and a chunk's [V, H] product (laden.model.loss)
+        # copy); the fp32 [V, H] accumulator and a chunk's [V, H] product (laden.model.loss; on CUDA
+        # the product goes straight into the accumulator, but the estimate keeps the CPU's bound)
         return kept, chunk * vocab * max(8, 4 + b) + vocab * hidden * (4 + b)
     return 0, 0
 
