@@ -59,7 +59,7 @@ from torch.autograd.function import once_differentiable
 
 from laden.model import fused
 from laden.model.grad_sink import GradSink, sink_of
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, same_code
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, plain_linear, same_code
 from laden.model.tiled import class_swap as tiled_swap
 
 __all__ = ["LeanGatedMLPFn", "disable_lean_mlp", "enable_lean_mlp", "is_lean_mlp"]
@@ -239,7 +239,7 @@ def _lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     original forward instead.
     """
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-    if not (_plain_projection(gate) and _plain_projection(up) and _plain_projection(down)):
+    if not (plain_linear(gate) and plain_linear(up) and plain_linear(down)):
         plain = next(
             c.__dict__[_PLAIN_CLASS_ATTR] for c in type(self).__mro__ if _PLAIN_CLASS_ATTR in c.__dict__
         )
@@ -271,15 +271,6 @@ def is_lean_mlp(module: nn.Module | None) -> bool:
     return _PLAIN_CLASS_ATTR in cls.__dict__
 
 
-def _plain_projection(module: object) -> bool:
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (module._backward_hooks or module._backward_pre_hooks)
-    )
-
-
 def _lean_class(module: nn.Module) -> type[nn.Module] | None:
     """The class that makes `module` lean (tiled stays tiled), or None if it is not Hugging Face's MLP."""
     tiled = tiled_swap()
@@ -287,7 +278,7 @@ def _lean_class(module: nn.Module) -> type[nn.Module] | None:
     act_fn = getattr(module, "act_fn", None)
     eligible = (
         same_code(plain.forward, _hf_mlp_forward)
-        and all(_plain_projection(getattr(module, name, None)) for name in _PROJECTIONS)
+        and all(plain_linear(getattr(module, name, None)) for name in _PROJECTIONS)
         and callable(act_fn)
         and not getattr(act_fn, "inplace", False)
     )

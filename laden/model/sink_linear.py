@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.grad_sink import GradSink, sink_of
-from laden.model.swap import ClassSwap, decoder_layers
+from laden.model.swap import ClassSwap, decoder_layers, plain_linear
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
 
@@ -81,11 +81,8 @@ def is_sink_linear(module: nn.Module | None) -> bool:
 
 
 def _plain_linear(module: object) -> bool:
-    """A bare `nn.Linear` (not a LoRA or quantised subclass) with no hooks or forward of its own."""
-    if type(module) is not nn.Linear or "forward" in module.__dict__:
-        return False
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return not any(getattr(module, h, None) for h in hooks)
+    """A bare `nn.Linear` (not a subclass) with no hooks or forward of its own."""
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and plain_linear(module)
 
 
 def enable_sink_linears(model: nn.Module) -> int:

@@ -22,7 +22,7 @@ from typing import Any, SupportsIndex
 
 from torch import nn
 
-__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "same_code"]
+__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "plain_linear", "same_code"]
 
 
 class ClassSwap:
@@ -104,6 +104,17 @@ def decoder_layers(model: nn.Module, who: str, hint: str = "") -> nn.ModuleList:
             f"Face causal LM (or its base model) laid out like Qwen3, Qwen2, Llama or Mistral{hint}"
         )
     return layers
+
+
+def plain_linear(module: object) -> bool:
+    """An `nn.Linear` running `nn.Linear.forward` (not a LoRA or quantised layer) without hooks: a
+    module whose computation is exactly `F.linear(x, weight, bias)`."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+    )
 
 
 def check_own_forward(module: nn.Module, where: str, bypasses: str) -> None:
