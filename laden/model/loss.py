@@ -84,17 +84,17 @@ def _logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(h, weight.t()).float()
 
 
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with `acc` possibly fp32 while `a`, `b` are bf16/fp16.
+def _accumulate_mm(acc: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> None:
+    """acc [V, H] += grad [c, V]^T @ inp [c, H], with `acc` possibly fp32 while `grad`, `inp` are bf16/fp16.
 
     Mixed: the [V, H] product summed across chunks in fp32, in one fp32-output GEMM where there
     is one (CUDA): no bf16 product and no mixed-dtype add over the vocabulary-sized gradient per
     chunk; elsewhere the product in the input dtype, then the add (`grad_sink.accumulate_product`).
     """
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+    if grad.dtype == acc.dtype:
+        acc.addmm_(grad.t(), inp)
     else:
-        accumulate_product(acc, a.t(), b, a.dtype)
+        accumulate_product(acc, grad, inp, grad.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -129,7 +129,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = torch.mm(grad_logits_in, weight).mul_(keep)
             if grad_weight is not None:
-                _accumulate_mm(grad_weight, grad_logits_in.t(), h * keep)
+                _accumulate_mm(grad_weight, grad_logits_in, h * keep)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)  # held until backward in the weight's dtype
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -252,7 +252,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[sl] = torch.mm(grad_z_in, weight)
             if grad_weight is not None:
-                _accumulate_mm(grad_weight, grad_z_in.t(), h)
+                _accumulate_mm(grad_weight, grad_z_in, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

@@ -164,9 +164,10 @@ def upload_stage(
     still crossing the bus, so even a stage that is the whole model (nothing to prefetch it
     behind) waits only for its first layer. `carry_out`, `carried`: see `Residency`.
     """
-    res = Residency(lane=lane, layer_ids=list(layer_ids), trainable=trainable, carry_out=carry_out)
-    if carried is not None:
-        res.carried = carried
+    res = Residency(
+        lane=lane, layer_ids=list(layer_ids), trainable=trainable, carry_out=carry_out,
+        carried={} if carried is None else carried,
+    )  # fmt: skip
     buffers: dict[int, torch.Tensor] = {}
     owned = {g.index for i in layer_ids for g in store.layers[i].groups if g.trainable}
     with torch.no_grad(), lane.on(lane.weights):
