@@ -11,7 +11,7 @@
 # on it with 8 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
 # ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
 # micro-batches with --gc-freeze, spy = ref8 under py-spy, switch = ref8 with a 0.5 ms GIL switch
-# interval (these eight not in the default),
+# interval, chunk2k = ref with 2048-token loss chunks (these nine not in the default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
@@ -155,7 +155,8 @@ left=$((deadline_s - SECONDS))
 pytest_s=${PYTEST_S:-200}
 timeout -k 5 $((left < pytest_s ? left : pytest_s)) bash -c 'python3 -m pytest -q -x -p no:cacheprovider -m "not multigpu" \
   tests/test_grad_sink.py tests/test_sink_linear.py && python3 -m pytest -q -x -p no:cacheprovider \
-  -m "gpu and not multigpu" tests/test_roundpipe_gpu.py tests/test_attention.py tests/test_fused_rotary.py' \
+  -m "gpu and not multigpu" tests/test_roundpipe_gpu.py tests/test_attention.py tests/test_fused_rotary.py \
+  tests/test_loss.py' \
   >"$out/pytest.log" 2>&1
 rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),
@@ -178,6 +179,8 @@ if want ref; then
   run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
   run plain_ref 80 "${plain[@]}" "${ref[@]}"
 fi
+# Twice the loss chunk: half the passes over the head's fp32 gradient accumulator, 0.6 GiB more transient.
+want chunk2k && run laden_ref_chunk2k 130 "${laden[@]}" "${ref[@]}" --loss-chunk-size 2048
 # The same with 8 micro-batches of 2 sequences (the reference setting of the third round).
 want ref8 && run laden_ref_mb8 130 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --profile
 want ref16 && run laden_ref_mb16 100 "${laden[@]}" "${ref[@]}" --num-microbatch 16

@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "thread running Python may keep the GIL from the thread that feeds the GPU")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile one more step: GPU kernel and copy busy time, top kernels")  # fmt: skip
+    p.add_argument("--profile-cpu", action="store_true",
+                   help="with --profile: also record host calls, and list those during the longest GPU gaps")  # fmt: skip
     p.add_argument(
         "--tiled-mlp-tokens", type=int, default=0, help="run each MLP over sequence tiles (0 = off)"
     )
@@ -126,7 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--build", choices=["auto", "meta", "eager"], default="auto",
                    help="laden: build the model on the meta device and materialise it into the host store "
                         "(auto: for the Qwen3 shapes), or build it whole first (eager)")  # fmt: skip
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.profile = args.profile or args.profile_cpu
+    return args
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -412,7 +416,7 @@ def run(args: argparse.Namespace) -> dict:
         if jobs
         else None
     )
-    profile = profile_step(engine, steps[-1]) if args.profile else None
+    profile = profile_step(engine, steps[-1], with_cpu=args.profile_cpu) if args.profile else None
     tokens = sum(mb.num_tokens for mbs in steps[args.warmup : args.warmup + args.steps] for mb in mbs)
     tok_s = tokens / seconds
     losses = [float(m["loss"]) for m in history]
@@ -493,13 +497,14 @@ def attention_flops_per_token(config: Any, seq_len: int, factor: int) -> float:
     return factor * seq_len * heads * head_dim * config.num_hidden_layers
 
 
-def profile_step(engine, mbs: list) -> dict:
+def profile_step(engine, mbs: list, *, with_cpu: bool = False) -> dict:
     """One more step under the CUDA profiler: how much of its wall time the GPU computed or copied.
 
     Busy times are unions of the intervals of kernels (compute), host-to-device and
     device-to-host copies over all streams. A step whose kernel busy time is close to its wall
     time is compute-bound; a large gap is time the GPU waited (for uploads, the host optimizer
-    or the Python thread feeding it).
+    or the Python thread feeding it). `with_cpu` also records host calls (slower: the launch-bound
+    gaps grow) to say what happened during the longest gaps.
     """
     if not torch.cuda.is_available():
         return {"skipped": "no GPU"}
@@ -508,17 +513,21 @@ def profile_step(engine, mbs: list) -> dict:
     try:
         finish(engine)
         start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if with_cpu else [])
+        with profile(activities=activities) as prof:
             engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
             finish(engine)
         wall = time.perf_counter() - start
         spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": [], "other_copy": []}
         totals: dict[str, float] = {}
         named: list[tuple[float, float, str]] = []  # kernels, for the idle gaps between them
+        copies: list[tuple[float, float, str]] = []
+        host: list[tuple[float, float, str, int]] = []  # host calls (--profile-cpu)
         for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
-                continue
             name, t_start, t_end = ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                host.append((t_start, t_end, name, ev.thread))
+                continue
             low = name.lower()
             kind = ("h2d" if "htod" in low else "d2h" if "dtoh" in low else "other_copy") if (
                 "memcpy" in low or "memset" in low) else "kernel"  # fmt: skip
@@ -526,6 +535,8 @@ def profile_step(engine, mbs: list) -> dict:
             if kind == "kernel":
                 totals[name] = totals.get(name, 0.0) + (t_end - t_start)
                 named.append((t_start, t_end, name))
+            else:
+                copies.append((t_start, t_end, name))
         top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
         by_category: dict[str, float] = {}
         for name, sec in totals.items():
@@ -542,6 +553,7 @@ def profile_step(engine, mbs: list) -> dict:
             "top_kernels_by_category": top_by_category(totals),
             "kernels": len(named),
             "kernel_gaps": kernel_gaps(named),
+            **({"gaps_explained": explain_gaps(named, copies, host)} if with_cpu else {}),
         }
     except Exception as error:  # the timed result stands without the profile
         return {"error": f"{type(error).__name__}: {error}"[:500]}
@@ -587,15 +599,8 @@ def kernel_gaps(kernels: list[tuple[float, float, str]], top: int = 8) -> dict:
     either side and their place in the step (0 = its first kernel, 1 = its last)."""
     if not kernels:
         return {}
-    kernels = sorted(kernels)
-    first, last = kernels[0][0], max(end for _, end, _ in kernels)
-    gaps: list[tuple[float, float, str, str]] = []
-    end, before = kernels[0][1], kernels[0][2]
-    for start, stop, name in kernels[1:]:
-        if start > end:
-            gaps.append((start - end, end, before, name))
-        if stop > end:
-            end, before = stop, name
+    first, last = min(kernels)[0], max(end for _, end, _ in kernels)
+    gaps = _gaps(kernels)
     buckets = {f"<{b}us": 0.0 for b in GAP_BUCKETS_US} | {f">={GAP_BUCKETS_US[-1]}us": 0.0}
     counts = dict.fromkeys(buckets, 0)
     for gap, *_ in gaps:
@@ -612,6 +617,50 @@ def kernel_gaps(kernels: list[tuple[float, float, str]], top: int = 8) -> dict:
             for g, t, a, b in sorted(gaps, reverse=True)[:top]
         ],
     }
+
+
+def _gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """(length, start, kernel before, kernel after) of every interval in which no kernel ran."""
+    kernels = sorted(kernels)
+    gaps: list[tuple[float, float, str, str]] = []
+    end, before = kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, end, before, name))
+        if stop > end:
+            end, before = stop, name
+    return gaps
+
+
+def explain_gaps(
+    kernels: list[tuple[float, float, str]],
+    copies: list[tuple[float, float, str]],
+    host: list[tuple[float, float, str, int]],
+    top: int = 6,
+    min_host_ms: float = 0.3,
+) -> list[dict]:
+    """What else happened during the longest idle gaps between kernels (`--profile-cpu`): the copies
+    in flight (a GPU waiting for a transfer) and the host calls of at least `min_host_ms` that
+    overlapped it, on which thread (a host thread blocked in a call stops feeding the GPU).
+    Times are milliseconds from the gap's start."""
+    out = []
+    for gap, t0, before, after in sorted(_gaps(kernels), reverse=True)[:top]:
+        t1 = t0 + gap
+
+        def rel(a: float, b: float) -> list[float]:
+            return [round((a - t0) * 1e3, 2), round((b - t0) * 1e3, 2)]
+
+        overlapping = [c for c in copies if c[0] < t1 and c[1] > t0]
+        calls = sorted(
+            (h for h in host if h[0] < t1 and h[1] > t0 and (h[1] - h[0]) * 1e3 >= min_host_ms),
+            key=lambda h: h[0] - h[1],
+        )[:8]
+        out.append({
+            "ms": round(gap * 1e3, 2), "after": before[:50], "before": after[:50],
+            "copies": [[name[:40], *rel(a, b)] for a, b, name in overlapping[:6]],
+            "host_calls": [[name[:50], thread, *rel(a, b)] for a, b, name, thread in calls],
+        })  # fmt: skip
+    return out
 
 
 def _union_seconds(spans: list[tuple[float, float]]) -> float:

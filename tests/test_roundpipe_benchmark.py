@@ -139,3 +139,19 @@ def test_attention_flops_follow_the_causal_count():
     assert flops(config, 4096, 8) / flops(config, 4096, 6) == pytest.approx(8 / 6)
     no_head_dim = SimpleNamespace(num_attention_heads=4, head_dim=None, hidden_size=256, num_hidden_layers=2)
     assert flops(no_head_dim, 10, 6) == 6 * 10 * 256 * 2
+
+
+def test_gaps_are_explained_by_the_copies_and_host_calls_inside_them():
+    ms = 1e-3
+    kernels = [(0.0, 1 * ms, "a"), (1.5 * ms, 2 * ms, "b"), (6 * ms, 7 * ms, "c")]
+    copies = [(2.5 * ms, 5.5 * ms, "Memcpy DtoH (Device -> Pinned)"), (6.5 * ms, 7 * ms, "Memcpy HtoD")]
+    host = [
+        (2.2 * ms, 5.9 * ms, "cudaEventSynchronize", 7),  # inside the long gap
+        (3 * ms, 3.1 * ms, "cudaLaunchKernel", 1),  # too short to list
+        (0.2 * ms, 0.9 * ms, "aten::mm", 1),  # during a kernel
+    ]
+    longest, shorter = load_script().explain_gaps(kernels, copies, host)
+    assert longest["ms"] == 4.0 and (longest["after"], longest["before"]) == ("b", "c")
+    assert longest["copies"] == [["Memcpy DtoH (Device -> Pinned)", 0.5, 3.5]]
+    assert longest["host_calls"] == [["cudaEventSynchronize", 7, 0.2, 3.9]]
+    assert shorter["ms"] == 0.5 and shorter["copies"] == [] and shorter["host_calls"] == []
