@@ -166,3 +166,93 @@ def test_engine_stages_release_their_device_tensors(monkeypatch):
     num_stages = len(engine.plan.fwd_plan) + len(engine.plan.bwd_plan)
     assert len(alive_before) == 2 * num_stages
     assert max(alive_before) <= 1
+
+
+def record_input_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The order in which stage uploads, input copies and the ends of stages are queued: ("upload",
+    first layer), (task kind, first layer, role, index) per input copy, ("release", first layer)."""
+    from laden.engine.roundpipe import stages
+
+    log: list[tuple] = []
+    tags: dict[int, tuple] = {}
+    real_upload, real_build, real_fetch = runner.upload_stage, stages._build_inputs, stages._Prefetcher._fetch
+    real_release = stages.release
+
+    def upload_stage(store, lane, layer_ids, **kwargs):
+        log.append(("upload", layer_ids[0]))
+        return real_upload(store, lane, layer_ids, **kwargs)
+
+    def release(res):
+        log.append(("release", res.layer_ids[0]))
+        real_release(res)
+
+    def build_inputs(task, lane):
+        prefetchers = real_build(task, lane)
+        for role, p in prefetchers.items():
+            tags[id(p)] = (task.kind, task.layers.start, role)
+        return prefetchers
+
+    def fetch(self, i):
+        log.append((*tags[id(self)], i))
+        return real_fetch(self, i)
+
+    monkeypatch.setattr(runner, "upload_stage", upload_stage)
+    monkeypatch.setattr(stages, "release", release)
+    monkeypatch.setattr(stages, "_build_inputs", build_inputs)
+    monkeypatch.setattr(stages._Prefetcher, "_fetch", fetch)
+    return log
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_input_copies_are_queued_in_the_order_the_compute_needs_them(monkeypatch, grain):
+    """The `h2d` stream copies in queue order, so a copy queued before one needed sooner delays it.
+    Each stage's inputs are queued in the order its compute reads them (a backward stage: each
+    recompute's input, the output gradient after the first one), and, with one device, the next
+    stage's weights and first micro-batch inputs are queued at the start of the last micro-batch
+    of the stage before it (after that micro-batch's inputs, before its end)."""
+    log = record_input_copies(monkeypatch)
+    rp = RoundPipe(mlp())
+    plan = ModelExecutePlan(fwd_plan=[range(0, 2), range(2, 3)], bwd_plan=[range(3, 7), range(1, 3), range(0, 1)])
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    num_mb = 4
+    cfg = RoundPipeRunConfig(num_microbatch=num_mb, recompute_grain=grain, execute_plan=plan)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
+
+    tasks = [("forward", 0), ("forward", 2), ("fused", 3), ("backward", 1), ("backward", 0)]
+    assert [entry[1] for entry in log if entry[0] == "upload"] == [first for _, first in tasks]
+    assert [entry[1] for entry in log if entry[0] == "release"] == [first for _, first in tasks]
+    recompute_starts = {1: [1] if grain == "stage" else [2, 1], 0: [0]}
+    for n, (kind, first) in enumerate(tasks):
+        if kind == "backward":
+            starts = recompute_starts[first]
+            need = [
+                ("saved", mb * len(starts) + j) if k == 0 else ("grads", mb)
+                for mb in range(num_mb)
+                for j in range(len(starts))
+                for k in ((0, 1) if j == 0 else (0,))
+            ]
+        else:
+            need = [(role, mb) for mb in range(num_mb) for role in (["x", "labels"] if kind == "fused" else ["x"])]
+        copies = [(i, entry[2:]) for i, entry in enumerate(log) if entry[:2] == (kind, first)]
+        assert [c for _, c in copies] == need
+        if n == 0:
+            continue
+        upload = [i for i, entry in enumerate(log) if entry[0] == "upload"][n]
+        first_copies = [i for i, c in copies if c[1] == 0]
+        previous_last = max(i for i, entry in enumerate(log) if entry[:2] == tasks[n - 1])
+        previous_end = [i for i, entry in enumerate(log) if entry[0] == "release"][n - 1]
+        assert previous_last < upload < min(first_copies) <= max(first_copies) < previous_end
+
+
+def test_the_next_stage_is_prepared_after_the_stage_when_its_weights_are_not_written(monkeypatch):
+    """The early upload never waits for the host optimizer with a micro-batch left unqueued: when
+    the next stage's weights are not written yet, it is prepared after the stage, as before."""
+    log = record_input_copies(monkeypatch)
+    monkeypatch.setattr(runner.StageTask, "weights_ready", lambda self: False)
+    rp = RoundPipe(mlp())
+    plan = ModelExecutePlan(fwd_plan=[range(0, 2)], bwd_plan=[range(2, 7), range(0, 2)])
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
+    events = [entry[:2] for entry in log if entry[0] in ("upload", "release")]
+    assert events == [("upload", 0), ("release", 0), ("upload", 2), ("release", 2), ("upload", 0), ("release", 0)]

@@ -85,6 +85,10 @@ class Lane:
         if self.is_cuda:
             tensor.record_stream(stream)
 
+    def finished(self, event: Event) -> bool:
+        """Whether the work `event` marks has completed (no event: nothing pending); never blocks."""
+        return event is None or bool(event.query())
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)

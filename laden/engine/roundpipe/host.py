@@ -331,16 +331,21 @@ class HostStore:
         self, groups: Sequence[ParamGroup], buf: int, required: Sequence[int], abort: Callable[[], bool]
     ) -> bool:
         """Block until `groups` hold the writes required; with `abort` returning True, give up (False)."""
-
-        def ready() -> bool:
-            return all(g.done[buf] >= required[g.index] for g in groups)
-
         with self.cond:
-            while not ready():
+            while not self._written(groups, buf, required):
                 if abort():
                     return False
                 self.cond.wait(timeout=0.05)
         return True
+
+    def weights_written(self, groups: Sequence[ParamGroup], buf: int, required: Sequence[int]) -> bool:
+        """Whether `groups` hold the writes required now (`wait_weights` without the wait)."""
+        with self.cond:
+            return self._written(groups, buf, required)
+
+    @staticmethod
+    def _written(groups: Sequence[ParamGroup], buf: int, required: Sequence[int]) -> bool:
+        return all(g.done[buf] >= required[g.index] for g in groups)
 
     # ---- sizes --------------------------------------------------------------------------
     def pinned_bytes(self) -> int:

@@ -86,9 +86,16 @@ class StageTask:
     kind: TaskKind
     layers: range
     final: bool = False  # last forward stage of an inference run: its outputs are the result
+    inputs: dict[str, Any] | None = None  # its input prefetchers, by role (`stages.task_inputs`)
+    # Called at the start of its last micro-batch, once that micro-batch's inputs are queued: the
+    # worker's chance to queue the next task's uploads early (`scheduler._prepare_early`).
+    early: Callable[[], None] | None = None
 
     def prepare(self, lane: Lane) -> Residency:
-        """Queue the upload of this stage's weights to `lane`, once the host has finished writing them."""
+        """Queue the upload of this stage's weights to `lane`, once the host has finished writing them,
+        then the copies of its first micro-batch's inputs (`stages.prefetch_first`)."""
+        from laden.engine.roundpipe import stages
+
         run, store = self.run, self.run.store
         groups = {g.index: g for layer in self.layers for g in store.layers[layer].weight_deps()}
         deps = list(groups.values())
@@ -102,9 +109,17 @@ class StageTask:
             for hp in store.layers[layer].foreign
             if hp.index in run.spec.carried
         )
-        return upload_stage(
+        res = upload_stage(
             store, lane, self.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
         )
+        stages.prefetch_first(self, lane)
+        return res
+
+    def weights_ready(self) -> bool:
+        """Whether `prepare` would find the stage's weights written (it would not wait for the host)."""
+        store, spec = self.run.store, self.run.spec
+        groups = [g for layer in self.layers for g in store.layers[layer].weight_deps()]
+        return store.weights_written(groups, spec.buf, spec.required)
 
     def execute(self, lane: Lane, res: Residency) -> None:
         from laden.engine.roundpipe import stages

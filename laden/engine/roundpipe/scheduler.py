@@ -10,7 +10,11 @@ still being rewritten by the host optimizer, the worker waits for that, with sta
 
 Deadlock freedom: a task only waits on tasks earlier in the queue, and every earlier task
 is running or queued on a worker, so the earliest unfinished task always makes progress.
-With one device the pool degenerates to "run the tasks in order, prefetching one ahead".
+With one device the pool degenerates to "run the tasks in order, prefetching one ahead", and
+the prefetch starts earlier: at the start of stage k's last micro-batch rather than after its
+whole work is queued (`_prepare_early`). A host that runs barely ahead of the device would
+otherwise queue stage k+1's uploads just as the device finishes stage k, and the device would
+wait for them. (With several workers the next task's device is not known that early.)
 
 A failure in any worker sets the run's `failed` flag; the others stop at their next wait
 and the first error is re-raised in the caller's thread.
@@ -18,10 +22,12 @@ and the first error is re-raised in the caller's thread.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 
-from laden.engine.roundpipe.device import Lane, wait_host
+from laden.engine.roundpipe.device import Event, Lane, wait_host
+from laden.engine.roundpipe.residency import Residency
 from laden.engine.roundpipe.runner import Run, StageTask
 from laden.engine.roundpipe.transfer import Aborted
 
@@ -35,6 +41,10 @@ class _Queue:
         with self._lock:
             return self._tasks.popleft() if self._tasks else None
 
+    def peek(self) -> StageTask | None:
+        with self._lock:
+            return self._tasks[0] if self._tasks else None
+
 
 def run_tasks(run: Run, lanes: list[Lane]) -> None:
     """Execute `run.tasks` on the pool `lanes`; returns when all are done (re-raises a failure)."""
@@ -44,7 +54,7 @@ def run_tasks(run: Run, lanes: list[Lane]) -> None:
         threading.Thread(target=_worker, args=(run, lane, queue, errors), daemon=True) for lane in lanes
     ]
     if len(workers) == 1:
-        _worker(run, lanes[0], queue, errors)  # no thread hop for a single device
+        _worker(run, lanes[0], queue, errors, sole=True)  # no thread hop for a single device
     else:
         for w in workers:
             w.start()
@@ -57,25 +67,46 @@ def run_tasks(run: Run, lanes: list[Lane]) -> None:
         raise Aborted  # a host job failed: the caller re-raises its error
 
 
-def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException]) -> None:
+def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *, sole: bool = False) -> None:
     try:
         with lane.thread_context():
             current = queue.take()
             res = current.prepare(lane) if current else None
             previous_done = None
             while current is not None and not run.aborted():
+                early: list[tuple[StageTask, Residency]] = []
+                if sole:  # the only worker: the next task is this lane's
+                    current.early = functools.partial(_prepare_early, lane, queue, previous_done, early)
                 current.execute(lane, res)  # type: ignore[arg-type]  # queues the stage's work
+                current.early = None
                 done = lane.record(lane.compute)
-                nxt = queue.take()
-                nxt_res = None
-                if nxt is not None:
-                    # Deliberate sync, with `current` still queued on the device: the stage before it
-                    # has finished, so its memory is free again before the next weights are allocated
-                    # (at most two stages resident however far the host runs ahead).
-                    wait_host(previous_done)
-                    nxt_res = nxt.prepare(lane)
+                if early:
+                    nxt, nxt_res = early[0]
+                else:
+                    nxt = queue.take()
+                    nxt_res = None
+                    if nxt is not None:
+                        # Deliberate sync, with `current` still queued on the device: the stage before
+                        # it has finished, so its memory is free again before the next weights are
+                        # allocated (at most two stages resident however far the host runs ahead).
+                        wait_host(previous_done)
+                        nxt_res = nxt.prepare(lane)
                 previous_done = done
                 current, res = nxt, nxt_res
     except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
         errors.append(e)
         run.failed.set()
+
+
+def _prepare_early(
+    lane: Lane, queue: _Queue, previous_done: Event, early: list[tuple[StageTask, Residency]]
+) -> None:
+    """Stage k's last micro-batch is about to be queued: prepare stage k+1 now (its weights and first
+    inputs), if that blocks nothing: stage k-1 has finished on the device (its memory is free, as
+    the prefetch after stage k would wait for) and the host has written stage k+1's weights. Else
+    the worker prepares it after queueing stage k, as before."""
+    nxt = queue.peek()
+    if nxt is None or not lane.finished(previous_done) or not nxt.weights_ready():
+        return
+    queue.take()
+    early.append((nxt, nxt.prepare(lane)))

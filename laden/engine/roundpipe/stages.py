@@ -1,9 +1,12 @@
 """The bodies of the three stage tasks: forward, fused (forward + loss + backward), backward.
 
-Every body loops over all micro-batches inside one residency. The next micro-batch's input
-is fetched (queued on the `h2d` stream) before the current one computes whenever its
-producer has already parked it, so the copy overlaps compute; otherwise it is fetched just
-in time. Outputs and gradients are parked on the `d2h` stream as soon as they exist.
+Every body loops over all micro-batches inside one residency. Inputs are copied on the `h2d`
+stream, which runs its copies in the order they are queued: the first micro-batch's when the
+stage's weights are queued (`prefetch_first`, while the stage before it computes), and each
+later one's right after every input of the micro-batch before it, whenever its producer has
+already parked it (otherwise just in time), so the copies overlap compute and the compute
+stream never waits for a copy it does not need yet. Outputs and gradients are parked on the
+`d2h` stream as soon as they exist.
 
 Recompute: a backward stage recomputes its forward from the saved input of its first layer
 (`recompute_grain="stage"`: the stage's activations of one micro-batch are alive at once),
@@ -16,6 +19,7 @@ recomputes and backpropagates one layer at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,7 +46,7 @@ def call_layer(res: Residency, layer_id: int, x: Any) -> Any:
 
 
 class _Prefetcher:
-    """Fetch a task's inputs in consumption order, one ahead when the producer is done.
+    """Fetch a task's inputs in consumption order: `get` the current one, then queue the next `ahead`.
 
     Handoffs are looked up, not removed, from the run's tables (the producer may not have
     filled them yet); each one's host copy is dropped once fetched, unless `keep` says a
@@ -51,14 +55,15 @@ class _Prefetcher:
 
     def __init__(
         self,
-        task: StageTask,
+        abort: Callable[[], bool],
         lane: Lane,
         handoffs: list[Handoff],
         *,
         grad_leaves: bool | list[bool],
         keep: list[bool] | None = None,
     ) -> None:
-        self.task, self.lane, self.handoffs = task, lane, handoffs
+        # `abort`, not the task: the task holds its prefetchers, and a cycle would outlive the call.
+        self.abort, self.lane, self.handoffs = abort, lane, handoffs
         self.grad_leaves = grad_leaves if isinstance(grad_leaves, list) else [grad_leaves] * len(handoffs)
         self.keep = keep or [False] * len(handoffs)
         self.pending: dict[int, tuple[Any, Any]] = {}
@@ -66,24 +71,28 @@ class _Prefetcher:
     def get(self, i: int) -> Any:
         """Input number `i` on the device, with the compute stream ordered after its copy."""
         data, event = self.pending.pop(i) if i in self.pending else self._fetch(i)
-        nxt = i + 1
-        if nxt < len(self.handoffs) and self.handoffs[nxt].is_ready():
-            self.pending[nxt] = self._fetch(nxt)
         self.lane.wait(self.lane.compute, event)
         if not self.keep[i]:
             self.handoffs[i].release()  # the queued copy keeps what it needs alive
         return data
 
+    def ahead(self, i: int) -> None:
+        """Queue input `i`'s copy now if its producer has parked it (a no-op past the last input)."""
+        if i < len(self.handoffs) and i not in self.pending and self.handoffs[i].is_ready():
+            self.pending[i] = self._fetch(i)
+
     def _fetch(self, i: int) -> tuple[Any, Any]:
-        return fetch(self.lane, self.handoffs[i], self.task.run.aborted, grad_leaves=self.grad_leaves[i])
+        return fetch(self.lane, self.handoffs[i], self.abort, grad_leaves=self.grad_leaves[i])
 
 
 def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
     run, spec = task.run, task.run.spec
     first, stop = task.layers.start, task.layers.stop
-    inputs = _stage_inputs(task, lane, grad_leaves=False)
+    inputs = task_inputs(task, lane)["x"]
     for mb in range(run.num_microbatches):
         x = inputs.get(mb)
+        inputs.ahead(mb + 1)
+        _at_last_microbatch(task, mb)
         with torch.no_grad(), spec.autocast.enter(), lane.on(lane.compute):
             for layer in task.layers:
                 if (layer, mb) in run.saved:
@@ -104,12 +113,15 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
     loss_fn = spec.loss_fn
     assert loss_fn is not None, "the fused stage computes the loss"
     first = task.layers.start
-    grad_leaves = spec.backward and spec.grain == "stage" and first > 0  # no gradient for the call's inputs
-    inputs = _stage_inputs(task, lane, grad_leaves=grad_leaves)
+    prefetchers = task_inputs(task, lane)
+    inputs, labels = prefetchers["x"], prefetchers.get("labels")
     for mb in range(run.num_microbatches):
         _arm_if_last(task, res, mb)
         x = inputs.get(mb)
-        label = _fetch_now(task, lane, run.spec.labels[mb]) if run.spec.labels is not None else None
+        label = labels.get(mb) if labels is not None else None
+        for prefetcher in prefetchers.values():
+            prefetcher.ahead(mb + 1)
+        _at_last_microbatch(task, mb)
         with spec.autocast.enter(), lane.on(lane.compute):
             if not spec.backward:
                 with torch.no_grad():
@@ -163,26 +175,30 @@ def _fused_layerwise(
 def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
     run, spec = task.run, task.run.spec
     first, stop = task.layers.start, task.layers.stop
-    num_mb = run.num_microbatches
-    grads_in = _Prefetcher(task, lane, [run.grads[(stop, mb)] for mb in range(num_mb)], grad_leaves=False)
-    # The layers recomputed from a saved input, in order; their inputs in consumption order.
-    starts = [first] if spec.grain == "stage" else list(reversed(task.layers))
-    order = [(mb, layer) for mb in range(num_mb) for layer in starts]
-    saved = _Prefetcher(
-        task,
-        lane,
-        [run.saved[(layer, mb)] for mb, layer in order],
-        grad_leaves=[layer > 0 for _, layer in order],
-    )
-    for mb in range(num_mb):
+    prefetchers = task_inputs(task, lane)
+    grads_in, saved = prefetchers["grads"], prefetchers["saved"]
+    starts = _recompute_starts(task)
+    for mb in range(run.num_microbatches):
         _arm_if_last(task, res, mb)
-        grads = grads_in.get(mb)
+        grads: Any = None
         with spec.autocast.enter(), lane.on(lane.compute):
             for j, start in enumerate(starts):
-                x = saved.get(mb * len(starts) + j)
+                # Copies in the order of need: this recompute's input, then the output gradient (the
+                # recompute runs before it is read), then the next recompute's input, and so on.
+                k = mb * len(starts) + j
+                x = saved.get(k)
+                saved.ahead(k + 1)
+                if j == len(starts) - 1:
+                    grads_in.ahead(mb + 1)
+                if j == 0:
+                    _at_last_microbatch(task, mb)
                 end = stop if spec.grain == "stage" else start + 1
                 with torch.enable_grad(), restored_rng(lane, run.rng.pop((start, mb), None)):
-                    _backward(_run_layers(res, range(start, end), x), grads)
+                    out = _run_layers(res, range(start, end), x)
+                    if j == 0:
+                        grads = grads_in.get(mb)
+                    _backward(out, grads)
+                del out
                 grads = input_grads(x)
             if first > 0:
                 park(lane, grads, into=run.grads[(first, mb)], flat=True)
@@ -198,11 +214,60 @@ def _arm_if_last(task: StageTask, res: Residency, mb: int) -> None:
         arm_early_download(run.store, res, run.spec.inbox, run.on_landed)
 
 
-def _stage_inputs(task: StageTask, lane: Lane, *, grad_leaves: bool) -> _Prefetcher:
-    run, first = task.run, task.layers.start
-    handoffs = [run.acts[(first, mb)] for mb in range(run.num_microbatches)]
-    keep = [(first, mb) in run.saved for mb in range(run.num_microbatches)]
-    return _Prefetcher(task, lane, handoffs, grad_leaves=grad_leaves, keep=keep)
+def task_inputs(task: StageTask, lane: Lane) -> dict[str, _Prefetcher]:
+    """The task's input prefetchers by role, built once (`prefetch_first` may have started them):
+    "x" (stage input; a forward or fused stage), "labels" (fused, when the call has labels),
+    "grads" (the gradients of a backward stage's outputs) and "saved" (its recompute inputs)."""
+    if task.inputs is None:
+        task.inputs = _build_inputs(task, lane)
+    return task.inputs
+
+
+def prefetch_first(task: StageTask, lane: Lane) -> None:
+    """Queue the copies of the task's first micro-batch inputs whose producers are done: when the
+    task's weights are queued (`StageTask.prepare`), so they cross the bus before it computes."""
+    for prefetcher in task_inputs(task, lane).values():
+        prefetcher.ahead(0)
+
+
+def _at_last_microbatch(task: StageTask, mb: int) -> None:
+    """At the last micro-batch, once its inputs are queued: the worker's hook (`StageTask.early`)
+    that queues the next task's uploads while this micro-batch computes."""
+    if mb == task.run.num_microbatches - 1 and task.early is not None:
+        task.early()
+
+
+def _build_inputs(task: StageTask, lane: Lane) -> dict[str, _Prefetcher]:
+    run, spec, first = task.run, task.run.spec, task.layers.start
+    num_mb, abort = run.num_microbatches, run.aborted
+    if task.kind == "backward":
+        order = [(mb, layer) for mb in range(num_mb) for layer in _recompute_starts(task)]
+        return {  # in the order of need: a recompute's input before the gradient it meets
+            "saved": _Prefetcher(
+                abort, lane, [run.saved[(layer, mb)] for mb, layer in order],
+                grad_leaves=[layer > 0 for _, layer in order],
+            ),
+            "grads": _Prefetcher(
+                abort, lane, [run.grads[(task.layers.stop, mb)] for mb in range(num_mb)], grad_leaves=False
+            ),
+        }  # fmt: skip
+    # A fused stage's input is a leaf of the graph (with stage grain) unless it is the call's input.
+    grad_leaves = task.kind == "fused" and spec.backward and spec.grain == "stage" and first > 0
+    inputs = {
+        "x": _Prefetcher(
+            abort, lane, [run.acts[(first, mb)] for mb in range(num_mb)], grad_leaves=grad_leaves,
+            keep=[(first, mb) in run.saved for mb in range(num_mb)],
+        )
+    }  # fmt: skip
+    if task.kind == "fused" and spec.labels is not None:
+        inputs["labels"] = _Prefetcher(abort, lane, list(spec.labels), grad_leaves=False)
+    return inputs
+
+
+def _recompute_starts(task: StageTask) -> list[int]:
+    """The layers a backward stage recomputes from a saved input, in order (one per micro-batch
+    with stage grain; every layer, last first, with layer grain)."""
+    return [task.layers.start] if task.run.spec.grain == "stage" else list(reversed(task.layers))
 
 
 def _finish_backward(task: StageTask, res: Residency) -> None:
@@ -241,12 +306,6 @@ def _losses(loss: Any) -> list[torch.Tensor]:
     if isinstance(loss, (list, tuple)) and loss and all(isinstance(t, torch.Tensor) for t in loss):
         return list(loss)
     raise TypeError(f"loss_fn must return a tensor or a sequence of tensors; got {type(loss).__name__}")
-
-
-def _fetch_now(task: StageTask, lane: Lane, handoff: Handoff) -> Any:
-    data, event = fetch(lane, handoff, task.run.aborted)
-    lane.wait(lane.compute, event)
-    return data
 
 
 def _host_output(x: Any) -> Any:
