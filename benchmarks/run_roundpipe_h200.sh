@@ -11,7 +11,8 @@
 # on it with 8 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
 # ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
 # micro-batches with --gc-freeze, spy = ref8 under py-spy, switch = ref8 with a 0.5 ms GIL switch
-# interval, chunk2k = ref with 2048-token loss chunks (these nine not in the default),
+# interval, chunk2k = ref with 2048-token loss chunks, again = laden and RoundPipe on the reference
+# workload a second time, after ref (run-to-run spread) (these ten not in the default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
@@ -178,6 +179,11 @@ if want ref; then
   run laden_ref 130 "${laden[@]}" "${ref[@]}" --profile
   run roundpipe_ref 130 "${rp[@]}" "${ref[@]}"
   run plain_ref 80 "${plain[@]}" "${ref[@]}"
+fi
+# A second pair of the two measured systems, unprofiled: how far apart two runs of the same command are.
+if want again; then
+  run laden_ref_again 130 "${laden[@]}" "${ref[@]}"
+  run roundpipe_ref_again 130 "${rp[@]}" "${ref[@]}"
 fi
 # Twice the loss chunk: half the passes over the head's fp32 gradient accumulator, 0.6 GiB more transient.
 want chunk2k && run laden_ref_chunk2k 130 "${laden[@]}" "${ref[@]}" --loss-chunk-size 2048

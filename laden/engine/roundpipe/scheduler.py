@@ -72,14 +72,14 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
         with lane.thread_context():
             current = queue.take()
             res = current.prepare(lane) if current else None
-            previous_done = None
+            previous_done: tuple[Event, Event] = (None, None)  # the previous stage's compute, downloads
             while current is not None and not run.aborted():
                 early: list[tuple[StageTask, Residency]] = []
                 if sole:  # the only worker: the next task is this lane's
                     current.early = functools.partial(_prepare_early, lane, queue, previous_done, early)
                 current.execute(lane, res)  # type: ignore[arg-type]  # queues the stage's work
                 current.early = None
-                done = lane.record(lane.compute)
+                done = lane.record(lane.compute), lane.record(lane.d2h)
                 if early:
                     nxt, nxt_res = early[0]
                 else:
@@ -89,7 +89,7 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
                         # Deliberate sync, with `current` still queued on the device: the stage before
                         # it has finished, so its memory is free again before the next weights are
                         # allocated (at most two stages resident however far the host runs ahead).
-                        wait_host(previous_done)
+                        wait_host(previous_done[0])
                         nxt_res = nxt.prepare(lane)
                 previous_done = done
                 current, res = nxt, nxt_res
@@ -99,14 +99,15 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
 
 
 def _prepare_early(
-    lane: Lane, queue: _Queue, previous_done: Event, early: list[tuple[StageTask, Residency]]
+    lane: Lane, queue: _Queue, previous_done: tuple[Event, Event], early: list[tuple[StageTask, Residency]]
 ) -> None:
     """Stage k's last micro-batch is about to be queued: prepare stage k+1 now (its weights and first
-    inputs), if that blocks nothing: stage k-1 has finished on the device (its memory is free, as
-    the prefetch after stage k would wait for) and the host has written stage k+1's weights. Else
-    the worker prepares it after queueing stage k, as before."""
+    inputs), if that blocks nothing and holds no more device memory than preparing it afterwards:
+    stage k-1 has finished on the device, its gradient downloads too (its weights and accumulators
+    are free), and the host has written stage k+1's weights. Else the worker prepares it after
+    queueing stage k, as before."""
     nxt = queue.peek()
-    if nxt is None or not lane.finished(previous_done) or not nxt.weights_ready():
+    if nxt is None or not all(map(lane.finished, previous_done)) or not nxt.weights_ready():
         return
     queue.take()
     early.append((nxt, nxt.prepare(lane)))
