@@ -55,13 +55,15 @@ def test_cuda_peak_memory_is_a_few_stages():
     what stays allocated for the life of the process, above all a cuBLAS workspace per (handle,
     stream), 32 MiB each on Hopper (alone as much as 8 layers here: why an absolute bound of
     8 * layer_bytes failed on the H200). Above that baseline, at most:
-    - the stage computing: one Linear's weights (1 layer_bytes) and its fp32 gradient
+    - the stage computing: one Linear's weights (1 layer_bytes), its fp32 gradient accumulator
+      (1), and in its backward the micro-batch's weight gradient until autograd adds it into the
       accumulator (1); the host optimizer and the master weights take no GPU memory;
-    - the next stage, prefetched with its zeroed accumulator: 2;
+    - the next stage with its zeroed accumulator (2), prefetched from the start of the last
+      micro-batch of the stage computing (scheduler._prepare_early);
     - activations of the 2 micro-batches of 16 rows x 1024 fp32 (64 KiB per tensor: inputs,
       Linear and GELU outputs, their gradients, the loss): well under 1 MiB.
-    4 layer_bytes + 1 MiB < 5 layer_bytes, while the whole model resident would be 8 layer_bytes
-    of weights alone (16 with gradients).
+    5 layer_bytes + 1 MiB < 6 layer_bytes (measured: 5.11), while the whole model resident would
+    be 8 layer_bytes of weights alone (16 with gradients).
     """
     model = wide_mlp()
     layer_bytes = 1024 * 1024 * 4
@@ -84,7 +86,7 @@ def test_cuda_peak_memory_is_a_few_stages():
         train_step()
     rp.synchronize()
     above = torch.cuda.max_memory_allocated() - baseline
-    assert above < 5 * layer_bytes, f"{above / layer_bytes:.2f} layers above the baseline"
+    assert above < 6 * layer_bytes, f"{above / layer_bytes:.2f} layers above the baseline"
     assert torch.cuda.memory_allocated() - baseline < layer_bytes  # every stage released
 
 
