@@ -209,7 +209,8 @@ def test_input_copies_are_queued_in_the_order_the_compute_needs_them(monkeypatch
     Each stage's inputs are queued in the order its compute reads them (a backward stage: each
     recompute's input, the output gradient after the first one), and, with one device, the next
     stage's weights and first micro-batch inputs are queued at the start of the last micro-batch
-    of the stage before it (after that micro-batch's inputs, before its end)."""
+    of the stage before it (after the inputs of that micro-batch's first compute, before its end;
+    here every input of it, the stages having at most two layers)."""
     log = record_input_copies(monkeypatch)
     rp = RoundPipe(mlp())
     plan = ModelExecutePlan(fwd_plan=[range(0, 2), range(2, 3)], bwd_plan=[range(3, 7), range(1, 3), range(0, 1)])

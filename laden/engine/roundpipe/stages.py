@@ -231,8 +231,9 @@ def prefetch_first(task: StageTask, lane: Lane) -> None:
 
 
 def _at_last_microbatch(task: StageTask, mb: int) -> None:
-    """At the last micro-batch, once its inputs are queued: the worker's hook (`StageTask.early`)
-    that queues the next task's uploads while this micro-batch computes."""
+    """At the last micro-batch, once the inputs of its first compute are queued (with layer grain,
+    the inputs of its later layers follow the next task's first ones): the worker's hook
+    (`StageTask.early`) that queues the next task's uploads while this micro-batch computes."""
     if mb == task.run.num_microbatches - 1 and task.early is not None:
         task.early()
 
