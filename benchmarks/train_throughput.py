@@ -643,13 +643,13 @@ def explain_gaps(
     in flight (a GPU waiting for a transfer) and the host calls of at least `min_host_ms` that
     overlapped it, on which thread (a host thread blocked in a call stops feeding the GPU).
     Times are milliseconds from the gap's start."""
+
+    def rel(a: float, b: float, t0: float) -> list[float]:
+        return [round((a - t0) * 1e3, 2), round((b - t0) * 1e3, 2)]
+
     out = []
     for gap, t0, before, after in sorted(_gaps(kernels), reverse=True)[:top]:
         t1 = t0 + gap
-
-        def rel(a: float, b: float) -> list[float]:
-            return [round((a - t0) * 1e3, 2), round((b - t0) * 1e3, 2)]
-
         overlapping = [c for c in copies if c[0] < t1 and c[1] > t0]
         calls = sorted(
             (h for h in host if h[0] < t1 and h[1] > t0 and (h[1] - h[0]) * 1e3 >= min_host_ms),
@@ -657,8 +657,8 @@ def explain_gaps(
         )[:8]
         out.append({
             "ms": round(gap * 1e3, 2), "after": before[:50], "before": after[:50],
-            "copies": [[name[:40], *rel(a, b)] for a, b, name in overlapping[:6]],
-            "host_calls": [[name[:50], thread, *rel(a, b)] for a, b, name, thread in calls],
+            "copies": [[name[:40], *rel(a, b, t0)] for a, b, name in overlapping[:6]],
+            "host_calls": [[name[:50], thread, *rel(a, b, t0)] for a, b, name, thread in calls],
         })  # fmt: skip
     return out
 

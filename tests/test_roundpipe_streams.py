@@ -213,7 +213,9 @@ def test_input_copies_are_queued_in_the_order_the_compute_needs_them(monkeypatch
     here every input of it, the stages having at most two layers)."""
     log = record_input_copies(monkeypatch)
     rp = RoundPipe(mlp())
-    plan = ModelExecutePlan(fwd_plan=[range(0, 2), range(2, 3)], bwd_plan=[range(3, 7), range(1, 3), range(0, 1)])
+    plan = ModelExecutePlan(
+        fwd_plan=[range(0, 2), range(2, 3)], bwd_plan=[range(3, 7), range(1, 3), range(0, 1)]
+    )
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     num_mb = 4
     cfg = RoundPipeRunConfig(num_microbatch=num_mb, recompute_grain=grain, execute_plan=plan)
@@ -233,7 +235,9 @@ def test_input_copies_are_queued_in_the_order_the_compute_needs_them(monkeypatch
                 for k in ((0, 1) if j == 0 else (0,))
             ]
         else:
-            need = [(role, mb) for mb in range(num_mb) for role in (["x", "labels"] if kind == "fused" else ["x"])]
+            need = [
+                (role, mb) for mb in range(num_mb) for role in (["x", "labels"] if kind == "fused" else ["x"])
+            ]
         copies = [(i, entry[2:]) for i, entry in enumerate(log) if entry[:2] == (kind, first)]
         assert [c for _, c in copies] == need
         if n == 0:
@@ -256,4 +260,11 @@ def test_the_next_stage_is_prepared_after_the_stage_when_its_weights_are_not_wri
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=cfg)
     events = [entry[:2] for entry in log if entry[0] in ("upload", "release")]
-    assert events == [("upload", 0), ("release", 0), ("upload", 2), ("release", 2), ("upload", 0), ("release", 0)]
+    assert events == [
+        ("upload", 0),
+        ("release", 0),
+        ("upload", 2),
+        ("release", 2),
+        ("upload", 0),
+        ("release", 0),
+    ]

@@ -80,6 +80,8 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
                 current.execute(lane, res)  # type: ignore[arg-type]  # queues the stage's work
                 current.early = None
                 done = lane.record(lane.compute), lane.record(lane.d2h)
+                nxt: StageTask | None
+                nxt_res: Residency | None
                 if early:
                     nxt, nxt_res = early[0]
                 else:
