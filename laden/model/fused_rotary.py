@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model import fused
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, warn_skipped
 
 __all__ = ["RotaryFn", "disable_fused_rotary", "enable_fused_rotary", "is_fused_rotary"]
 
@@ -219,15 +218,12 @@ def enable_fused_rotary(model: nn.Module) -> int:
             chosen.append(attn)
         else:
             skipped.add(type(attn).__qualname__)
-    if skipped:
-        warnings.warn(
-            f"enable_fused_rotary left {', '.join(sorted(skipped))} as is: its forward does not call a "
-            f"module-level {_NAME}(q, k, cos, sin) computing q * cos + rotate_half(q) * sin",
-            stacklevel=2,
-        )
-    for attn in chosen:  # all checked before any is switched
-        _SWAP.apply(attn)
-    return len(chosen)
+    warn_skipped(
+        skipped,
+        "enable_fused_rotary left",
+        f"its forward does not call a module-level {_NAME}(q, k, cos, sin) computing q * cos + rotate_half(q) * sin",
+    )
+    return _SWAP.apply_all(chosen)  # all checked before any is switched
 
 
 def disable_fused_rotary(model: nn.Module) -> int:

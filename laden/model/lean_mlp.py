@@ -50,7 +50,6 @@ original forward, never bypassed.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +58,14 @@ from torch.autograd.function import once_differentiable
 
 from laden.model import fused
 from laden.model.grad_sink import GradSink, sink_of
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, plain_linear, same_code
+from laden.model.swap import (
+    ClassSwap,
+    check_own_forward,
+    decoder_layers,
+    plain_linear,
+    same_code,
+    warn_skipped,
+)
 from laden.model.tiled import class_swap as tiled_swap
 
 __all__ = ["LeanGatedMLPFn", "disable_lean_mlp", "enable_lean_mlp", "is_lean_mlp"]
@@ -314,13 +320,13 @@ def enable_lean_mlp(model: nn.Module) -> int:
         else:
             check_own_forward(mlp, f"{type(model).__name__}: layers.{index}.mlp", "the lean MLP")
             lean.append((mlp, cls))
-    if skipped:
-        warnings.warn(
-            f"enable_lean_mlp left {', '.join(sorted(skipped))} as is: not Hugging Face's Llama-style "
-            "gated MLP down_proj(act_fn(gate_proj(x)) * up_proj(x)) with plain nn.Linear projections (no "
-            "hooks, no LoRA or quantised layers) and an out-of-place act_fn, so it keeps its own backward",
-            stacklevel=2,
-        )
+    warn_skipped(
+        skipped,
+        "enable_lean_mlp left",
+        "not Hugging Face's Llama-style gated MLP down_proj(act_fn(gate_proj(x)) * up_proj(x)) with plain "
+        "nn.Linear projections (no hooks, no LoRA or quantised layers) and an out-of-place act_fn, so it "
+        "keeps its own backward",
+    )
     for mlp, cls in lean:  # all checked before any is switched
         if cls is not None:
             mlp.__class__ = cls

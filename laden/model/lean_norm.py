@@ -42,14 +42,13 @@ norm is left alone). Gemma's `x * (1 + weight)` computed in fp32, Olmo2's
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model import fused
-from laden.model.swap import ClassSwap, check_own_forward, same_code
+from laden.model.swap import ClassSwap, check_own_forward, same_code, warn_skipped
 
 __all__ = [
     "LeanRMSNormFn",
@@ -196,15 +195,13 @@ def enable_lean_rmsnorm(model: nn.Module) -> int:
                 continue
             check_own_forward(module, f"{type(model).__name__}: {name}", "the lean norm")
             norms.append(module)
-    if skipped:
-        warnings.warn(
-            f"enable_lean_rmsnorm left {', '.join(sorted(skipped))} as is: its forward is not Hugging "
-            "Face's Llama-style RMSNorm (weight * normed(x).to(x.dtype)), so it keeps its own backward",
-            stacklevel=2,
-        )
-    for module in norms:  # all checked before any is switched
-        _SWAP.apply(module)
-    return len(norms)
+    warn_skipped(
+        skipped,
+        "enable_lean_rmsnorm left",
+        "its forward is not Hugging Face's Llama-style RMSNorm (weight * normed(x).to(x.dtype)), so it "
+        "keeps its own backward",
+    )
+    return _SWAP.apply_all(norms)  # all checked before any is switched
 
 
 def disable_lean_rmsnorm(model: nn.Module) -> int:

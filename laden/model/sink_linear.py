@@ -16,7 +16,6 @@ the projection is exactly `nn.Linear`.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.grad_sink import GradSink, sink_of
-from laden.model.swap import ClassSwap, decoder_layers, plain_linear
+from laden.model.swap import ClassSwap, decoder_layers, plain_linear, warn_skipped
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
 
@@ -102,16 +101,13 @@ def enable_sink_linears(model: nn.Module) -> int:
             chosen += projections  # type: ignore[arg-type]
         else:
             skipped.add(type(attn).__qualname__)
-    if skipped:
-        warnings.warn(
-            f"enable_sink_linears left the attention of {', '.join(sorted(skipped))} as is: its "
-            f"{'/'.join(PROJECTIONS)} are not all plain nn.Linear modules without hooks (LoRA or quantised "
-            "layers compute their own gradients), so their weight gradients go through autograd",
-            stacklevel=2,
-        )
-    for module in chosen:
-        _SWAP.apply(module)
-    return len(chosen)
+    warn_skipped(
+        skipped,
+        "enable_sink_linears left the attention of",
+        f"its {'/'.join(PROJECTIONS)} are not all plain nn.Linear modules without hooks (LoRA or quantised "
+        "layers compute their own gradients), so their weight gradients go through autograd",
+    )
+    return _SWAP.apply_all(chosen)
 
 
 def disable_sink_linears(model: nn.Module) -> int:

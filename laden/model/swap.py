@@ -17,12 +17,13 @@ itself is not importable by name.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 from torch import nn
 
-__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "plain_linear", "same_code"]
+__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "plain_linear", "same_code", "warn_skipped"]
 
 
 class ClassSwap:
@@ -72,12 +73,25 @@ class ClassSwap:
         if not self.applied(module):
             module.__class__ = self.subclass(type(module))
 
+    def apply_all(self, modules: Sequence[nn.Module]) -> int:
+        """Re-class every module of `modules` (checked by the caller before any is switched); how many."""
+        for module in modules:
+            self.apply(module)
+        return len(modules)
+
     def undo(self, model: nn.Module) -> list[nn.Module]:
         """Give every re-classed module of `model` its original class back; return them."""
         undone = [m for m in model.modules() if self.applied(m)]
         for module in undone:
             module.__class__ = self.original(module)
         return undone
+
+
+def warn_skipped(skipped: set[str], left: str, why: str) -> None:
+    """The one warning of an `enable_*` function about the modules it left alone: "`left` <the
+    `skipped` names, sorted> as is: `why`", reported at the enable function's caller."""
+    if skipped:
+        warnings.warn(f"{left} {', '.join(sorted(skipped))} as is: {why}", stacklevel=3)
 
 
 def _swapped_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> tuple:
