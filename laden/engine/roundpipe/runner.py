@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from laden.engine.roundpipe.device import Lane
-from laden.engine.roundpipe.host import HostStore
+from laden.engine.roundpipe.host import HostStore, ParamGroup
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.residency import GradLanding, Residency, upload_stage
 from laden.engine.roundpipe.transfer import Aborted, Handoff
@@ -97,10 +97,8 @@ class StageTask:
         from laden.engine.roundpipe import stages
 
         run, store = self.run, self.run.store
-        groups = {g.index: g for layer in self.layers for g in store.layers[layer].weight_deps()}
-        deps = list(groups.values())
         buf, required = run.spec.buf, run.spec.required
-        if not store.wait_weights(deps, buf, required, run.aborted):
+        if not store.wait_weights(self._weight_groups(), buf, required, run.aborted):
             raise Aborted
         trainable = run.spec.backward and self.kind != "forward"
         carry_out = frozenset(
@@ -117,9 +115,13 @@ class StageTask:
 
     def weights_ready(self) -> bool:
         """Whether `prepare` would find the stage's weights written (it would not wait for the host)."""
-        store, spec = self.run.store, self.run.spec
-        groups = [g for layer in self.layers for g in store.layers[layer].weight_deps()]
-        return store.weights_written(groups, spec.buf, spec.required)
+        spec = self.run.spec
+        return self.run.store.weights_written(self._weight_groups(), spec.buf, spec.required)
+
+    def _weight_groups(self) -> list[ParamGroup]:
+        """The parameter groups whose weights the stage's layers read, each once."""
+        layers = self.run.store.layers
+        return list({g.index: g for layer in self.layers for g in layers[layer].weight_deps()}.values())
 
     def execute(self, lane: Lane, res: Residency) -> None:
         from laden.engine.roundpipe import stages
