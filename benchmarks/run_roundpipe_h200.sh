@@ -10,7 +10,7 @@
 # laden's roundpipe GPU tests, ref = the reference workload (laden, RoundPipe, plain), ref8 / ref16 = laden
 # on it with 8 / 16 micro-batches, fused = 16 with --fused-elementwise (laden's default on a GPU), eager8 =
 # ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
-# micro-batches with --gc-freeze, spy = ref8 under py-spy, switch = ref8 with a 0.5 ms GIL switch
+# micro-batches with --gc-freeze, spy = ref under py-spy, switch = ref8 with a 0.5 ms GIL switch
 # interval, chunk2k = ref with 2048-token loss chunks, again = laden and RoundPipe on the reference
 # workload a second time, after ref (run-to-run spread) (these ten not in the default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
@@ -201,16 +201,16 @@ want limit23 && run laden_ref_limit23 150 "${laden[@]}" "${ref[@]}" --num-microb
 # The same two with the cyclic garbage collector stopped for the timed steps (are its pauses a bound?).
 want gc && run laden_ref_fused_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 16 --fused-elementwise --gc-freeze
 want gc && run laden_ref_fused_mb8_gc 150 "${laden[@]}" "${ref[@]}" --num-microbatch 8 --fused-elementwise --gc-freeze
-# Where the host threads spend a step that waits for them: ref8 under py-spy, Python frames. Needs the py-spy wheel in
+# Where the host threads spend a step that waits for them: ref under py-spy, Python frames. Needs the py-spy wheel in
 # the carried, ignored .prof/ (pip download py-spy); writes spy.txt (collapsed stacks, one per thread).
 if want spy; then
   if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl >>"$out/runs.log" 2>&1; then
     # Without pausing the process (--nonblocking: it runs at full speed), Python frames only: every
     # thread's samples (--idle), then only the samples of the thread holding the GIL (--gil).
     run laden_ref_spy 150 /tmp/pyspy/bin/py-spy record --nonblocking --threads --idle -r 200 -f raw \
-      -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8
+      -o "$out/spy.txt" -- "${laden[@]}" "${ref[@]}"
     run laden_ref_spy_gil 150 /tmp/pyspy/bin/py-spy record --nonblocking --threads --gil -r 200 -f raw \
-      -o "$out/spy_gil.txt" -- "${laden[@]}" "${ref[@]}" --num-microbatch 8
+      -o "$out/spy_gil.txt" -- "${laden[@]}" "${ref[@]}"
   else
     echo "!! no py-spy wheel in .prof/: spy skipped" >&2
   fi

@@ -520,6 +520,7 @@ def profile_step(engine, mbs: list, *, with_cpu: bool = False) -> dict:
         wall = time.perf_counter() - start
         spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": [], "other_copy": []}
         totals: dict[str, float] = {}
+        counts: dict[str, int] = {}  # launches per kernel name
         named: list[tuple[float, float, str]] = []  # kernels, for the idle gaps between them
         copies: list[tuple[float, float, str]] = []
         host: list[tuple[float, float, str, int]] = []  # host calls (--profile-cpu)
@@ -534,6 +535,7 @@ def profile_step(engine, mbs: list, *, with_cpu: bool = False) -> dict:
             spans[kind].append((t_start, t_end))
             if kind == "kernel":
                 totals[name] = totals.get(name, 0.0) + (t_end - t_start)
+                counts[name] = counts.get(name, 0) + 1
                 named.append((t_start, t_end, name))
             else:
                 copies.append((t_start, t_end, name))
@@ -552,6 +554,10 @@ def profile_step(engine, mbs: list, *, with_cpu: bool = False) -> dict:
             "top_kernels": [[name[:80], round(sec, 3)] for name, sec in top],
             "top_kernels_by_category": top_by_category(totals),
             "kernels": len(named),
+            "most_launched": [
+                [name[:80], n, round(totals[name] / n * 1e6, 1)]
+                for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[:20]
+            ],  # [kernel, launches, mean us]
             "kernel_gaps": kernel_gaps(named),
             **({"gaps_explained": explain_gaps(named, copies, host)} if with_cpu else {}),
         }

@@ -31,7 +31,7 @@ from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_g
 from laden.engine.roundpipe.residency import GradLanding, carried_params
 from laden.engine.roundpipe.runner import AutocastState, CallSpec, Grain, Run
 from laden.engine.roundpipe.scheduler import run_tasks
-from laden.engine.roundpipe.transfer import Aborted, Handoff
+from laden.engine.roundpipe.transfer import Aborted, Handoff, HostBuffers
 
 LandingHook = Callable[[GradLanding], None]
 _collected = False  # whether a pipeline ran its one full garbage collection (see gc_paused)
@@ -92,6 +92,7 @@ class Pipeline:
             create_masters=create_masters, init_meta=init_meta,
         )  # fmt: skip
         self.jobs = HostJobs(name)
+        self.host_buffers = HostBuffers(pin=self.store.pin)  # parked activations, reused across calls
         self.read_buf = 0
         self.loss_chunk_size = loss_chunk_size  # for activation estimates; None: laden's default
 
@@ -155,6 +156,7 @@ class Pipeline:
             spec,
             on_landed=lambda landing: self._submit_landing(landing, on_landing),
             host_failed=self.jobs.failed,
+            buffers=self.host_buffers,
         )
         try:
             with gc_paused():
@@ -164,6 +166,7 @@ class Pipeline:
             raise
         finally:
             run.tasks = []  # each task refers to the run: a cycle that would hold this pipeline
+            self.host_buffers.end_call()
         for lane in self.lanes:
             lane.synchronize()  # deliberate: losses are read on the host next
         global _collected

@@ -30,7 +30,7 @@ from laden.engine.roundpipe.device import Lane
 from laden.engine.roundpipe.host import HostStore, ParamGroup
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.residency import GradLanding, Residency, upload_stage
-from laden.engine.roundpipe.transfer import Aborted, Handoff
+from laden.engine.roundpipe.transfer import Aborted, Handoff, HostBuffers, Shared
 
 Grain = Literal["stage", "layer"]
 TaskKind = Literal["forward", "fused", "backward"]
@@ -147,6 +147,8 @@ class Run:
     outputs: list[Handoff | None] = field(default_factory=list)
     tasks: list[StageTask] = field(default_factory=list)
     carried: dict[int, torch.Tensor] = field(default_factory=dict)  # see `Residency.carried`
+    buffers: HostBuffers | None = None  # the pipeline's reusable host buffers for parked data
+    shared: Shared = field(default_factory=Shared)  # tensors parked and fetched once per call
 
     def __post_init__(self) -> None:
         spec, num_layers = self.spec, len(self.store.layers)

@@ -33,7 +33,7 @@ from laden.engine.roundpipe.residency import (
     release,
 )
 from laden.engine.roundpipe.runner import StageTask, capture_rng, restored_rng
-from laden.engine.roundpipe.transfer import Handoff, as_leaves, fetch, float_leaves, input_grads, park
+from laden.engine.roundpipe.transfer import Handoff, Shared, as_leaves, fetch, float_leaves, input_grads, park
 
 
 def call_layer(res: Residency, layer_id: int, x: Any) -> Any:
@@ -61,9 +61,10 @@ class _Prefetcher:
         *,
         grad_leaves: bool | list[bool],
         keep: list[bool] | None = None,
+        shared: Shared | None = None,
     ) -> None:
         # `abort`, not the task: the task holds its prefetchers, and a cycle would outlive the call.
-        self.abort, self.lane, self.handoffs = abort, lane, handoffs
+        self.abort, self.lane, self.handoffs, self.shared = abort, lane, handoffs, shared
         self.grad_leaves = grad_leaves if isinstance(grad_leaves, list) else [grad_leaves] * len(handoffs)
         self.keep = keep or [False] * len(handoffs)
         self.pending: dict[int, tuple[Any, Any]] = {}
@@ -82,7 +83,7 @@ class _Prefetcher:
             self.pending[i] = self._fetch(i)
 
     def _fetch(self, i: int) -> tuple[Any, Any]:
-        return fetch(self.lane, self.handoffs[i], self.abort, grad_leaves=self.grad_leaves[i])
+        return fetch(self.lane, self.handoffs[i], self.abort, grad_leaves=self.grad_leaves[i], shared=self.shared)
 
 
 def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
@@ -97,14 +98,14 @@ def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
             for layer in task.layers:
                 if (layer, mb) in run.saved:
                     if layer != first:
-                        park(lane, x, into=run.saved[(layer, mb)])
+                        park(lane, x, into=run.saved[(layer, mb)], pool=run.buffers, shared=run.shared)
                     if spec.preserve_rng:
                         run.rng[(layer, mb)] = capture_rng(lane)
                 x = call_layer(res, layer, x)
             if task.final:
                 run.outputs[mb] = park(lane, _host_output(x))
             else:
-                park(lane, x, into=run.acts[(stop, mb)])
+                park(lane, x, into=run.acts[(stop, mb)], pool=run.buffers, shared=run.shared)
     release(res)
 
 
@@ -136,7 +137,7 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
                 losses, grad_in = _fused_layerwise(task, lane, res, x, label)
             run.losses[mb] = park(lane, [loss.detach() for loss in losses], flat=True)
             if spec.backward and first > 0:
-                park(lane, grad_in, into=run.grads[(first, mb)], flat=True)
+                park(lane, grad_in, into=run.grads[(first, mb)], flat=True, pool=run.buffers)
         del x, grad_in, losses
         if spec.backward:
             accumulate_microbatch(res)
@@ -201,7 +202,7 @@ def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
                 del out
                 grads = input_grads(x)
             if first > 0:
-                park(lane, grads, into=run.grads[(first, mb)], flat=True)
+                park(lane, grads, into=run.grads[(first, mb)], flat=True, pool=run.buffers)
         del x, grads
         accumulate_microbatch(res)
     _finish_backward(task, res)
@@ -246,7 +247,7 @@ def _build_inputs(task: StageTask, lane: Lane) -> dict[str, _Prefetcher]:
         return {  # in the order of need: a recompute's input before the gradient it meets
             "saved": _Prefetcher(
                 abort, lane, [run.saved[(layer, mb)] for mb, layer in order],
-                grad_leaves=[layer > 0 for _, layer in order],
+                grad_leaves=[layer > 0 for _, layer in order], shared=run.shared,
             ),
             "grads": _Prefetcher(
                 abort, lane, [run.grads[(task.layers.stop, mb)] for mb in range(num_mb)], grad_leaves=False
@@ -257,7 +258,7 @@ def _build_inputs(task: StageTask, lane: Lane) -> dict[str, _Prefetcher]:
     inputs = {
         "x": _Prefetcher(
             abort, lane, [run.acts[(first, mb)] for mb in range(num_mb)], grad_leaves=grad_leaves,
-            keep=[(first, mb) in run.saved for mb in range(num_mb)],
+            keep=[(first, mb) in run.saved for mb in range(num_mb)], shared=run.shared,
         )
     }  # fmt: skip
     if task.kind == "fused" and spec.labels is not None:
