@@ -83,7 +83,9 @@ class _Prefetcher:
             self.pending[i] = self._fetch(i)
 
     def _fetch(self, i: int) -> tuple[Any, Any]:
-        return fetch(self.lane, self.handoffs[i], self.abort, grad_leaves=self.grad_leaves[i], shared=self.shared)
+        return fetch(
+            self.lane, self.handoffs[i], self.abort, grad_leaves=self.grad_leaves[i], shared=self.shared
+        )
 
 
 def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:

@@ -59,7 +59,9 @@ class HostBuffers:
 
     def __init__(self, *, pin: bool) -> None:
         self.pin = pin
-        self._free: dict[int, list[tuple[torch.Tensor, list[Event], int]]] = {}  # size -> (buf, readers, call)
+        self._free: dict[
+            int, list[tuple[torch.Tensor, list[Event], int]]
+        ] = {}  # size -> (buf, readers, call)
         self._lock = threading.Lock()
         self._call = 0
         self.allocated = 0  # buffers ever allocated (a test counts them)
@@ -71,7 +73,7 @@ class HostBuffers:
         buf = None
         with self._lock:
             free = self._free.get(size, [])
-            for i, (candidate, readers, _) in enumerate(free):
+            for i, (_, readers, _) in enumerate(free):
                 if all(e is None or e.query() for e in readers):
                     buf = free.pop(i)[0]
                     break
