@@ -1,8 +1,8 @@
 """Weights that lie back to back in one buffer, used as one matrix without a copy.
 
-Projections that read the same input (an attention layer's query, key and value; a gated
-MLP's gate and up) are one GEMM instead of several when their weights are rows of one
-matrix. Hugging Face modules own one tensor per weight, but an engine that streams weights
+Projections that read the same input (an attention layer's query, key and value: see
+`laden.model.sink_linear`) are one GEMM instead of several when their weights are rows of
+one matrix. Hugging Face modules own one tensor per weight, but an engine that streams weights
 (the roundpipe engine uploads each layer's parameters as one flat buffer, in the order the
 module lists them) has them back to back already: `stacked_rows` finds that out and returns
 the joint matrix as a view, and `None` otherwise (separately allocated weights, a bias in
