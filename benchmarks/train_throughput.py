@@ -98,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny-layers", type=int, default=None,
+                   help="--model tiny with this many decoder layers: with the reference plan's shape "
+                        "(--fwd-stage-layers, --stage-layers 1, --fused-layers), a CPU measure of the host "
+                        "work per step that feeds the GPU (Python, dispatch) at negligible compute")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="laden: torch.compile each decoder layer (actor.roundpipe.compile)")  # fmt: skip
     p.add_argument("--gc-freeze", action="store_true",
@@ -144,7 +148,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
     torch.manual_seed(args.seed)
     if args.model == "tiny":
-        config = tiny_qwen3_config(vocab_size=128)
+        layers = {} if args.tiny_layers is None else {"num_hidden_layers": args.tiny_layers}
+        config = tiny_qwen3_config(vocab_size=128, **layers)
     else:
         config = Qwen3Config(**SHAPES[args.model])
     dtype = torch.bfloat16 if args.model != "tiny" else torch.float32

@@ -37,6 +37,21 @@ def test_train_throughput_runs_on_cpu_with_tiny_model(system, capsys):
     assert result["hfu"] == pytest.approx(expected_mfu * 8 / 6, abs=1e-4)
 
 
+def test_tiny_layers_give_the_reference_plan_shape_on_cpu(capsys):
+    """`--tiny-layers` with the reference plan's stage sizes: the H200 run's schedule (one forward
+    stage, a fused stage, single-layer backward stages) at negligible compute, a CPU measure of
+    the host work per step."""
+    bench = load_script()
+    result = bench.main(["--system", "laden", "--model", "tiny", "--tiny-layers", "5", "--steps", "1",
+                         "--warmup", "1", "--seq-len", "8", "--num-seqs", "4", "--num-microbatch", "2",
+                         "--stage-layers", "1", "--fused-layers", "3", "--fwd-stage-layers", "4"])  # fmt: skip
+    assert result["plan"] == (
+        "ModelExecutePlan(fwd_plan=[range(0, 4)], bwd_plan=[range(4, 7), range(3, 4), range(2, 3), "
+        "range(1, 2), range(0, 1)])"
+    )  # 5 decoder layers + embedding + head
+    assert math.isfinite(result["last_loss"])
+
+
 @pytest.mark.parametrize("system", ["laden", "plain"])
 def test_non_finite_loss_fails_loudly(system, capsys, monkeypatch):
     """A NaN in the final norm's weight makes every loss NaN: the result is printed, marked invalid,

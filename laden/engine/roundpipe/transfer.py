@@ -17,11 +17,12 @@ Two things keep the host thread that feeds the GPU from paying for that round tr
 
 - `HostBuffers`: the page-locked buffers of parked data are reused across micro-batches and
   calls. A buffer goes back to the pool when its handoff is consumed, with the events of the
-  copies that read it, and is handed out again only once they have completed. Torch's
-  caching host allocator would also reuse it, but it frees blocks in the order they were
-  released and stops at the first whose copy is still queued; with the host running ahead of
-  the device, that sent every few micro-batches to `cudaHostAlloc` (38 to 56 ms for 64 MiB
-  on an H200, with the feeding thread blocked).
+  copies that read it, and is handed out again only once they have completed (any such
+  buffer: one whose copy is still queued holds none back). Torch's caching host allocator
+  also waits for those events, working through its event queue in order; with the host
+  running ahead of the device, some allocations in the steady state still found no free block
+  and called `cudaHostAlloc`, up to 56 ms for 64 MiB on an H200 with the feeding thread
+  blocked, and a step made 760 such allocations (`benchmarks/RESULTS.md`, sixth round).
 - `Shared`: a tensor that every layer passes on unchanged (a decoder state's position ids and
   packed-row offsets) is parked once per call and fetched once per device, not once per
   stage boundary: a copy each way and a page-locked allocation fewer per layer.
