@@ -83,8 +83,9 @@ def test_reused_buffers_and_shared_tensors_train_exactly_as_fresh_copies(monkeyp
     """Every stage boundary of a 5-layer plan parks and fetches a decoder state per micro-batch:
     with the pool and the shared position ids, losses and accumulated gradients are bitwise
     those of a fresh host buffer and a fresh copy at every boundary; the pool allocates nothing
-    after the first call, and each micro-batch's position ids are copied once each way per call
-    (parked by the embedding's stage, fetched by the next one and passed on from there)."""
+    after the first call, and each micro-batch's integer tensors cross the bus once per call: its
+    token ids to the device, the position ids the embedding's stage makes to the host; later
+    stages on the device reuse the device tensors."""
     plan = ModelExecutePlan(fwd_plan=[range(0, 1), range(1, 2), range(2, 3)],
                             bwd_plan=[range(3, 5), range(2, 3), range(1, 2), range(0, 1)])  # fmt: skip
     cfg = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
@@ -100,7 +101,7 @@ def test_reused_buffers_and_shared_tensors_train_exactly_as_fresh_copies(monkeyp
     losses = _train(pooled, cfg, 1)
     allocated = pooled.pipe.host_buffers.allocated
     assert allocated > 0
-    assert len(shared_copies) == 2 * 2  # 2 micro-batches, though their position ids cross 3 boundaries
+    assert len(shared_copies) == 2 * 2  # 2 micro-batches x (token ids, position ids), over 3 boundaries
     losses += _train(pooled, cfg, 2)
     assert pooled.pipe.host_buffers.allocated == allocated  # later calls reuse the first call's buffers
     assert len(shared_copies) == 2 * 2 * 3

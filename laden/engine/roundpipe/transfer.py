@@ -251,9 +251,10 @@ def fetch(
 
     Returns the pytree (or the flat list) of device tensors and the copy's event: the
     caller makes the compute stream wait on it right before use, so that fetching the next
-    micro-batch overlaps the current one's compute. With `shared`, a tensor this call has
-    already copied to this device is not copied again (that copy was queued earlier on the
-    same stream, so the returned event covers it too).
+    micro-batch overlaps the current one's compute. With `shared`, a tensor this call already
+    has on this device is not copied again: its copy was queued earlier on the same `h2d`
+    stream (the returned event covers it), or a stage on this device made it on the compute
+    stream that reads it.
     """
     h.wait(abort)
     lane.wait(lane.h2d, h.event)
