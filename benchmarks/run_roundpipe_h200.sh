@@ -12,7 +12,8 @@
 # ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
 # micro-batches with --gc-freeze, spy = ref under py-spy, switch = ref8 with a 0.5 ms GIL switch
 # interval, chunk2k = ref with 2048-token loss chunks, again = laden and RoundPipe on the reference
-# workload a second time, after ref (run-to-run spread) (these ten not in the default),
+# workload a second time, after ref (run-to-run spread), joint = laden on it with --static-last-dims,
+# then also --joint-projections (these eleven not in the default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
@@ -184,6 +185,12 @@ fi
 if want again; then
   run laden_ref_again 130 "${laden[@]}" "${ref[@]}"
   run roundpipe_ref_again 130 "${rp[@]}" "${ref[@]}"
+fi
+# Joint projections (one GEMM for q/k/v and for gate/up) and static last dims for the fused kernels, each
+# off by default and under measurement: static dims alone, then both (sixth round of RESULTS.md).
+if want joint; then
+  run laden_ref_static 130 "${laden[@]}" "${ref[@]}" --static-last-dims --profile
+  run laden_ref_joint 130 "${laden[@]}" "${ref[@]}" --static-last-dims --joint-projections --profile
 fi
 # Twice the loss chunk: half the passes over the head's fp32 gradient accumulator, 0.6 GiB more transient.
 want chunk2k && run laden_ref_chunk2k 130 "${laden[@]}" "${ref[@]}" --loss-chunk-size 2048

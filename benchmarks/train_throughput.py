@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per chunk of the chunked loss (actor.loss_chunk_size)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--joint-projections", action="store_true",
+                   help="laden: q/k/v and gate/up as one GEMM each where the upload stacks their weights "
+                        "(laden.model.stacked; off by default, under measurement)")  # fmt: skip
+    p.add_argument("--static-last-dims", action="store_true",
+                   help="laden: compile the fused elementwise functions with static last dimensions "
+                        "(laden.model.fused.use_static_last_dims; off by default, under measurement)")  # fmt: skip
     p.add_argument("--tiny-layers", type=int, default=None,
                    help="--model tiny with this many decoder layers: with the reference plan's shape "
                         "(--fwd-stage-layers, --stage-layers 1, --fused-layers), a CPU measure of the host "
@@ -162,6 +168,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     with where:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
+    from laden.model.fused import use_static_last_dims
+    from laden.model.stacked import use_joint_projections
+
+    use_joint_projections(args.joint_projections)  # before enable_sink_linears reads it
+    use_static_last_dims(args.static_last_dims)
     if lean_activations(args):
         from laden.model.lean_mlp import enable_lean_mlp
         from laden.model.lean_norm import enable_lean_rmsnorm
@@ -446,6 +457,8 @@ def run(args: argparse.Namespace) -> dict:
             "lean_activations": lean_activations(args),
             "fused_elementwise": fused_elementwise(args),
             "gc_freeze": args.gc_freeze,
+            "joint_projections": args.joint_projections,
+            "static_last_dims": args.static_last_dims,
             "switch_interval": sys.getswitchinterval(),
             "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
         },  # fmt: skip

@@ -170,3 +170,48 @@ def test_tensor_subclasses_run_eager(fused, monkeypatch):
     fused_module.call(double, x)
     fused_module.call(double, torch.nn.Parameter(x))
     assert compiled == ["double", "double"]
+
+
+def test_static_last_dims_compile_strided_halves_once_for_every_token_count(fused, monkeypatch):
+    """Static last dimensions (`use_static_last_dims`) with joint gate/up projections: the
+    compiled SwiGLU reads strided halves of one buffer and writes both gradients side by side,
+    matches autograd, and a second token count reuses the compiled code (no new graph)."""
+    from test_grad_sink import _stack_gate_up
+
+    from laden.model import fused as fused_module
+    from laden.model import stacked
+    from laden.model.fused import use_static_last_dims
+
+    counters = torch._dynamo.utils.counters
+    monkeypatch.setattr(stacked, "_ENABLED", True)
+    called: list[str] = []
+    real_call = fused_module.call
+    monkeypatch.setattr(
+        fused_module, "call", lambda fn, *args: called.append(fn.__name__) or real_call(fn, *args)
+    )
+    use_static_last_dims(True)
+    try:
+        plain = _hf_mlp()
+        lean = copy.deepcopy(plain)
+        assert enable_lean_mlp(_holder(lean)) == 1
+        _stack_gate_up(lean)
+        gen = torch.Generator().manual_seed(4)
+        graphs = []
+        for tokens in (7, 11):
+            x = torch.randn(2, tokens, 16, generator=gen)
+            grad = torch.randn(2, tokens, 16, generator=gen)
+            x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
+            plain(x_ref).backward(grad)
+            out = lean(x_got)
+            out.backward(grad)
+            torch.testing.assert_close(out, plain(x_ref.detach()))
+            torch.testing.assert_close(x_got.grad, x_ref.grad)
+            for (name, p), (_, q) in zip(plain.named_parameters(), lean.named_parameters()):
+                torch.testing.assert_close(q.grad, p.grad, msg=name)
+            plain.zero_grad()
+            lean.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[1] == graphs[0]  # the second token count compiled nothing new
+        assert called.count("_swiglu_backward_stacked") == 2  # the joint path, once per backward
+    finally:
+        use_static_last_dims(False)

@@ -15,9 +15,11 @@ from test_roundpipe_engine import (
 )
 
 from laden.engine.roundpipe import RoundPipeEngine, residency
+from laden.model import stacked
 from laden.model.grad_sink import accumulate_product, attach_sink, sink_of, suspended
 from laden.model.lean_mlp import enable_lean_mlp
 from laden.model.sink_linear import enable_sink_linears
+from laden.model.stacked import stacked_rows
 from laden.model.tiled import enable_tiled_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,16 +124,31 @@ def lean_model():
     return model
 
 
+@pytest.mark.parametrize("swiglu", ["eager", "fused"])
 @pytest.mark.parametrize("plan", ["one_stage", "staged", "staged_layer_grain"])
-def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
+def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, swiglu, monkeypatch):
     """bf16 compute, fp32 masters, lean MLPs and sink projections: the residency's sinks (the MLP
     and attention projection weights' gradients added into their fp32 accumulators by the modules) train exactly as autograd's gradients folded by
     the post-accumulate hooks, one stage (early downloads count the sinks' writes) or staged. On CUDA
     the sinks are held to the fold's arithmetic (the bf16 product, then an fp32 add): their one
-    fp32-output GEMM is closer than the fold, so not bit-equal (its own test is below)."""
-    from laden.model import grad_sink
+    fp32-output GEMM is closer than the fold, so not bit-equal (its own test is below). With the
+    fused SwiGLU backward (run eagerly here), each layer's gate and up weights, back to back in the
+    upload, send their gradients to their stacked accumulators in one GEMM (a joint sink)."""
+    from laden.model import fused, grad_sink
 
     monkeypatch.setattr(grad_sink, "_fp32_out_addmm", lambda device, dtype: False)
+    if swiglu == "fused":  # with joint projections (off by default)
+        monkeypatch.setattr(fused, "fused_kernels_enabled", lambda: True)
+        monkeypatch.setattr(fused, "call", lambda fn, *args: fn(*args))
+        monkeypatch.setattr(stacked, "_ENABLED", True)
+    joint_calls: list[list[int]] = []
+    joint_accumulate = residency._JointAccumulatorSink.accumulate
+
+    def joint_spy(self, grad_out, inp, weight_dtype):
+        joint_calls.append(self.indices)
+        joint_accumulate(self, grad_out, inp, weight_dtype)
+
+    monkeypatch.setattr(residency._JointAccumulatorSink, "accumulate", joint_spy)
     o = settings(gradient_clipping=0.05)
     execute_plan = None if plan == "one_stage" else STAGED
     calls: list[int] = []
@@ -166,8 +183,11 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, monkeypatch):
         assert_same_step(got, hooked.train_batch(mbs, global_num_loss_tokens=n))
         assert len(calls) == before  # the hooked engine used none
         assert sunk_writes == sorted(writes)  # every sink write counted once, as a hook counts
-    # (3 MLP + 4 attention projection weights) x 3 decoder layers x 3 micro-batches per step, 2 steps
-    assert len(calls) == (3 + 4) * 3 * 3 * 2
+    # (3 MLP + 4 attention projection weights) x 3 decoder layers x 3 micro-batches per step, 2 steps;
+    # gate and up as one joint sink with the fused SwiGLU
+    joint = swiglu == "fused"
+    assert len(calls) == (3 - 2 * joint + 4) * 3 * 3 * 2
+    assert len(joint_calls) == joint * 3 * 3 * 2 and all(len(i) == 2 for i in joint_calls)
     assert_same_masters(sunk, hooked)
 
 
@@ -189,3 +209,80 @@ def test_cuda_sinks_accumulate_in_one_fp32_output_gemm():
     err, rounded_err = (acc.double() - exact).abs().max(), (rounded - exact).abs().max()
     assert err <= 1e-5 * exact.abs().max()
     assert err < rounded_err
+
+
+class StackedSinks:
+    """Recording sinks whose accumulators are rows of one fp32 buffer, and which join into one."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        flat = torch.zeros(sum(w.numel() for w in weights))
+        joinable = type("JoinableSink", (RecordingSink,), {"join": staticmethod(self.join)})
+        self.sinks, offset = [], 0
+        for w in weights:
+            sink = joinable(w)
+            sink.acc = flat[offset : offset + w.numel()].view(w.shape)
+            self.sinks.append(sink)
+            offset += w.numel()
+        self.joint_calls = 0
+
+    def join(self, sinks):
+        acc = stacked_rows([s.acc for s in sinks])
+        assert acc is not None
+        outer = self
+
+        class Joint:
+            def accumulate(self, grad_out, inp, weight_dtype) -> None:
+                accumulate_product(acc, grad_out, inp, weight_dtype)
+                outer.joint_calls += 1
+
+        return Joint()
+
+
+def _stack_gate_up(mlp) -> None:
+    """Gate and up weights as rows of one flat buffer (how the roundpipe engine uploads a layer)."""
+    flat = torch.cat([mlp.gate_proj.weight.detach().reshape(-1), mlp.up_proj.weight.detach().reshape(-1)])
+    n = mlp.gate_proj.weight.numel()
+    shape = mlp.gate_proj.weight.shape
+    mlp.gate_proj.weight = torch.nn.Parameter(flat[:n].view(shape))
+    mlp.up_proj.weight = torch.nn.Parameter(flat[n:].view(mlp.up_proj.weight.shape))
+
+
+@pytest.mark.parametrize("fused_path", [False, True], ids=["eager_swiglu", "fused_swiglu"])
+def test_stacked_gate_and_up_are_one_gemm_and_their_sinks_one_when_they_join(fused_path, monkeypatch):
+    """bf16 lean MLP with gate and up weights back to back: one forward GEMM for both; with the
+    fused SwiGLU backward (run eagerly here) both gradients come side by side, the input gradient
+    is one GEMM over them and stacked accumulators take both weight gradients in one GEMM.
+    Outputs, input gradients and the accumulated weight gradients are autograd's to bf16 rounding."""
+    from laden.model import fused, lean_mlp
+
+    monkeypatch.setattr(stacked, "_ENABLED", True)  # joint projections on (off by default)
+    if fused_path:
+        monkeypatch.setattr(fused, "fused_kernels_enabled", lambda: True)
+        monkeypatch.setattr(fused, "call", lambda fn, *args: fn(*args))
+    linear = torch.nn.functional.linear
+    gemms: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        lean_mlp.F, "linear", lambda x, w, b=None: gemms.append(tuple(w.shape)) or linear(x, w, b)
+    )
+    plain, sunk = _bf16_lean_mlp(), _bf16_lean_mlp()
+    _stack_gate_up(sunk)
+    want = _fp32_sums_of_autograd_grads(plain)
+    stacked_sinks = StackedSinks([sunk.gate_proj.weight, sunk.up_proj.weight])
+    for p, sink in zip((sunk.gate_proj.weight, sunk.up_proj.weight), stacked_sinks.sinks):
+        attach_sink(p, sink)
+    for x, g in _micro_batches():
+        gemms.clear()
+        leaf = x.to(torch.bfloat16).requires_grad_()
+        out = sunk(leaf)
+        inter = sunk.up_proj.weight.shape[0]
+        assert gemms == [(2 * inter, 16), (16, inter)]  # gate and up as one [2I, H] GEMM, then down
+        out.backward(g.to(torch.bfloat16))
+        ref_leaf = x.to(torch.bfloat16).requires_grad_()
+        ref = plain(ref_leaf)
+        ref.backward(g.to(torch.bfloat16))
+        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1.6e-2, atol=1e-2)
+    assert stacked_sinks.joint_calls == (3 if fused_path else 0)
+    assert all(s.calls == (0 if fused_path else 3) for s in stacked_sinks.sinks)
+    for name, sink in zip(("gate_proj.weight", "up_proj.weight"), stacked_sinks.sinks):
+        torch.testing.assert_close(sink.acc, want[name], rtol=1.6e-2, atol=1e-2, msg=name)

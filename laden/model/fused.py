@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["call", "fused_kernels_enabled", "use_fused_kernels"]
+__all__ = ["call", "fused_kernels_enabled", "use_fused_kernels", "use_static_last_dims"]
 
 _ENABLED = False
+_STATIC_LAST_DIMS = False
 
 
 def use_fused_kernels(enabled: bool = True) -> None:
@@ -43,6 +44,21 @@ def use_fused_kernels(enabled: bool = True) -> None:
 
 def fused_kernels_enabled() -> bool:
     return _ENABLED
+
+
+def use_static_last_dims(enabled: bool = True) -> None:
+    """Compile the fused functions with every tensor argument's last dimension fixed (off by default).
+
+    The functions compile with dynamic shapes, so one compilation serves every number of
+    tokens; their last dimensions (hidden size, head dim, intermediate size) are model
+    constants, and fixing them lets the compiler index with constant divisors. That matters for
+    inputs that are strided halves of a wider buffer (`laden.model.stacked`'s joint
+    projections), whose kernels ran 2.5 to 3.7 times slower on an H200 with symbolic sizes.
+    A model with other sizes compiles once more per size. Not yet measured on a GPU
+    (`benchmarks/RESULTS.md`, sixth round), hence off.
+    """
+    global _STATIC_LAST_DIMS
+    _STATIC_LAST_DIMS = bool(enabled)
 
 
 @functools.cache
@@ -78,6 +94,10 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     """
     if not _ENABLED or fn in _EAGER or any(_subclass(a) for a in args):
         return fn(*args)
+    if _STATIC_LAST_DIMS:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                torch._dynamo.mark_static(a, a.dim() - 1)
     try:
         return _compiled(fn)(*args)
     except _COMPILE_ERRORS as error:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-__all__ = ["GradSink", "accumulate_product", "attach_sink", "sink_of", "suspended"]
+__all__ = ["GradSink", "accumulate_product", "attach_sink", "joint_sink", "sink_of", "suspended"]
 
 _ATTR = "_laden_grad_sink"
 
@@ -39,6 +39,17 @@ class GradSink(Protocol):
 
 
 _state = threading.local()
+
+
+def joint_sink(sinks: Sequence[GradSink | None]) -> GradSink | None:
+    """One sink for weights stacked by rows (`laden.model.stacked.stacked_rows`) whose gradients
+    go to `sinks`: it takes the stacked gradient's factors and adds them in one GEMM, if the
+    sinks' class can join them (its `join(sinks)` returns a sink, e.g. accumulators that are
+    stacked the same way); None otherwise, and the caller feeds each sink its own rows."""
+    if not sinks or any(s is None for s in sinks):
+        return None
+    join = getattr(type(sinks[0]), "join", None)
+    return join(sinks) if callable(join) else None
 
 
 def sink_of(weight: torch.Tensor) -> GradSink | None:

@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model import fused
-from laden.model.grad_sink import GradSink, sink_of
+from laden.model import fused, stacked
+from laden.model.grad_sink import GradSink, joint_sink, sink_of
 from laden.model.swap import (
     ClassSwap,
     check_own_forward,
@@ -96,8 +96,12 @@ class LeanGatedMLPFn(torch.autograd.Function):
         # Hugging Face's ops; `F.linear` casts `x` to the autocast dtype anyway, so casting it
         # once here changes no value and keeps one copy for both projections.
         x_in = _autocast_input(x)
-        gate = F.linear(x_in, w_gate, b_gate)  # [..., I]
-        up = F.linear(x_in, w_up, b_up)  # [..., I]
+        w_gate_up = _stacked(w_gate, b_gate, w_up, b_up)
+        if w_gate_up is not None:  # one GEMM; gate and up are views of its output
+            gate, up = F.linear(x_in, w_gate_up).split([w_gate.shape[0], w_up.shape[0]], -1)
+        else:
+            gate = F.linear(x_in, w_gate, b_gate)  # [..., I]
+            up = F.linear(x_in, w_up, b_up)  # [..., I]
         ctx.save_for_backward(x_in, gate, up, w_gate, w_up, w_down)  # before act_fn could write to gate
         ctx.sinks = (sink_of(w_gate), sink_of(w_up), sink_of(w_down))  # an engine's fp32 accumulators
         ctx.act_fn, ctx.autocast, ctx.x_dtype = act_fn, _autocast_state(x.device.type), x.dtype
@@ -120,14 +124,21 @@ class LeanGatedMLPFn(torch.autograd.Function):
         bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
         fused_swiglu = _fusable(ctx.act_fn)
         sink_gate, sink_up, sink_down = ctx.sinks
-        grad_gate = grad_up = None
+        w_gate_up = _stacked(w_gate, ctx.bias_dtypes[0], w_up, ctx.bias_dtypes[1])
+        grad_gate = grad_up = grad_gate_up = None
         if fused_swiglu:  # the product and both its input gradients in one compiled pass
             with _autocast(device_type, False, dtype):
                 if need_gate or need_up:
                     grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(gate.dtype)  # [..., I]
-                    prod, grad_gate, grad_up = fused.call(
-                        _swiglu_backward, gate.detach(), up.detach(), grad_prod
-                    )
+                    if w_gate_up is not None:  # both gradients in one [..., 2I] buffer, as gate and up were
+                        prod, grad_gate_up = fused.call(
+                            _swiglu_backward_stacked, gate.detach(), up.detach(), grad_prod
+                        )
+                        grad_gate, grad_up = grad_gate_up.split([gate.shape[-1], up.shape[-1]], -1)
+                    else:
+                        prod, grad_gate, grad_up = fused.call(
+                            _swiglu_backward, gate.detach(), up.detach(), grad_prod
+                        )
                     del grad_prod
                 else:
                     prod = fused.call(_swiglu, gate, up)
@@ -153,17 +164,28 @@ class LeanGatedMLPFn(torch.autograd.Function):
                     del prod, grad_prod
                     grad_gate = next(grads) if need_gate else None  # [..., I], gate's dtype
                     grad_up = next(grads) if need_up else None
-                if grad_gate is not None:
-                    grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype, sink_gate) if need_wg else None
-                    grad_b_gate = _bias_grad(grad_gate, bias_gate_dtype) if need_bg else None
-                if grad_up is not None:
-                    grad_w_up = _weight_grad(grad_up, x_in, w_up.dtype, sink_up) if need_wu else None
-                    grad_b_up = _bias_grad(grad_up, bias_up_dtype) if need_bu else None
+                joint = (
+                    joint_sink((sink_gate, sink_up))
+                    if grad_gate_up is not None and need_wg and need_wu
+                    else None
+                )
+                if joint is not None:  # both weight gradients in one GEMM into stacked accumulators
+                    assert grad_gate_up is not None
+                    _weight_grad(grad_gate_up, x_in, w_gate.dtype, joint)
+                else:
+                    if grad_gate is not None and need_wg:
+                        grad_w_gate = _weight_grad(grad_gate, x_in, w_gate.dtype, sink_gate)
+                    if grad_up is not None and need_wu:
+                        grad_w_up = _weight_grad(grad_up, x_in, w_up.dtype, sink_up)
+                grad_b_gate = (
+                    _bias_grad(grad_gate, bias_gate_dtype) if need_bg and grad_gate is not None else None
+                )
+                grad_b_up = _bias_grad(grad_up, bias_up_dtype) if need_bu and grad_up is not None else None
                 if need_x:
                     assert grad_gate is not None and grad_up is not None
-                    # one gradient per projection (each cast from its own copy of x), then summed
-                    grad_x = (grad_gate @ w_gate.to(gate.dtype)).to(ctx.x_dtype)  # [..., H]
-                    grad_x += (grad_up @ w_up.to(up.dtype)).to(ctx.x_dtype)
+                    grad_x = _input_grad(
+                        grad_gate, grad_up, grad_gate_up, w_gate, w_up, w_gate_up, ctx.x_dtype
+                    )
         return grad_x, None, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
@@ -189,6 +211,42 @@ def _swiglu_backward(
     silu = g * sig
     grad_gate = gp * u * (sig * (1 + g * (1 - sig)))  # d silu / d g = sig (1 + g (1 - sig))
     return (silu * u).to(gate.dtype), grad_gate.to(gate.dtype), (gp * silu).to(up.dtype)
+
+
+def _swiglu_backward_stacked(
+    gate: torch.Tensor, up: torch.Tensor, grad_prod: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_swiglu_backward` with the two input gradients written side by side: (product, [grad gate, grad up])."""
+    prod, grad_gate, grad_up = _swiglu_backward(gate, up, grad_prod)
+    return prod, torch.cat([grad_gate, grad_up], dim=-1)
+
+
+def _stacked(w_gate: torch.Tensor, b_gate: object, w_up: torch.Tensor, b_up: object) -> torch.Tensor | None:
+    """Gate and up weights as one `[2I, H]` matrix when joint projections are on
+    (`laden.model.stacked`), the weights lie back to back and have no biases."""
+    if not stacked.joint_projections_enabled() or b_gate is not None or b_up is not None:
+        return None
+    return stacked.stacked_rows((w_gate, w_up))
+
+
+def _input_grad(
+    grad_gate: torch.Tensor,
+    grad_up: torch.Tensor,
+    grad_gate_up: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_gate_up: torch.Tensor | None,
+    x_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The gradient of `x` through both projections, in `x_dtype`: one GEMM over the stacked
+    gradients and weights (their sum rounded once); else autograd's two products, each cast,
+    then summed."""
+    dtype = grad_gate.dtype
+    if grad_gate_up is not None and w_gate_up is not None:
+        return (grad_gate_up @ w_gate_up.to(dtype)).to(x_dtype)
+    grad_x = (grad_gate @ w_gate.to(dtype)).to(x_dtype)  # one gradient per projection, then summed
+    grad_x += (grad_up @ w_up.to(grad_up.dtype)).to(x_dtype)
+    return grad_x
 
 
 def _weight_grad(

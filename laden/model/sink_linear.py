@@ -12,6 +12,19 @@ weight gradient's two factors to the sink, which adds their product into the acc
 one fp32-output GEMM on CUDA. Without a sink (any engine but roundpipe, or inside
 `grad_sink.suspended()`), under autocast, or with an input in another dtype than the weight,
 the projection is exactly `nn.Linear`.
+
+Joint query, key and value: the attention layer calls `q_proj`, `k_proj` and `v_proj` on the
+same input, three GEMMs forward and, in backward, three input-gradient GEMMs whose results
+autograd adds up in two more passes over `[T, H]`. When their weights lie back to back in
+one buffer (`laden.model.stacked`: the roundpipe engine uploads a layer's parameters as one
+flat buffer, in the module's order) and none has a bias, `enable_sink_linears` also makes the
+attention module run them as one: a forward pre-hook computes the three outputs with one
+GEMM (`_JointLinearFn`) and hands each projection its part, which the projection returns
+when it is called on that very input. The backward sums the input gradient inside the GEMMs
+(`addmm`: no separate adds) and gives each weight its gradient (or its sink the factors).
+Anything else (weights apart, biases, autocast, a hooked projection, a compiled region)
+runs the projections one by one, as before. Only with `laden.model.stacked`'s joint
+projections on when `enable_sink_linears` runs (off by default, see there).
 """
 
 from __future__ import annotations
@@ -24,12 +37,15 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.grad_sink import GradSink, sink_of
+from laden.model.stacked import joint_projections_enabled, stacked_rows
 from laden.model.swap import ClassSwap, decoder_layers, plain_linear, warn_skipped
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+JOINT = ("q_proj", "k_proj", "v_proj")  # the projections of one input
 _ORIGINAL_CLASS_ATTR = "_laden_sink_linear_original_class"
+_HANDED = "_laden_joint_output"  # on a projection: (input, its version, the output computed for it)
 
 
 class _SinkLinearFn(torch.autograd.Function):
@@ -54,7 +70,102 @@ class _SinkLinearFn(torch.autograd.Function):
         return grad_x, None, grad_b, None
 
 
+class _JointLinearFn(torch.autograd.Function):
+    """`F.linear(x, w_i)` for every weight `w_i`, as one GEMM over their stacked rows.
+
+    `apply(x, stacked, sinks, *weights)`: `stacked` is the weights' rows as one matrix (a view,
+    `laden.model.stacked.stacked_rows`), `sinks` their sinks (None: the gradient goes to autograd).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stacked: torch.Tensor, sinks: tuple, *weights: torch.Tensor):
+        ctx.save_for_backward(x, *weights)
+        ctx.sinks = sinks
+        return F.linear(x, stacked).split([w.shape[0] for w in weights], -1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        rows = [g.reshape(-1, g.shape[-1]) for g in grads]
+        grad_x = None
+        if need_x:  # the sum over the projections inside the GEMMs, rounded once per addition
+            acc = rows[0].mm(weights[0])
+            for g, w in zip(rows[1:], weights[1:]):
+                acc.addmm_(g, w)
+            grad_x = acc.view(x.shape)
+        x_rows = x.reshape(-1, x.shape[-1])
+        grad_ws: list[torch.Tensor | None] = []
+        for g, w, sink, need in zip(rows, weights, ctx.sinks, need_w):
+            if need and sink is not None:
+                sink.accumulate(g, x_rows, w.dtype)
+            grad_ws.append(g.t().mm(x_rows) if need and sink is None else None)
+        return grad_x, None, None, *grad_ws
+
+
+def _joint_outputs(x: object, projections: list[Any]) -> tuple[torch.Tensor, ...] | None:
+    """The projections' outputs for input `x` from one GEMM, or None where they must run one by one."""
+    if not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+        return None
+    if not all(is_sink_linear(p) and plain_sink_linear(p) and p.bias is None for p in projections):
+        return None
+    weights = [p.weight for p in projections]
+    if x.dtype != weights[0].dtype or torch.is_autocast_enabled(x.device.type):
+        return None
+    stacked = stacked_rows(weights) if joint_projections_enabled() else None
+    if stacked is None:
+        return None
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))):
+        return tuple(F.linear(x, stacked).split([w.shape[0] for w in weights], -1))
+    sinks = tuple(sink_of(w) if w.requires_grad else None for w in weights)
+    return _JointLinearFn.apply(x, stacked, sinks, *weights)
+
+
+def _joint_pre_hook(attn: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before the attention runs: its query, key and value projections of the input, in one GEMM."""
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+    projections = [attn._modules.get(name) for name in JOINT]
+    outputs = _joint_outputs(x, projections)
+    if outputs is not None:
+        for projection, out in zip(projections, outputs):
+            projection.__dict__[_HANDED] = (x, x._version, out)  # type: ignore[union-attr]
+
+
+def _joint_post_hook(attn: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """After the attention (also when it raised): no projection keeps an output it was not asked for."""
+    for name in JOINT:
+        projection = attn._modules.get(name)
+        if projection is not None:
+            projection.__dict__.pop(_HANDED, None)
+
+
+def _has_joint_hooks(attn: nn.Module) -> bool:
+    return any(hook is _joint_pre_hook for hook in attn._forward_pre_hooks.values())
+
+
+def _add_joint_hooks(attn: nn.Module) -> None:
+    if not _has_joint_hooks(attn):
+        attn.register_forward_pre_hook(_joint_pre_hook, with_kwargs=True)
+        attn.register_forward_hook(_joint_post_hook, with_kwargs=True, always_call=True)
+
+
+def _remove_joint_hooks(attn: nn.Module) -> None:
+    for hook_id, hook in list(attn._forward_pre_hooks.items()):
+        if hook is _joint_pre_hook:
+            del attn._forward_pre_hooks[hook_id]
+            attn._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+    for hook_id, hook in list(attn._forward_hooks.items()):
+        if hook is _joint_post_hook:
+            del attn._forward_hooks[hook_id]
+            attn._forward_hooks_with_kwargs.pop(hook_id, None)
+            attn._forward_hooks_always_called.pop(hook_id, None)
+
+
 def _sink_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    handed = self.__dict__.pop(_HANDED, None)
+    if handed is not None and handed[0] is x and handed[1] == x._version:
+        return handed[2]  # computed with its siblings by the attention's pre-hook
     weight = self.weight
     sink = sink_of(weight) if torch.is_grad_enabled() and weight.requires_grad else None
     if sink is None or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type):
@@ -84,6 +195,15 @@ def _plain_linear(module: object) -> bool:
     return type(module) is nn.Linear and "forward" not in module.__dict__ and plain_linear(module)
 
 
+def plain_sink_linear(module: nn.Module) -> bool:
+    """A sink projection without hooks or a forward of its own (its call is the sink forward)."""
+    return (
+        "forward" not in module.__dict__
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+    )
+
+
 def enable_sink_linears(model: nn.Module) -> int:
     """Re-class every decoder layer's attention projections of `model` (see the module docstring).
 
@@ -93,12 +213,14 @@ def enable_sink_linears(model: nn.Module) -> int:
     """
     layers = decoder_layers(model, "enable_sink_linears")
     chosen: list[nn.Module] = []
+    attentions: list[nn.Module] = []
     skipped: set[str] = set()
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         projections = [getattr(attn, name, None) for name in PROJECTIONS]
         if all(is_sink_linear(p) or _plain_linear(p) for p in projections):
             chosen += projections  # type: ignore[arg-type]
+            attentions.append(attn)  # type: ignore[arg-type]
         else:
             skipped.add(type(attn).__qualname__)
     warn_skipped(
@@ -107,9 +229,15 @@ def enable_sink_linears(model: nn.Module) -> int:
         f"its {'/'.join(PROJECTIONS)} are not all plain nn.Linear modules without hooks (LoRA or quantised "
         "layers compute their own gradients), so their weight gradients go through autograd",
     )
+    if joint_projections_enabled():
+        for attn in attentions:
+            _add_joint_hooks(attn)
     return _SWAP.apply_all(chosen)
 
 
 def disable_sink_linears(model: nn.Module) -> int:
-    """Give every projection `enable_sink_linears` re-classed its original class back."""
+    """Give every projection `enable_sink_linears` re-classed its original class back (and drop the
+    attention hooks that run query, key and value as one)."""
+    for module in model.modules():
+        _remove_joint_hooks(module)
     return len(_SWAP.undo(model))

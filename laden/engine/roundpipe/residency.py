@@ -46,6 +46,7 @@ from torch import nn
 from laden.engine.roundpipe.device import Event, Lane
 from laden.engine.roundpipe.host import HostParam, HostStore, LayerInfo, ParamGroup
 from laden.model.grad_sink import accumulate_product, attach_sink
+from laden.model.stacked import stacked_rows
 
 
 def make_shell(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -285,6 +286,34 @@ class _AccumulatorSink:
         with self.res.lane.on(self.res.lane.compute):
             accumulate_product(self.acc, grad_out, inp, weight_dtype)
         _count_write(self.res, self.index)
+
+    @staticmethod
+    def join(sinks: Sequence[Any]) -> _JointAccumulatorSink | None:
+        """The sinks of weights stacked by rows, as one (`laden.model.grad_sink.joint_sink`): when
+        they feed one residency and their accumulators are stacked the same way (a group's flat
+        accumulator holds its parameters in the order the module lists them)."""
+        if not all(isinstance(s, _AccumulatorSink) and s.res is sinks[0].res for s in sinks):
+            return None
+        acc = stacked_rows([s.acc for s in sinks])
+        if acc is None:
+            return None
+        return _JointAccumulatorSink(sinks[0].res, [s.index for s in sinks], acc)
+
+
+@dataclass(eq=False)
+class _JointAccumulatorSink:
+    """Several `_AccumulatorSink`s whose accumulators are rows of `acc`: one GEMM adds the stacked
+    gradient, and each parameter's write is counted."""
+
+    res: Residency
+    indices: list[int]
+    acc: torch.Tensor
+
+    def accumulate(self, grad_out: torch.Tensor, inp: torch.Tensor, weight_dtype: torch.dtype) -> None:
+        with self.res.lane.on(self.res.lane.compute):
+            accumulate_product(self.acc, grad_out, inp, weight_dtype)
+        for index in self.indices:
+            _count_write(self.res, index)
 
 
 def _fold_grad(lane: Lane, acc: torch.Tensor, leaf: torch.Tensor) -> None:

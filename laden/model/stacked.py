@@ -1,0 +1,67 @@
+"""Weights that lie back to back in one buffer, used as one matrix without a copy.
+
+Projections that read the same input (an attention layer's query, key and value; a gated
+MLP's gate and up) are one GEMM instead of several when their weights are rows of one
+matrix. Hugging Face modules own one tensor per weight, but an engine that streams weights
+(the roundpipe engine uploads each layer's parameters as one flat buffer, in the order the
+module lists them) has them back to back already: `stacked_rows` finds that out and returns
+the joint matrix as a view, and `None` otherwise (separately allocated weights, a bias in
+between, another dtype), in which case the caller runs its projections one by one.
+
+Off by default (`use_joint_projections`): on an H200 the joint outputs' strided halves made
+the compiled elementwise kernels that read them slower than the launches and adds they saved
+(`benchmarks/RESULTS.md`, sixth round); `laden.model.fused.use_static_last_dims` is meant to
+remove that cost, and the two are measured together before this becomes a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["joint_projections_enabled", "stacked_rows", "use_joint_projections"]
+
+_ENABLED = False
+
+
+def use_joint_projections(enabled: bool = True) -> None:
+    """Run projections of one input as one GEMM where their weights are stacked (process-wide).
+
+    Read by the lean MLP at every call, and by `laden.model.sink_linear.enable_sink_linears`
+    when it sets up an attention module (set it before the model is prepared).
+    """
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def joint_projections_enabled() -> bool:
+    return _ENABLED
+
+
+def stacked_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(tensors)` as a view: 2-D contiguous tensors with the same number of columns,
+    dtype and device, each starting in the same storage where the one before it ends; else None.
+
+    The view shares no autograd history with the inputs (it is built from their data): callers
+    use it inside an autograd function that takes the tensors themselves as inputs.
+    """
+    first = tensors[0]
+    if first.dim() != 2 or first.device.type == "meta":
+        return None
+    cols, storage = first.shape[1], first.untyped_storage().data_ptr()
+    ptr, rows = first.data_ptr(), 0
+    for t in tensors:
+        if (
+            t.dim() != 2
+            or t.shape[1] != cols
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.data_ptr() != ptr
+        ):
+            return None
+        ptr += t.numel() * t.element_size()
+        rows += t.shape[0]
+    return first.detach().as_strided((rows, cols), (cols, 1))
