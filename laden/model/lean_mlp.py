@@ -24,6 +24,12 @@ A weight with a `GradSink` (`laden.model.grad_sink`, attached by an engine that 
 gradients in fp32 accumulators) gets none either: its gradient is added into the sink's
 accumulator, in one fp32-output GEMM on CUDA.
 
+With `laden.model.stacked`'s joint projections on (off by default) and the gate and up
+weights back to back without biases (the roundpipe upload), both projections are one
+`[2I, H]` GEMM whose output halves are `gate` and `up`; the fused SwiGLU backward then writes
+both gradients side by side, the input gradient is one GEMM over them, and sinks that can
+join (`laden.model.grad_sink.joint_sink`) take both weight gradients in one GEMM.
+
 The tiled MLP (`laden.model.tiled`) already keeps only `x` for the whole MLP; the two
 compose in either order (`enable_lean_mlp` then `enable_tiled_mlp`, or the reverse): the
 MLP runs tiled, its tiles lean, which lowers the intermediates a tile's backward holds. Such
