@@ -130,7 +130,7 @@ class LeanGatedMLPFn(torch.autograd.Function):
         bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
         fused_swiglu = _fusable(ctx.act_fn)
         sink_gate, sink_up, sink_down = ctx.sinks
-        w_gate_up = _stacked(w_gate, ctx.bias_dtypes[0], w_up, ctx.bias_dtypes[1])
+        w_gate_up = _stacked(w_gate, bias_gate_dtype, w_up, bias_up_dtype)
         grad_gate = grad_up = grad_gate_up = None
         if fused_swiglu:  # the product and both its input gradients in one compiled pass
             with _autocast(device_type, False, dtype):

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from laden.model.grad_sink import GradSink, sink_of
 from laden.model.stacked import joint_projections_enabled, stacked_rows
-from laden.model.swap import ClassSwap, decoder_layers, plain_linear, warn_skipped
+from laden.model.swap import ClassSwap, decoder_layers, hookless, plain_linear, warn_skipped
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
 
@@ -197,11 +197,7 @@ def _plain_linear(module: object) -> bool:
 
 def plain_sink_linear(module: nn.Module) -> bool:
     """A sink projection without hooks or a forward of its own (its call is the sink forward)."""
-    return (
-        "forward" not in module.__dict__
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (module._backward_hooks or module._backward_pre_hooks)
-    )
+    return "forward" not in module.__dict__ and hookless(module)
 
 
 def enable_sink_linears(model: nn.Module) -> int:

@@ -23,7 +23,15 @@ from typing import Any, SupportsIndex
 
 from torch import nn
 
-__all__ = ["ClassSwap", "check_own_forward", "decoder_layers", "plain_linear", "same_code", "warn_skipped"]
+__all__ = [
+    "ClassSwap",
+    "check_own_forward",
+    "decoder_layers",
+    "hookless",
+    "plain_linear",
+    "same_code",
+    "warn_skipped",
+]
 
 
 class ClassSwap:
@@ -123,11 +131,16 @@ def decoder_layers(model: nn.Module, who: str, hint: str = "") -> nn.ModuleList:
 def plain_linear(module: object) -> bool:
     """An `nn.Linear` running `nn.Linear.forward` (not a LoRA or quantised layer) without hooks: a
     module whose computation is exactly `F.linear(x, weight, bias)`."""
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (module._backward_hooks or module._backward_pre_hooks)
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and hookless(module)
+
+
+def hookless(module: nn.Module) -> bool:
+    """No forward or backward hooks on `module` itself (its call is exactly its class's forward)."""
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
     )
 
 
