@@ -12,8 +12,9 @@
 # ref8 with --no-fused-elementwise, limit23 = ref8 with a 23 GiB model_memory_limit, gc = 16 and 8
 # micro-batches with --gc-freeze, spy = ref under py-spy, switch = ref8 with a 0.5 ms GIL switch
 # interval, chunk2k = ref with 2048-token loss chunks, again = laden and RoundPipe on the reference
-# workload a second time, after ref (run-to-run spread), joint = laden on it with --static-last-dims,
-# then also --joint-projections (these eleven not in the default),
+# workload a second time, after ref (run-to-run spread), joint = laden on it with --no-static-last-dims
+# (the fused kernels' former dynamic last dims), then with --joint-projections (these eleven not in the
+# default),
 # compile = laden on it with compiled layers, 8b = Qwen3-8B shape, seq = the longest-sequence runs, pin =
 # host peak and upload bandwidth per pin_model mode.
 #
@@ -186,11 +187,11 @@ if want again; then
   run laden_ref_again 130 "${laden[@]}" "${ref[@]}"
   run roundpipe_ref_again 130 "${rp[@]}" "${ref[@]}"
 fi
-# Joint projections (one GEMM for q/k/v and for gate/up) and static last dims for the fused kernels, each
-# off by default and under measurement: static dims alone, then both (sixth round of RESULTS.md).
+# The fused kernels with dynamic last dims (the default until the seventh round of RESULTS.md), and joint
+# projections (one GEMM for q/k/v and for gate/up; off by default, slower in the seventh round).
 if want joint; then
-  run laden_ref_static 130 "${laden[@]}" "${ref[@]}" --static-last-dims --profile
-  run laden_ref_joint 130 "${laden[@]}" "${ref[@]}" --static-last-dims --joint-projections --profile
+  run laden_ref_dynamic 130 "${laden[@]}" "${ref[@]}" --no-static-last-dims --profile
+  run laden_ref_joint 130 "${laden[@]}" "${ref[@]}" --joint-projections --profile
 fi
 # Twice the loss chunk: half the passes over the head's fp32 gradient accumulator, 0.6 GiB more transient.
 want chunk2k && run laden_ref_chunk2k 130 "${laden[@]}" "${ref[@]}" --loss-chunk-size 2048

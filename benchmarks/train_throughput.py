@@ -101,9 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--joint-projections", action="store_true",
                    help="laden: q/k/v and gate/up as one GEMM each where the upload stacks their weights "
                         "(laden.model.stacked; off by default, under measurement)")  # fmt: skip
-    p.add_argument("--static-last-dims", action="store_true",
+    p.add_argument("--static-last-dims", action=argparse.BooleanOptionalAction, default=True,
                    help="laden: compile the fused elementwise functions with static last dimensions "
-                        "(laden.model.fused.use_static_last_dims; off by default, under measurement)")  # fmt: skip
+                        "(laden.model.fused.use_static_last_dims, the default; --no-static-last-dims: "
+                        "fully dynamic shapes)")  # fmt: skip
     p.add_argument("--tiny-layers", type=int, default=None,
                    help="--model tiny with this many decoder layers: with the reference plan's shape "
                         "(--fwd-stage-layers, --stage-layers 1, --fused-layers), a CPU measure of the host "

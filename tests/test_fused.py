@@ -189,6 +189,7 @@ def test_static_last_dims_compile_strided_halves_once_for_every_token_count(fuse
     monkeypatch.setattr(
         fused_module, "call", lambda fn, *args: called.append(fn.__name__) or real_call(fn, *args)
     )
+    previous = fused_module._STATIC_LAST_DIMS
     use_static_last_dims(True)
     try:
         plain = _hf_mlp()
@@ -214,4 +215,4 @@ def test_static_last_dims_compile_strided_halves_once_for_every_token_count(fuse
         assert graphs[1] == graphs[0]  # the second token count compiled nothing new
         assert called.count("_swiglu_backward_stacked") == 2  # the joint path, once per backward
     finally:
-        use_static_last_dims(False)
+        use_static_last_dims(previous)

@@ -10,8 +10,10 @@ between, another dtype), in which case the caller runs its projections one by on
 
 Off by default (`use_joint_projections`): on an H200 the joint outputs' strided halves made
 the compiled elementwise kernels that read them slower than the launches and adds they saved
-(`benchmarks/RESULTS.md`, sixth round); `laden.model.fused.use_static_last_dims` is meant to
-remove that cost, and the two are measured together before this becomes a default.
+(`benchmarks/RESULTS.md`, sixth round). With the fused kernels' static last dimensions
+(`laden.model.fused.use_static_last_dims`, the default since the seventh round) the reference
+step still ran 1 to 4 % slower with them (35,441 and 35,306 tokens/s against 35,835 and
+36,615), so they stay off.
 """
 
 from __future__ import annotations
