@@ -7,7 +7,7 @@ writing the whole activation. On a GPU such memory-bound kernels, not the matmul
 half of the kernel time of the reference training step (`benchmarks/RESULTS.md`).
 
 With `use_fused_kernels(True)` the same math goes through `torch.compile` (`fullgraph`,
-dynamic shapes): one function for the norm's forward, one for its backward, one for the
+dynamic token counts, static last dimensions: `use_static_last_dims`): one function for the norm's forward, one for its backward, one for the
 SwiGLU product's backward (the product and both input gradients in one pass). Only these
 pure tensor functions are compiled, never a layer: no graph break at attention, no
 autograd tracing, and the guard check is the only per-call cost. Results agree with the
