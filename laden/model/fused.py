@@ -7,13 +7,13 @@ writing the whole activation. On a GPU such memory-bound kernels, not the matmul
 half of the kernel time of the reference training step (`benchmarks/RESULTS.md`).
 
 With `use_fused_kernels(True)` the same math goes through `torch.compile` (`fullgraph`,
-dynamic token counts, static last dimensions: `use_static_last_dims`): one function for the norm's forward, one for its backward, one for the
-SwiGLU product's backward (the product and both input gradients in one pass). Only these
-pure tensor functions are compiled, never a layer: no graph break at attention, no
-autograd tracing, and the guard check is the only per-call cost. Results agree with the
-eager ops to float rounding (the compiler fuses and may reorder a reduction), not bitwise,
-which is why it is a separate switch. It is process-wide: a kernel choice, like PyTorch's
-backend flags.
+dynamic token counts, static last dimensions: `use_static_last_dims`): one function for the
+norm's forward, one for its backward, one for the SwiGLU product's backward (the product and
+both input gradients in one pass). Only these pure tensor functions are compiled, never a
+layer: no graph break at attention, no autograd tracing, and the guard check is the only
+per-call cost. Results agree with the eager ops to float rounding (the compiler fuses and may
+reorder a reduction), not bitwise, which is why it is a separate switch. It is process-wide: a
+kernel choice, like PyTorch's backend flags.
 
 On an H200 (`benchmarks/RESULTS.md`, Qwen3-1.7B, 8 micro-batches of 2 x 4096 tokens) the step's
 kernel time fell from 2.54 to 1.90 s with it, and tokens/s rose by a fifth. The attention
