@@ -172,10 +172,12 @@ def test_tensor_subclasses_run_eager(fused, monkeypatch):
     assert compiled == ["double", "double"]
 
 
-def test_static_last_dims_compile_strided_halves_once_for_every_token_count(fused, monkeypatch):
-    """Static last dimensions (`use_static_last_dims`) with joint gate/up projections: the
-    compiled SwiGLU reads strided halves of one buffer and writes both gradients side by side,
-    matches autograd, and a second token count reuses the compiled code (no new graph)."""
+@pytest.mark.parametrize("static", [True, False], ids=["static_last_dims", "dynamic_last_dims"])
+def test_strided_halves_compile_once_for_every_token_count(fused, monkeypatch, static):
+    """Joint gate/up projections, with static last dimensions (`use_static_last_dims`, the
+    default) and without: the compiled SwiGLU reads strided halves of one buffer and writes both
+    gradients side by side, matches autograd, and a second token count reuses the compiled code
+    (no new graph)."""
     from test_grad_sink import _stack_gate_up
 
     from laden.model import fused as fused_module
@@ -190,7 +192,7 @@ def test_static_last_dims_compile_strided_halves_once_for_every_token_count(fuse
         fused_module, "call", lambda fn, *args: called.append(fn.__name__) or real_call(fn, *args)
     )
     previous = fused_module._STATIC_LAST_DIMS
-    use_static_last_dims(True)
+    use_static_last_dims(static)
     try:
         plain = _hf_mlp()
         lean = copy.deepcopy(plain)
