@@ -175,9 +175,7 @@ def _methods(cls: type[nn.Module]) -> dict[str, Any]:
 _SWAP = ClassSwap(prefix="FusedRope", marker=_ORIGINAL_CLASS_ATTR, methods=_methods, owner=__name__)
 
 
-def class_swap(arg: object = None) -> ClassSwap:
-    """The fused-rotary class swap (what unpickling such an attention module looks up)."""
-    return _SWAP
+class_swap = _SWAP.lookup  # what unpickling such an attention module looks up
 
 
 def is_fused_rotary(module: nn.Module | None) -> bool:

@@ -327,9 +327,7 @@ _SWAP = ClassSwap(
 )
 
 
-def class_swap(arg: object = None) -> ClassSwap:
-    """The lean-MLP class swap (what unpickling a lean MLP looks up)."""
-    return _SWAP
+class_swap = _SWAP.lookup  # what unpickling a lean MLP looks up
 
 
 def is_lean_mlp(module: nn.Module | None) -> bool:

@@ -163,9 +163,7 @@ _SWAP = ClassSwap(
 )
 
 
-def class_swap(arg: object = None) -> ClassSwap:
-    """The lean-RMSNorm class swap (what unpickling a lean norm looks up)."""
-    return _SWAP
+class_swap = _SWAP.lookup  # what unpickling a lean norm looks up
 
 
 def _is_hf_rmsnorm(module: nn.Module) -> bool:

@@ -181,9 +181,7 @@ _SWAP = ClassSwap(
 )
 
 
-def class_swap(arg: object = None) -> ClassSwap:
-    """The sink-linear class swap (what unpickling such a projection looks up)."""
-    return _SWAP
+class_swap = _SWAP.lookup  # what unpickling such a projection looks up
 
 
 def is_sink_linear(module: nn.Module | None) -> bool:

@@ -38,7 +38,8 @@ class ClassSwap:
     """Subclasses `<prefix><cls>` of original classes with `methods(cls)` replaced.
 
     `owner` and `arg` name how an unpickling process finds this swap again:
-    `importlib.import_module(owner).class_swap(arg)` must return it (or an equal one).
+    `importlib.import_module(owner).class_swap(arg)` must return it (or an equal one). A module
+    with one swap binds `class_swap = _SWAP.lookup`.
     """
 
     def __init__(
@@ -69,6 +70,10 @@ class ClassSwap:
                 },
             )
         return self._classes[cls]
+
+    def lookup(self, arg: object = None) -> ClassSwap:
+        """This swap, whatever `arg`: the `class_swap` of a module that owns only this one."""
+        return self
 
     def applied(self, module: nn.Module) -> bool:
         return self.marker in type(module).__dict__

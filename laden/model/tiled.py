@@ -193,9 +193,7 @@ _SWAP = ClassSwap(
 )
 
 
-def class_swap(arg: object = None) -> ClassSwap:
-    """The tiled-MLP class swap (what unpickling a tiled MLP looks up)."""
-    return _SWAP
+class_swap = _SWAP.lookup  # what unpickling a tiled MLP looks up
 
 
 def tile_tokens_of(module: nn.Module | None) -> int | None:
