@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
 from bench_common import shapes  # noqa: E402
 
 SHAPES = shapes(
@@ -39,9 +40,8 @@ SHAPES = shapes(
 
 
 def write_model_dir(out: Path, shape: str, max_positions: int) -> None:
+    from tiny import build_char_tokenizer
     from transformers import Qwen3Config
-
-    from laden.model.tiny import build_char_tokenizer
 
     build_char_tokenizer(out)
     Qwen3Config(

@@ -48,6 +48,7 @@ from typing import Any, cast
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
 from bench_common import git_commit, shapes  # noqa: E402
 
 PEAK_FLOPS = 989e12
@@ -100,10 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--joint-projections", action="store_true",
                    help="laden: q/k/v and gate/up as one GEMM each where the upload stacks their weights "
-                        "(laden.model.stacked; off by default, under measurement)")  # fmt: skip
+                        "(laden.model.patches.stacked; off by default, under measurement)")  # fmt: skip
     p.add_argument("--static-last-dims", action=argparse.BooleanOptionalAction, default=True,
                    help="laden: compile the fused elementwise functions with static last dimensions "
-                        "(laden.model.fused.use_static_last_dims, the default; --no-static-last-dims: "
+                        "(laden.model.patches.fused.use_static_last_dims, the default; --no-static-last-dims: "
                         "fully dynamic shapes)")  # fmt: skip
     p.add_argument("--tiny-layers", type=int, default=None,
                    help="--model tiny with this many decoder layers: with the reference plan's shape "
@@ -147,11 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The model, random init; on the meta device (real buffers) when `on_meta(args)`: the laden
     engine then initialises it layer by layer straight into its host store."""
+    from tiny import tiny_qwen3_config
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from laden.engine.roundpipe.host_memory import meta_params
+    from laden.engine.roundpipe.host.memory import meta_params
     from laden.model.attention import set_attention
-    from laden.model.tiny import tiny_qwen3_config
 
     torch.manual_seed(args.seed)
     if args.model == "tiny":
@@ -169,24 +170,24 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     with where:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
-    from laden.model.fused import use_static_last_dims
-    from laden.model.stacked import use_joint_projections
+    from laden.model.patches.fused import use_static_last_dims
+    from laden.model.patches.stacked import use_joint_projections
 
     use_joint_projections(args.joint_projections)  # before enable_sink_linears reads it
     use_static_last_dims(args.static_last_dims)
     if lean_activations(args):
-        from laden.model.lean_mlp import enable_lean_mlp
-        from laden.model.lean_norm import enable_lean_rmsnorm
-        from laden.model.sink_linear import enable_sink_linears
+        from laden.model.patches.lean_mlp import enable_lean_mlp
+        from laden.model.patches.lean_norm import enable_lean_rmsnorm
+        from laden.model.patches.sink_linear import enable_sink_linears
 
         enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
         enable_lean_mlp(model)
         enable_sink_linears(model)
-    from laden.model.fused import use_fused_kernels
+    from laden.model.patches.fused import use_fused_kernels
 
     use_fused_kernels(fused_elementwise(args))  # actor.fused_elementwise
     if fused_elementwise(args):
-        from laden.model.fused_rotary import enable_fused_rotary
+        from laden.model.patches.fused_rotary import enable_fused_rotary
 
         if not lean_activations(args):
             raise SystemExit(
@@ -194,8 +195,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
             )
         enable_fused_rotary(model)
     if args.tiled_mlp_tokens:
-        from laden.model.lean_norm import enable_lean_rmsnorm
-        from laden.model.tiled import enable_tiled_mlp
+        from laden.model.patches.lean_norm import enable_lean_rmsnorm
+        from laden.model.patches.tiled import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)  # actor.tiled_mlp_tokens:
         enable_lean_rmsnorm(model)  # both, as in `laden sft`
@@ -295,7 +296,7 @@ def predict_host(args: argparse.Namespace, model: torch.nn.Module, device: torch
     `pinned`: whether buffers are page-locked (default: a GPU is present); `overrides` replace
     engine settings (`optimizer=`, `optim_step=`, `pin_model=`: what-if for the refusal message).
     """
-    from laden.engine.roundpipe.host_memory import bytes_per_param, predict_engine_host_bytes
+    from laden.engine.roundpipe.host.memory import bytes_per_param, predict_engine_host_bytes
 
     args = argparse.Namespace(**{**vars(args), **overrides})
     settings = laden_settings(args, model, device)
@@ -387,7 +388,7 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from laden.model import fused_rotary, lean_mlp, lean_norm, sink_linear, tiled
+    from laden.model.patches import fused_rotary, lean_mlp, lean_norm, sink_linear, tiled
 
     t0 = time.perf_counter()
     device = (

@@ -36,8 +36,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from laden.model.export import export_hf
-    from laden.model.loading import load_causal_lm
+    from laden.model.hf.export import export_hf
+    from laden.model.hf.loading import load_causal_lm
 
     src = gguf_path()
     model = load_causal_lm(str(src.parent), dtype=torch.float32, gguf_file=src.name)

@@ -37,7 +37,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A directory with a char-level tokenizer (loadable by AutoTokenizer) and a tiny Qwen3 config.json."""
-    from laden.model.tiny import write_tiny_model_dir
+    from tiny import write_tiny_model_dir
 
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 

@@ -19,3 +19,45 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
         return out
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create while the mode is on and that are still alive.
+
+    Every op output's storage is counted once, from its creation until it is freed (a weakref
+    finalizer on the storage's owner tensor); views and in-place ops add nothing. What existed
+    before the mode started (the model) is not counted, so `peak_bytes` is what a piece of code
+    holds beyond it at its worst moment.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._seen: dict[int, int] = {}
+
+    def _track(self, t: torch.Tensor) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+        def release(key: int = key) -> None:
+            self.live_bytes -= self._seen.pop(key, 0)
+
+        weakref.finalize(t, release)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        if torch.Tag.inplace_view not in func.tags and not func._schema.is_mutable:
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and not t._is_view() and t.device.type != "meta":
+                    self._track(t)
+        return out

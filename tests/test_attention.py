@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_qwen3_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden.model.attention import (
@@ -21,7 +22,6 @@ from laden.model.attention import (
     shift_packed_labels,
     varlen_attention_forward,
 )
-from laden.model.tiny import tiny_qwen3_config
 
 DOC_LENGTHS = (5, 11, 8)
 VOCAB = 96

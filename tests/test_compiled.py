@@ -1,4 +1,4 @@
-"""Compiled decoder layers (`laden.model.compiled`) == eager, in a model and in the roundpipe engine.
+"""Compiled decoder layers (`laden.model.patches.compiled`) == eager, in a model and in the roundpipe engine.
 
 The compile backend here is `aot_eager`: Dynamo's capture and AOTAutograd's forward/backward
 split with eager kernels, fast on a 2-core CPU and exact, so the tests check the plumbing
@@ -16,13 +16,13 @@ import pytest
 import torch
 from test_roundpipe_engine import SMALL_STAGES, make_steps, settings, tied_model
 from test_tiled import _lm_step
+from tiny import tiny_qwen3_config
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from laden.engine.roundpipe import RoundPipeEngine
 from laden.model.attention import set_attention
-from laden.model.compiled import compiled_layer_count, disable_compiled_layers, enable_compiled_layers
-from laden.model.tiny import tiny_qwen3_config
+from laden.model.patches.compiled import compiled_layer_count, disable_compiled_layers, enable_compiled_layers
 
 TIGHT = dict(rtol=1e-5, atol=1e-6)
 pytestmark = pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning")

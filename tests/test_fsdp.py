@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_qwen3_config
+from workers import run_workers
 
 from laden.data.batch import pack_samples
 from laden.engine.fsdp import FSDPEngine, build_device_mesh, init_distributed
-from laden.engine.fsdp.testing import run_workers
-from laden.engine.local import OptimSettings
-from laden.model.tiny import tiny_qwen3_config
+from laden.optim import OptimSettings
 
 VOCAB = 96
 # eps 1e-3: Adam's update g / (|g| + eps) has slope up to lr / (4 eps) near |g| = eps, so with the

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from test_fsdp import SETTINGS, STEPS, full_params, run_engine, split_steps, tiny_model
 from torch.distributed.tensor import DTensor
+from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
-from laden.engine.fsdp.testing import run_workers
 
 
 def make_engine(world_size: int, **options) -> FSDPEngine:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
+from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
-from laden.engine.fsdp.testing import run_workers
 
 NCCL = "cpu:gloo,cuda:nccl"
 

@@ -13,13 +13,13 @@ from test_fsdp import (
     split_steps,
     tiny_model,
 )
+from tiny import tiny_qwen3_config
+from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
 from laden.engine.fsdp.load import build_meta_model
-from laden.engine.fsdp.shard_optim import ShardedAdamW
-from laden.engine.fsdp.testing import run_workers
-from laden.engine.local import OptimSettings
-from laden.model.tiny import tiny_qwen3_config
+from laden.optim import OptimSettings
+from laden.optim.sharded_adam import ShardedAdamW
 
 OPTIM_VARIANTS = [
     {"offload_params": True},

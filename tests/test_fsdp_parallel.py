@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
+from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
-from laden.engine.fsdp.testing import run_workers
 from laden.engine.fsdp.ulysses import shard_packed_row
 from laden.engine.fsdp.vocab_parallel import vocab_parallel_cross_entropy, vocab_shard_range
 

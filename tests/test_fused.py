@@ -14,9 +14,9 @@ from test_lean_mlp import _hf_mlp, _holder
 from test_lean_norm import _tiny_model
 from test_tiled import _batch, _lm_step
 
-from laden.model.fused import fused_kernels_enabled, use_fused_kernels
-from laden.model.lean_mlp import enable_lean_mlp
-from laden.model.lean_norm import LeanRMSNormFn, enable_lean_rmsnorm
+from laden.model.patches.fused import fused_kernels_enabled, use_fused_kernels
+from laden.model.patches.lean_mlp import enable_lean_mlp
+from laden.model.patches.lean_norm import LeanRMSNormFn, enable_lean_rmsnorm
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_function_that_does_not_compile_runs_eager_with_one_warning(fused, mon
     then on; an error of the computation itself is raised as usual."""
     from torch._dynamo.exc import TorchDynamoException
 
-    from laden.model import fused as fused_module
+    from laden.model.patches import fused as fused_module
 
     attempts: list[str] = []
 
@@ -151,7 +151,7 @@ def test_a_function_that_does_not_compile_runs_eager_with_one_warning(fused, mon
 def test_tensor_subclasses_run_eager(fused, monkeypatch):
     """A tensor subclass (tensor parallelism's DTensor) never reaches the compiler; plain tensors and
     parameters do."""
-    from laden.model import fused as fused_module
+    from laden.model.patches import fused as fused_module
 
     compiled: list[str] = []
     monkeypatch.setattr(
@@ -180,9 +180,9 @@ def test_strided_halves_compile_once_for_every_token_count(fused, monkeypatch, s
     (no new graph)."""
     from test_grad_sink import _stack_gate_up
 
-    from laden.model import fused as fused_module
-    from laden.model import stacked
-    from laden.model.fused import use_static_last_dims
+    from laden.model.patches import fused as fused_module
+    from laden.model.patches import stacked
+    from laden.model.patches.fused import use_static_last_dims
 
     counters = torch._dynamo.utils.counters
     monkeypatch.setattr(stacked, "_ENABLED", True)

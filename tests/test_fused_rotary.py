@@ -13,8 +13,13 @@ import torch
 from test_attention import _llama, _qwen3
 from test_fused import fused  # noqa: F401  (the fixture)
 
-from laden.model import fused_rotary
-from laden.model.fused_rotary import RotaryFn, disable_fused_rotary, enable_fused_rotary, is_fused_rotary
+from laden.model.patches import fused_rotary
+from laden.model.patches.fused_rotary import (
+    RotaryFn,
+    disable_fused_rotary,
+    enable_fused_rotary,
+    is_fused_rotary,
+)
 
 
 def _hf_rotation(q, k, cos, sin, unsqueeze_dim=1):

@@ -15,12 +15,12 @@ from test_roundpipe_engine import (
 )
 
 from laden.engine.roundpipe import RoundPipeEngine, residency
-from laden.model import stacked
-from laden.model.grad_sink import accumulate_product, attach_sink, sink_of, suspended
-from laden.model.lean_mlp import enable_lean_mlp
-from laden.model.sink_linear import enable_sink_linears
-from laden.model.stacked import stacked_rows
-from laden.model.tiled import enable_tiled_mlp
+from laden.model.patches import stacked
+from laden.model.patches.grad_sink import accumulate_product, attach_sink, sink_of, suspended
+from laden.model.patches.lean_mlp import enable_lean_mlp
+from laden.model.patches.sink_linear import enable_sink_linears
+from laden.model.patches.stacked import stacked_rows
+from laden.model.patches.tiled import enable_tiled_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +134,7 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, swiglu, monke
     fp32-output GEMM is closer than the fold, so not bit-equal (its own test is below). With the
     fused SwiGLU backward (run eagerly here), each layer's gate and up weights, back to back in the
     upload, send their gradients to their stacked accumulators in one GEMM (a joint sink)."""
-    from laden.model import fused, grad_sink
+    from laden.model.patches import fused, grad_sink
 
     monkeypatch.setattr(grad_sink, "_fp32_out_addmm", lambda device, dtype: False)
     if swiglu == "fused":  # with joint projections (off by default)
@@ -195,7 +195,7 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, swiglu, monke
 def test_cuda_sinks_accumulate_in_one_fp32_output_gemm():
     """On CUDA the product is added by one addmm with an fp32 output: the sum equals the fp32
     product of the bf16 factors to fp32 rounding, closer than the bf16-rounded gradient's sum."""
-    from laden.model import grad_sink
+    from laden.model.patches import grad_sink
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     g = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -253,7 +253,7 @@ def test_stacked_gate_and_up_are_one_gemm_and_their_sinks_one_when_they_join(fus
     fused SwiGLU backward (run eagerly here) both gradients come side by side, the input gradient
     is one GEMM over them and stacked accumulators take both weight gradients in one GEMM.
     Outputs, input gradients and the accumulated weight gradients are autograd's to bf16 rounding."""
-    from laden.model import fused, lean_mlp
+    from laden.model.patches import fused, lean_mlp
 
     monkeypatch.setattr(stacked, "_ENABLED", True)  # joint projections on (off by default)
     if fused_path:

@@ -13,8 +13,8 @@ from test_lean_norm import _tiny_model, check_enable_disable_round_trip
 from test_tiled import GatedMLP, _assert_model_same, _batch, _lm_step, _other_arch
 from torch import nn
 
-from laden.model.lean_mlp import LeanGatedMLPFn, disable_lean_mlp, enable_lean_mlp, is_lean_mlp
-from laden.model.tiled import disable_tiled_mlp, enable_tiled_mlp, tile_tokens_of
+from laden.model.patches.lean_mlp import LeanGatedMLPFn, disable_lean_mlp, enable_lean_mlp, is_lean_mlp
+from laden.model.patches.tiled import disable_tiled_mlp, enable_tiled_mlp, tile_tokens_of
 
 HIDDEN, INTER = 16, 40
 

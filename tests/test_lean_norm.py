@@ -9,12 +9,12 @@ import pickle
 import pytest
 import torch
 from test_tiled import _assert_model_same, _batch, _lm_step
+from tiny import tiny_qwen3_config
 from torch import nn
 
 from laden.model.attention import set_attention
-from laden.model.lean_norm import LeanRMSNormFn, disable_lean_rmsnorm, enable_lean_rmsnorm
-from laden.model.tiled import enable_tiled_mlp
-from laden.model.tiny import tiny_qwen3_config
+from laden.model.patches.lean_norm import LeanRMSNormFn, disable_lean_rmsnorm, enable_lean_rmsnorm
+from laden.model.patches.tiled import enable_tiled_mlp
 
 EPS = 1e-6
 

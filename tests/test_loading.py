@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from laden.model.attention import LADEN_VARLEN
-from laden.model.export import export_hf
-from laden.model.loading import load_causal_lm, load_tokenizer
+from laden.model.hf.export import export_hf, hf_state_names
+from laden.model.hf.loading import load_causal_lm, load_tokenizer
 
 
 def _from_pretrained(path, **kwargs):
@@ -86,9 +86,11 @@ def test_export_tied_model_writes_embedding_once(tmp_path):
     model.set_attn_implementation("eager")
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)
 
-    # A gathered state dict holds separate copies of the tied tensors: still written once.
+    # A gathered state dict holds separate copies of the tied tensors: its names still list them once.
     gathered = {name: t.clone() for name, t in model.state_dict().items()}
-    out = export_hf(model, tmp_path / "gathered", dtype=torch.float32, state_dict=gathered)
+    assert "lm_head.weight" not in hf_state_names(model)
+    weights = ((name, gathered[name]) for name in hf_state_names(model))
+    out = export_hf(model, tmp_path / "gathered", dtype=torch.float32, weights=weights)
     assert "lm_head.weight" not in _saved_keys(out)
     torch.testing.assert_close(_logits(_from_pretrained(out, attn_implementation="eager")), _logits(model))
 
@@ -209,9 +211,8 @@ def test_tokenizer_missing_files_is_a_value_error(tmp_path):
 def _write_tiny_gguf(path):
     """A random tiny Qwen3 written as an fp32 GGUF file with the `gguf` package's writer."""
     import gguf
+    from tiny import tiny_qwen3_config
     from transformers import Qwen3ForCausalLM
-
-    from laden.model.tiny import tiny_qwen3_config
 
     # head_dim 128: transformers' GGUF reader does not read head_dim and assumes Qwen3's default.
     cfg = tiny_qwen3_config(

@@ -140,7 +140,7 @@ def test_cuda_bf16_weight_gradient_sums_chunks_in_fp32():
     products chunk by chunk is further off."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from laden.model import grad_sink
+    from laden.model.patches import grad_sink
 
     chunk = 2
     hidden, weight, labels = (t.cuda() for t in _inputs(dtype=torch.bfloat16))

@@ -11,13 +11,13 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from laden import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from laden.engine.roundpipe.plan import GIB
 from laden.model.split import causal_lm_loss, shift_labels
-from laden.model.tiny import tiny_qwen3_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

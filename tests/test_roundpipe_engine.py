@@ -13,16 +13,15 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from laden.data.batch import pack_samples
-from laden.engine.local import OptimSettings
 from laden.engine.roundpipe import ModelExecutePlan, RoundPipeEngine
 from laden.model.loss import chunked_linear_cross_entropy
 from laden.model.split import shift_labels
-from laden.model.tiny import tiny_qwen3_config
-from laden.optim import AdamWBF16, param_groups_with_decay
+from laden.optim import AdamWBF16, OptimSettings, param_groups_with_decay
 
 
 def tied_model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -480,7 +479,7 @@ def test_tied_gradient_kept_on_the_device_equals_the_host_add(monkeypatch, optim
 def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
     """An out-of-memory error in a late backward stage, after earlier stages' gradients landed,
     must not leak partial gradients into the retried step."""
-    from laden.engine.roundpipe import stages
+    from laden.engine.roundpipe import passes
 
     steps = make_steps(2)
     o = settings(gradient_clipping=1.0)
@@ -490,7 +489,7 @@ def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
             tied_model(), optim=o, compute_dtype=torch.float32, model_memory_limit=SMALL_STAGES
         )
     assert len(retried.plan.bwd_plan) >= 4
-    real_backward, calls = stages.run_backward, []
+    real_backward, calls = passes.run_backward, []
 
     def oom_on_third_stage(task, lane, res):
         calls.append(task.layers)
@@ -498,11 +497,11 @@ def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
             raise torch.OutOfMemoryError("injected")
         real_backward(task, lane, res)
 
-    monkeypatch.setattr(stages, "run_backward", oom_on_third_stage)
+    monkeypatch.setattr(passes, "run_backward", oom_on_third_stage)
     n = sum(mb.num_loss_tokens for mb in steps[0])
     with pytest.raises(torch.OutOfMemoryError):
         retried.train_batch(steps[0], global_num_loss_tokens=n)
-    monkeypatch.setattr(stages, "run_backward", real_backward)
+    monkeypatch.setattr(passes, "run_backward", real_backward)
     for mbs in steps:
         n = sum(mb.num_loss_tokens for mb in mbs)
         a = clean.train_batch(mbs, global_num_loss_tokens=n)

@@ -297,11 +297,11 @@ def test_cuda_compiled_layers_track_eager_engine():
 def test_cuda_long_context_knobs_equal_plain_layers():
     """actor.tiled_mlp_tokens on CUDA under bf16 autocast (where CUDA autocast, unlike the CPU's,
     runs reductions in fp32): tiled MLP + lean RMSNorms give the plain model's loss and gradients."""
+    from tiny import tiny_qwen3_config
     from transformers import AutoModelForCausalLM
 
-    from laden.model.lean_norm import enable_lean_rmsnorm
-    from laden.model.tiled import enable_tiled_mlp
-    from laden.model.tiny import tiny_qwen3_config
+    from laden.model.patches.lean_norm import enable_lean_rmsnorm
+    from laden.model.patches.tiled import enable_tiled_mlp
 
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=64, num_hidden_layers=2)).cuda()

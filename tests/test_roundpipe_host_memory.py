@@ -16,24 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 from test_roundpipe_engine import reference_loss
+from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from laden.data.batch import pack_samples
-from laden.engine.local import OptimSettings
 from laden.engine.roundpipe import RoundPipeEngine
-from laden.engine.roundpipe.host_memory import (
+from laden.engine.roundpipe.host.memory import (
     bytes_per_param,
     measured_host_bytes,
     meta_params,
     predict_engine_host_bytes,
 )
-from laden.model.tiny import tiny_qwen3_config
-from laden.optim import AdamWBF16, param_groups_with_decay
+from laden.optim import AdamWBF16, OptimSettings, param_groups_with_decay
 
 GIB = 1 << 30
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "train_throughput.py"
-# The modes of the host-memory table in laden.engine.roundpipe.host_memory: (optimizer, model and master
+# The modes of the host-memory table in laden.engine.roundpipe.host.memory: (optimizer, model and master
 # dtype, compute dtype) -> bytes per parameter with the synchronous and the asynchronous step.
 BYTES_PER_PARAM = {
     ("adam", torch.float32, torch.bfloat16): {"sync": 18, "async": 24},  # 2 bf16 + 4 master + 8 + 4 grad
@@ -288,10 +287,10 @@ _PEAK_SCRIPT = r"""
 import gc, json, sys, warnings
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
-from laden.engine.local import OptimSettings
+from laden.optim import OptimSettings
 from laden.engine.roundpipe import RoundPipeEngine
-from laden.engine.roundpipe.host_memory import meta_params
-from laden.model.tiny import tiny_qwen3_config
+from laden.engine.roundpipe.host.memory import meta_params
+from tiny import tiny_qwen3_config
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -338,6 +337,7 @@ def test_construction_peak_stays_near_the_final_store():
     is the store plus one parameter (before, fp32 masters were all copied first: 1.4x).
     """
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])  # tiny.py
     done = subprocess.run(
         [sys.executable, "-c", _PEAK_SCRIPT],
         capture_output=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import (
     LlamaConfig,
@@ -15,7 +16,6 @@ from transformers import (
 )
 
 from laden.model.split import causal_lm_loss, shift_labels, split_causal_lm
-from laden.model.tiny import tiny_qwen3_config
 
 SMALL = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -162,10 +162,10 @@ def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean_
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from laden.model.attention import set_attention
-    from laden.model.lean_mlp import enable_lean_mlp
-    from laden.model.lean_norm import enable_lean_rmsnorm
+    from laden.model.patches.lean_mlp import enable_lean_mlp
+    from laden.model.patches.lean_norm import enable_lean_rmsnorm
+    from laden.model.patches.tiled import enable_tiled_mlp
     from laden.model.split import DecoderStep, activation_bytes
-    from laden.model.tiled import enable_tiled_mlp
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,

@@ -28,7 +28,8 @@ from test_roundpipe_engine import make_steps, settings, tied_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from laden.engine.roundpipe import RoundPipeEngine, pipeline, runner
+from laden.engine.roundpipe import RoundPipeEngine, passes, pipeline
+from laden.engine.roundpipe.call import StageTask
 from laden.engine.roundpipe.device import Lane
 from laden.model.split import causal_lm_loss, shift_labels
 
@@ -126,7 +127,7 @@ def track_residencies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     (other than a tied weight's gradient kept for its owner's stage: `Residency.carry_out`)."""
     uploads: list[list[weakref.ref]] = []
     alive_before: list[int] = []
-    real = runner.upload_stage
+    real = passes.upload_stage
 
     def upload_stage(store, lane, layer_ids, **kwargs):
         alive_before.append(sum(any(r() is not None for r in refs) for refs in uploads))
@@ -136,7 +137,7 @@ def track_residencies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         uploads.append([weakref.ref(t) for t in tensors])
         return res
 
-    monkeypatch.setattr(runner, "upload_stage", upload_stage)
+    monkeypatch.setattr(passes, "upload_stage", upload_stage)
     return alive_before
 
 
@@ -171,12 +172,12 @@ def test_engine_stages_release_their_device_tensors(monkeypatch):
 def record_input_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """The order in which stage uploads, input copies and the ends of stages are queued: ("upload",
     first layer), (task kind, first layer, role, index) per input copy, ("release", first layer)."""
-    from laden.engine.roundpipe import stages
+    from laden.engine.roundpipe import passes
 
     log: list[tuple] = []
     tags: dict[int, tuple] = {}
-    real_upload, real_build, real_fetch = runner.upload_stage, stages._build_inputs, stages._Prefetcher._fetch
-    real_release = stages.release
+    real_upload, real_build, real_fetch = passes.upload_stage, passes._build_inputs, passes._Prefetcher._fetch
+    real_release = passes.release
 
     def upload_stage(store, lane, layer_ids, **kwargs):
         log.append(("upload", layer_ids[0]))
@@ -196,10 +197,10 @@ def record_input_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         log.append((*tags[id(self)], i))
         return real_fetch(self, i)
 
-    monkeypatch.setattr(runner, "upload_stage", upload_stage)
-    monkeypatch.setattr(stages, "release", release)
-    monkeypatch.setattr(stages, "_build_inputs", build_inputs)
-    monkeypatch.setattr(stages._Prefetcher, "_fetch", fetch)
+    monkeypatch.setattr(passes, "upload_stage", upload_stage)
+    monkeypatch.setattr(passes, "release", release)
+    monkeypatch.setattr(passes, "_build_inputs", build_inputs)
+    monkeypatch.setattr(passes._Prefetcher, "_fetch", fetch)
     return log
 
 
@@ -253,7 +254,7 @@ def test_the_next_stage_is_prepared_after_the_stage_when_its_weights_are_not_wri
     """The early upload never waits for the host optimizer with a micro-batch left unqueued: when
     the next stage's weights are not written yet, it is prepared after the stage, as before."""
     log = record_input_copies(monkeypatch)
-    monkeypatch.setattr(runner.StageTask, "weights_ready", lambda self: False)
+    monkeypatch.setattr(StageTask, "weights_ready", lambda self: False)
     rp = RoundPipe(mlp())
     plan = ModelExecutePlan(fwd_plan=[range(0, 2)], bwd_plan=[range(2, 7), range(0, 2)])
     x, y = torch.randn(8, 8), torch.randn(8, 4)

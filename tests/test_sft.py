@@ -266,7 +266,7 @@ def test_activation_knobs_change_memory_not_the_model(tmp_path, caplog):
 
     from safetensors.torch import load_file
 
-    from laden.model.fused import fused_kernels_enabled
+    from laden.model.patches.fused import fused_kernels_enabled
 
     caplog.set_level(logging.INFO, logger="laden.sft")
     extra = ("total_train_steps=3", "checkpoint.save_freq_steps=null")

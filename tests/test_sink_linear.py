@@ -8,11 +8,12 @@ import pickle
 import pytest
 import torch
 from test_grad_sink import RecordingSink
+from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from laden.model.grad_sink import attach_sink, suspended
-from laden.model.sink_linear import (
+from laden.model.patches.grad_sink import attach_sink, suspended
+from laden.model.patches.sink_linear import (
     _HANDED,
     JOINT,
     _JointLinearFn,
@@ -20,15 +21,14 @@ from laden.model.sink_linear import (
     enable_sink_linears,
     is_sink_linear,
 )
-from laden.model.stacked import use_joint_projections
-from laden.model.tiny import tiny_qwen3_config
+from laden.model.patches.stacked import use_joint_projections
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
 def joint():
-    """`laden.model.stacked`'s joint projections on for the test (off by default)."""
+    """`laden.model.patches.stacked`'s joint projections on for the test (off by default)."""
     use_joint_projections(True)
     yield
     use_joint_projections(False)

@@ -12,7 +12,7 @@ from memtrack import LargestTensor
 from torch import nn
 
 from laden.model.attention import packed_causal_lm_loss, set_attention, shift_packed_labels
-from laden.model.tiled import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_forward
+from laden.model.patches.tiled import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_forward
 
 NUM_TOKENS, HIDDEN, INTERMEDIATE = 13, 8, 24
 

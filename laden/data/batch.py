@@ -8,14 +8,20 @@ shifted within each document on the host, so the loss needs no cross-document ma
 Label layout, exactly: a document with tokens x_0..x_{n-1} and loss mask m_0..m_{n-1}
 gets label x_{j+1} at position j if m_{j+1} == 1, else -100; its last position gets -100.
 `num_loss_tokens` (labels != -100) is counted here, on the host, so the training loop
-can normalise the loss without a device sync. The cost is a host pass over the tokens per
+can normalise the loss without a device sync.
+
+Per-token fields (`fields`: loss weights, advantages, old and reference log-probabilities of
+RL) ride beside the labels, in the labels' layout: the value at position j belongs to the
+token that position j predicts (token j+1 of its document), so a field given per input token
+is shifted exactly like the labels (`pack_samples(..., fields=...)`), and its value is 0 where
+the label is -100. An objective reads `batch.fields[name][j]` next to `batch.labels[j]`. The cost is a host pass over the tokens per
 micro-batch, small next to the forward pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +39,7 @@ class PackedBatch:
     max_seqlen: int
     num_loss_tokens: int
     seqlens: list[int]
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [T], laid out like labels
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +59,7 @@ class PackedBatch:
             position_ids=self.position_ids.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
+            fields={k: v.to(device, non_blocking=non_blocking) for k, v in self.fields.items()},
         )
 
     def pin_memory(self) -> PackedBatch:
@@ -62,7 +70,18 @@ class PackedBatch:
             position_ids=self.position_ids.pin_memory(),
             labels=self.labels.pin_memory(),
             cu_seqlens=self.cu_seqlens.pin_memory(),
+            fields={k: v.pin_memory() for k, v in self.fields.items()},
         )
+
+    def with_fields(self, **fields: torch.Tensor) -> PackedBatch:
+        """A copy with these per-token fields added (each `[T]`, laid out like `labels`)."""
+        for name, value in fields.items():
+            if value.shape != self.labels.shape:
+                raise ValueError(
+                    f"field {name!r} has shape {tuple(value.shape)}; per-token fields must be [T] = "
+                    f"[{self.num_tokens}], laid out like labels"
+                )
+        return replace(self, fields={**self.fields, **fields})
 
 
 def pack_samples(
@@ -70,11 +89,15 @@ def pack_samples(
     *,
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
+    fields: dict[str, Sequence[Sequence[float]]] | None = None,
 ) -> PackedBatch:
     """Concatenate `(input_ids, loss_mask)` samples into one padding-free batch.
 
     With `pad_to_multiple_of`, one padding document (labels -100, positions from 0) is
     appended so that T is a multiple of it; the loss and `num_loss_tokens` do not change.
+    `fields`: per-token values given per sample and per input token (`fields[name][i][t]`
+    belongs to token t of sample i), packed as fp32 `[T]` in the labels' layout (shifted by
+    one within each document, 0 where the label is -100).
     """
     if not samples:
         raise ValueError("pack_samples needs at least one sample")
@@ -104,6 +127,10 @@ def pack_samples(
     labels[:-1] = torch.where(loss_mask[1:], input_ids[1:], IGNORE_INDEX)
     # A document's last token has no target inside the document.
     labels[cu_seqlens[1:].long() - 1] = IGNORE_INDEX
+    packed_fields = {
+        name: _shifted_field(name, values, seqlens, labels, num_padding)
+        for name, values in (fields or {}).items()
+    }
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -112,7 +139,23 @@ def pack_samples(
         max_seqlen=max(doc_lengths),
         num_loss_tokens=int((labels != IGNORE_INDEX).sum()),  # host tensor: no device sync
         seqlens=seqlens,
+        fields=packed_fields,
     )
+
+
+def _shifted_field(
+    name: str, values: Sequence[Sequence[float]], seqlens: list[int], labels: torch.Tensor, num_padding: int
+) -> torch.Tensor:
+    """Per-input-token values -> `[T]` fp32 in the labels' layout (see the module docstring)."""
+    if len(values) != len(seqlens) or any(len(v) != n for v, n in zip(values, seqlens)):
+        raise ValueError(
+            f"field {name!r} needs one value per token of every sample ({seqlens} tokens); got "
+            f"{[len(v) for v in values]}"
+        )
+    flat = torch.tensor([x for v in values for x in v], dtype=torch.float32)  # [T - padding]
+    out = torch.zeros(len(flat) + num_padding, dtype=torch.float32)  # [T]
+    out[:-1] = torch.cat([flat, flat.new_zeros(num_padding)])[1:]
+    return out.masked_fill_(labels == IGNORE_INDEX, 0.0)
 
 
 def unpack(batch: PackedBatch, values: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -1,15 +1,34 @@
-"""The train-engine seam.
+"""The train-engine seam: what every training backend (`actor.backend`) does, and what it is given.
 
-Every training backend (`actor.backend`: single device, FSDP2, roundpipe) implements
-`TrainEngine`. The trainer hands an engine the packed micro-batches of ONE optimizer step
-together with the step's global number of loss tokens; the engine returns scalar metrics.
-Normalising each micro-batch's summed token loss by the *global* count is what makes the
-loss the token mean over the whole batch however it is split across micro-batches, ranks
-or calls (micro-batched == one batch).
+Every engine (`fsdp` in one process or under torchrun, `roundpipe`) implements `TrainEngine`,
+so the SFT trainer, the RL trainer, the checkpointer and the weight updates of a rollout
+engine are written once against this protocol.
 
-Data-parallel engines also expose `dp_rank` and `dp_size`: the trainer gives each rank its
-share of the global batch (engines without them are one replica), while the normaliser
-stays the loss-token count of the whole global batch.
+One optimizer step is `forward_backward(micro_batches, objective, normalizer=...)` over all
+micro-batches this data-parallel rank trains on, then `optimizer_step()`. The objective is a
+callable on the final hidden states, the output-projection weight and the micro-batch (its
+labels and per-token `fields`: loss weights, advantages, old and reference log-probs), and
+it returns the micro-batch's *summed* loss (`Objective`). The engine never sees logits: an
+objective applies the head in token chunks (`laden.model.objective`), so `[T, V]` logits never
+exist. The engine divides each micro-batch's sum by `normalizer`, the same number on every
+rank (for SFT the loss tokens of the whole global batch), which makes the result the mean
+over the global batch however it is split across micro-batches, ranks or calls
+(micro-batched == one batch, d2 == d1). SFT cross-entropy is one objective; the PPO-family
+objectives of `laden.rl` are others.
+
+`forward` runs the model without gradients and returns per-token tensors (log-probs of the
+labels, entropies) for each micro-batch: what RL needs for its old and reference log-probs.
+`named_weights` yields the model one Hugging Face tensor at a time, gathered from shards or
+read from a host store, so neither an export nor a weight update ever holds a second copy of
+the model. `offload()` / `onload()` release and restore the accelerator memory an engine
+holds between uses, so a colocated rollout engine can have it while generation runs.
+`version` counts the optimizer steps applied (what a weight update is tagged with).
+
+Checkpoint state (`state_dict` / `load_state_dict`) has one layout for every engine, keyed by
+Hugging Face parameter names, so a run resumes under another engine or data-parallel size:
+`{"model": {name: master weight}, "optimizer": laden.optim.named_state(...), "scheduler":
+LambdaLR state, "version": int}`. Sharded engines return DTensors (a distributed checkpoint
+reshards them); the tensors are the live ones where possible, so loading writes in place.
 
 Metrics come back as tensors, not floats, so an engine never forces a host sync; the
 trainer syncs once per logged step.
@@ -17,43 +36,148 @@ trainer syncs once per logged step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from laden.data.batch import PackedBatch
 
+ForwardOutput = Literal["logprobs", "entropy"]
+FORWARD_OUTPUTS: tuple[ForwardOutput, ...] = ("logprobs", "entropy")
+
+
+class Objective(Protocol):
+    """A micro-batch's summed loss from the final hidden states, without `[T, V]` logits.
+
+    hidden: `[T, H]` final (normed) hidden states of the packed row, compute dtype.
+    head_weight: `[V, H]` output projection (the embedding itself when tied).
+    batch: the micro-batch on the device: `labels [T]` (next-token targets, -100 where no
+        loss) and `fields` (per-token tensors laid out like the labels).
+    Returns a 0-dim fp32 tensor: the *sum* over the micro-batch's tokens (the engine divides by
+    the step's normalizer). It must be differentiable wrt `hidden` and `head_weight`.
+    """
+
+    def __call__(
+        self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch
+    ) -> torch.Tensor: ...
+
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """One optimizer step at a time over packed micro-batches."""
+    """One optimizer step at a time over packed micro-batches (see the module docstring)."""
 
-    def train_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
-    ) -> dict[str, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step the optimizer and the LR schedule.
+    def forward_backward(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
+    ) -> torch.Tensor:
+        """Fresh gradients of `sum(objective(mb) for mb in micro_batches) / normalizer`.
 
-        Returns at least `loss` (token-mean over the global batch), `grad_norm` and `lr`.
+        Every data-parallel rank passes its own micro-batches and the same `normalizer`.
+        Returns the global value (summed over the ranks), a 0-dim tensor, without a host sync.
+        Call `optimizer_step` next: with gradient clipping off an engine may start updating
+        parameters whose gradients are complete before this call returns.
         """
         ...
 
-    def eval_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """Clip the global gradient norm, step the optimizer and the LR schedule; `version` += 1.
+
+        Returns at least `grad_norm` (before clipping) and `lr` (of this step).
+        """
+        ...
+
+    def train_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Token-mean loss without gradients."""
+        """`forward_backward` with `normalizer=global_num_loss_tokens` (default objective: the
+        configured cross-entropy), then `optimizer_step`; returns `loss`, `grad_norm` and `lr`."""
+        ...
+
+    def eval_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The objective's global mean without gradients: `{"loss": ...}`."""
+        ...
+
+    def forward(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        outputs: Sequence[ForwardOutput] = FORWARD_OUTPUTS,
+        temperature: float = 1.0,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Per micro-batch, each requested output as a `[T]` fp32 host tensor, without gradients.
+
+        `logprobs[j]`: log-probability of `labels[j]` under `softmax(logits[j] / temperature)`
+        (0 where the label is -100); `entropy[j]`: entropy of that distribution.
+        """
+        ...
+
+    def named_weights(
+        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's Hugging Face state, `(name, tensor)` one full tensor at a time.
+
+        Tied weights appear once (under the name a Hugging Face loader reads). `dtype`: default
+        the compute dtype; `device`: where the tensor is handed out (default: where the engine
+        has it, the host for host-resident engines). Sharded engines gather collectively:
+        every rank must iterate to the end. A tensor handed out may be reused for the next one:
+        copy it to keep it.
+        """
+        ...
+
+    def offload(self) -> None:
+        """Release the accelerator memory the engine holds between steps (weights, gradients,
+        optimizer states move to host memory); `onload` restores them. Idempotent."""
+        ...
+
+    def onload(self) -> None:
+        """Bring back what `offload` released; training after it equals never offloading."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied so far (restored with a checkpoint)."""
+        ...
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel index: which share of a global batch it trains on."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas; 1 for a single replica."""
+        ...
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and LR-scheduler state for resumable checkpoints."""
+        """The checkpoint state in the shared layout (see the module docstring)."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Write a Hugging Face model directory (safetensors in the compute dtype)."""
+        """Write a Hugging Face model directory (safetensors in the compute dtype), atomically,
+        from `named_weights` (every rank calls it; one writes)."""
         ...
 
-    @property
-    def num_params(self) -> int: ...
+
+class OffloadedError(RuntimeError):
+    """A step was asked of an engine whose state is offloaded."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} called while the engine is offloaded; call engine.onload() first")

@@ -16,68 +16,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
 from laden.model.attention import packed_causal_lm_loss
-from laden.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, param_groups_with_decay
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from laden.optim import OptimSettings, build_optimizer, clip_grad_norm_, param_groups_with_decay
 
 LossFn = Callable[[nn.Module, PackedBatch], torch.Tensor]
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimSettings:
-    """Optimizer and schedule settings, mapped from `actor.optimizer.*`."""
-
-    type: Literal["adam", "sgd", "adam_bf16"] = "adam"
-    """adam | sgd | adam_bf16."""
-    lr: float = 1e-5
-    """Peak learning rate."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay (not applied to biases and norm weights)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    momentum: float = 0.0
-    """SGD momentum."""
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    """constant | linear | cosine, after warm-up."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to the peak learning rate."""
-    min_lr_ratio: float = 0.0
-    """Final learning rate as a fraction of the peak for linear/cosine decay."""
-    total_steps: int = 1
-    """Optimizer steps in the whole run (for the decay)."""
-    gradient_clipping: float = 1.0
-    """Max global gradient norm; 0 disables clipping."""
-
-    def build_optimizer(self, params: Any) -> torch.optim.Optimizer:
-        """The optimizer these settings name, over `params` (tensors, named pairs or groups)."""
-        return build_optimizer(
-            params,
-            type=self.type,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            betas=self.betas,
-            eps=self.eps,
-            momentum=self.momentum,
-        )
-
-    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        """Warm-up then the configured decay, over `total_steps`."""
-        return build_lr_scheduler(
-            optimizer,
-            type=self.lr_scheduler_type,
-            total_steps=self.total_steps,
-            warmup_steps=self.warmup_steps,
-            min_lr_ratio=self.min_lr_ratio,
-        )
 
 
 def default_device() -> torch.device:
@@ -170,10 +120,10 @@ class LocalEngine:
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.model.train()
-        self.loss_fn = loss_fn or packed_loss_fn(chunked=True, chunk_size=4096)
+        self.loss_fn = loss_fn or packed_loss_fn(chunked=True, chunk_size=DEFAULT_LOSS_CHUNK_SIZE)
         self.optim_settings = optim
         groups = param_groups_with_decay(list(self.model.named_parameters()), optim.weight_decay)
-        self.optimizer = optim.build_optimizer(groups)
+        self.optimizer = build_optimizer(groups, optim)
         self.scheduler = optim.build_scheduler(self.optimizer)
 
     def _autocast(self):
@@ -226,7 +176,7 @@ class LocalEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        from laden.model.export import export_hf
+        from laden.model.hf.export import export_hf
 
         export_hf(self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer)
 

@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from laden.model.loss import chunked_linear_cross_entropy, linear_cross_entropy
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_linear_cross_entropy, linear_cross_entropy
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -406,7 +406,7 @@ def packed_causal_lm_loss(
     max_seqlen: int,
     *,
     chunked: bool = True,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over a packed row (fp32 scalar; divide by the global token count).

@@ -43,15 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from laden.model.grad_sink import accumulate_product
+from laden.model.patches.grad_sink import accumulate_product
 
 __all__ = [
+    "DEFAULT_LOSS_CHUNK_SIZE",
     "chunked_entropy",
     "chunked_linear_cross_entropy",
     "chunked_token_logprobs",
     "chunked_token_logprobs_and_entropy",
     "linear_cross_entropy",
 ]
+
+DEFAULT_LOSS_CHUNK_SIZE = 1024
+"""Tokens per chunk when none is given; `actor.loss_chunk_size`'s default (a test keeps them equal)."""
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> None:
@@ -151,7 +155,7 @@ def chunked_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Sum over non-ignored tokens of `cross_entropy(hidden @ weight.T, labels)`, fp32, without [T, V].
@@ -263,7 +267,7 @@ def chunked_token_logprobs_and_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token `log softmax(hidden @ weight.T / temperature)[label]` and entropy, both [T] fp32.
@@ -282,7 +286,7 @@ def chunked_token_logprobs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each label token, [T] fp32, differentiable, without [T, V] logits."""
@@ -296,7 +300,7 @@ def chunked_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     *,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Entropy of each token's next-token distribution, [T] fp32, differentiable, without [T, V]."""

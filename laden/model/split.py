@@ -41,12 +41,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from laden.config.schema import ActorConfig
 from laden.model.attention import LADEN_VARLEN, LADEN_VARLEN_KERNEL
-from laden.model.lean_mlp import is_lean_mlp
-from laden.model.lean_norm import class_swap as lean_norm_swap
-from laden.model.loss import chunked_linear_cross_entropy
-from laden.model.tiled import tile_tokens_of
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_linear_cross_entropy
+from laden.model.patches.lean_mlp import is_lean_mlp
+from laden.model.patches.lean_norm import class_swap as lean_norm_swap
+from laden.model.patches.tiled import tile_tokens_of
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_SIZE",
@@ -67,8 +66,6 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _PACKED_IMPLS = (LADEN_VARLEN, LADEN_VARLEN_KERNEL)  # attention kept per document by cu_seq_lens
-DEFAULT_LOSS_CHUNK_SIZE = cast(int, ActorConfig.__dataclass_fields__["loss_chunk_size"].default)
-"""Tokens per chunk of the chunked loss when none is given: `actor.loss_chunk_size`'s default."""
 
 
 class DecoderState:
@@ -315,10 +312,10 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
     estimate against such a measurement).
 
     The long-context knobs (`actor.tiled_mlp_tokens`) change what `layer` saves: a tiled MLP
-    (`laden.model.tiled`) keeps only its input, already counted (-4I per token, plus a tile's
-    intermediates and gradients while its backward runs), a lean MLP (`laden.model.lean_mlp`,
+    (`laden.model.patches.tiled`) keeps only its input, already counted (-4I per token, plus a tile's
+    intermediates and gradients while its backward runs), a lean MLP (`laden.model.patches.lean_mlp`,
     not tiled) keeps gate and up but not act(gate) and act(gate) * up (-2I per token), and lean
-    RMSNorms (`laden.model.lean_norm`) keep no fp32 copy of their input (-4 bytes per normed value).
+    RMSNorms (`laden.model.patches.lean_norm`) keep no fp32 copy of their input (-4 bytes per normed value).
     """
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads

@@ -76,7 +76,7 @@ class AdamWBF16(torch.optim.Optimizer):
                     "cast the model to one of them"
                 )
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -108,7 +108,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("AdamWBF16 does not support sparse gradients")
-            state = self._init_state(p)
+            state = self.init_state(p)
             state["step"] += 1
             buckets.setdefault((p.dtype, p.device, state["step"]), []).append(p)
         beta1, beta2 = group["betas"]

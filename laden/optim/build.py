@@ -1,8 +1,11 @@
-"""Optimizer, LR schedule and gradient clipping from the `actor.optimizer` settings.
+"""Optimizer, LR schedule and gradient clipping from the `actor.optimizer` settings: the one builder.
 
-`adam` is `torch.optim.AdamW`, fused when every param is on CUDA (one kernel for the whole
-step) and foreach otherwise; `sgd` is `torch.optim.SGD` (its weight decay is the coupled L2
-form); `adam_bf16` is `AdamWBF16`. Biases and 1-D params (norm weights) get no weight decay
+Every engine builds its optimizer here, from one `OptimSettings`; only where the states live
+differs. On the device, `adam` is `torch.optim.AdamW`, fused when every param is on CUDA (one
+kernel for the whole step) and foreach otherwise, and `adam_bf16` is `AdamWBF16`; on the host
+(the roundpipe engine's master weights) both are `HostAdamW`'s vectorized update with the same
+math; the `fsdp` engine's host-state modes use `ShardedAdamW`. `sgd` is `torch.optim.SGD`
+everywhere (its weight decay is the coupled L2 form). Biases and 1-D params (norm weights) get no weight decay
 when params come as `(name, param)` pairs, the usual choice for transformers: decaying a
 norm's gain towards 0 fights the normalization it exists for.
 
@@ -19,14 +22,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from laden.optim.adam_bf16 import AdamWBF16
+from laden.optim.settings import OptimSettings, SchedulerType
 
-OptimizerType = Literal["adam", "sgd", "adam_bf16"]
-SchedulerType = Literal["constant", "linear", "cosine"]
 _OPTIMIZER_TYPES = ("adam", "sgd", "adam_bf16")
 _SCHEDULER_TYPES = ("constant", "linear", "cosine")
 _DEFAULT_BETAS = (0.9, 0.999)
@@ -35,7 +38,8 @@ _DEFAULT_EPS = 1e-8
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
 
-def _is_no_decay(name: str, p: torch.Tensor) -> bool:
+def is_no_decay(name: str, p: torch.Tensor) -> bool:
+    """Biases and 1-D params (norm gains) get no weight decay."""
     return p.ndim < 2 or name == "bias" or name.endswith(".bias")
 
 
@@ -50,7 +54,7 @@ def param_groups_with_decay(
     no_decay: list[torch.Tensor] = []
     for name, p in named_params:
         if p.requires_grad:
-            (no_decay if _is_no_decay(name, p) else decay).append(p)
+            (no_decay if is_no_decay(name, p) else decay).append(p)
     groups = []
     if decay:
         groups.append({"params": decay, "weight_decay": weight_decay})
@@ -74,47 +78,95 @@ def _param_groups(params: ParamsArg, weight_decay: float) -> list[dict[str, Any]
     )
 
 
-def _warn_ignored(type: str, *, betas: tuple[float, float], eps: float, momentum: float) -> None:
-    if type == "sgd" and (tuple(betas) != _DEFAULT_BETAS or eps != _DEFAULT_EPS):
-        warnings.warn(f"actor.optimizer.type=sgd ignores betas={betas} and eps={eps}", stacklevel=3)
-    if type != "sgd" and momentum != 0.0:
+@dataclass(kw_only=True, slots=True)
+class ShardedStep:
+    """Where `ShardedAdamW` keeps its states and runs its update (the `fsdp` engine's host-state modes)."""
+
+    device: torch.device
+    """The training device (the streamed update runs there)."""
+    layer_groups: list[list[torch.nn.Parameter]]
+    """Parameters in streaming order, one list per decoder layer, then the rest."""
+    streamed: bool
+    """Update on the device one layer group at a time (else on the host, in place)."""
+    states_on_host: bool
+    """Keep the Adam states in host memory between steps."""
+    prefetch_layers: int = 1
+    """Layer groups uploaded ahead of the one being updated (streamed update)."""
+
+
+ADAM_BF16_PARAMS_WARNING = (
+    "actor.optimizer.type=adam on bfloat16 master weights keeps bf16 Adam states and drops updates "
+    "below bf16 resolution (late loss diverges, about 3x higher); set actor.optimizer.type=adam_bf16 "
+    "(Kahan-compensated bf16 states) or actor.optimizer_dtype=float32"
+)
+
+
+def _warn_ignored(o: OptimSettings) -> None:
+    if o.type == "sgd" and (tuple(o.betas) != _DEFAULT_BETAS or o.eps != _DEFAULT_EPS):
+        warnings.warn(f"actor.optimizer.type=sgd ignores betas={o.betas} and eps={o.eps}", stacklevel=3)
+    if o.type != "sgd" and o.momentum != 0.0:
         warnings.warn(
-            f"actor.optimizer.type={type} ignores momentum={momentum}; betas[0] plays that role", stacklevel=3
+            f"actor.optimizer.type={o.type} ignores momentum={o.momentum}; betas[0] plays that role",
+            stacklevel=3,
         )
 
 
 def build_optimizer(
     params: ParamsArg,
+    settings: OptimSettings,
     *,
-    type: OptimizerType,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = _DEFAULT_BETAS,
-    eps: float = _DEFAULT_EPS,
-    momentum: float = 0.0,
+    where: Literal["device", "host"] = "device",
+    sharded: ShardedStep | None = None,
+    num_threads: int | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the optimizer named by `actor.optimizer.type` over tensors, named params or groups."""
-    if type not in _OPTIMIZER_TYPES:
-        raise ValueError(f"actor.optimizer.type={type!r} is not supported; use one of {_OPTIMIZER_TYPES}")
-    if not lr >= 0.0:
-        raise ValueError(f"actor.optimizer.lr={lr} must be >= 0")
-    _warn_ignored(type, betas=betas, eps=eps, momentum=momentum)
-    groups = _param_groups(params, weight_decay)
+    """The optimizer `settings` name, over tensors, `(name, tensor)` pairs or param groups: the one
+    builder of every engine, so one config gives one optimizer and one set of warnings everywhere.
+
+    where: "device" for parameters the engine steps where they are (`torch.optim`, `AdamWBF16`),
+        "host" for host master weights stepped by the vectorized host AdamW (`HostAdamW`, the
+        roundpipe engine; `num_threads` of them).
+    sharded: the `fsdp` engine's host-state AdamW (`ShardedAdamW`) instead, for `adam`/`adam_bf16`.
+
+    `adam` on bf16 master weights runs `torch.optim.AdamW` with bf16 states everywhere, as asked,
+    with one warning (`ADAM_BF16_PARAMS_WARNING`); `adam_bf16` is the Kahan-compensated update.
+    """
+    o = settings
+    if o.type not in _OPTIMIZER_TYPES:
+        raise ValueError(f"actor.optimizer.type={o.type!r} is not supported; use one of {_OPTIMIZER_TYPES}")
+    if not o.lr >= 0.0:
+        raise ValueError(f"actor.optimizer.lr={o.lr} must be >= 0")
+    _warn_ignored(o)
+    groups = _param_groups(params, o.weight_decay)
     flat = [p for g in groups for p in g["params"]]
-    if type == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
-    if type == "adam_bf16":
-        return AdamWBF16(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if any(p.dtype == torch.bfloat16 for p in flat):
-        warnings.warn(
-            "actor.optimizer.type=adam on bfloat16 params keeps bf16 Adam states and drops updates "
-            "below bf16 resolution (late loss diverges); set actor.optimizer.type=adam_bf16 or "
-            "actor.optimizer_dtype=float32",
-            stacklevel=2,
+    adam = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.type == "sgd":
+        return torch.optim.SGD(
+            groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, foreach=True
         )
-    on_cuda = all(p.device.type == "cuda" for p in flat)
-    kind = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kind)
+    if o.type == "adam" and any(p.dtype == torch.bfloat16 for p in flat):
+        warnings.warn(ADAM_BF16_PARAMS_WARNING, stacklevel=2)
+        return torch.optim.AdamW(groups, **adam, **_torch_kind(flat))
+    kahan = o.type == "adam_bf16"
+    if sharded is not None:
+        from laden.optim.sharded_adam import ShardedAdamW
+
+        return ShardedAdamW(
+            groups, **adam, kahan_bf16=kahan, streamed=sharded.streamed, states_on_host=sharded.states_on_host,
+            device=sharded.device, layer_groups=sharded.layer_groups, prefetch_layers=sharded.prefetch_layers,
+        )  # fmt: skip
+    if where == "host":
+        from laden.optim.cpu_adam import HostAdamW
+
+        state_dtype = torch.bfloat16 if kahan else torch.float32
+        return HostAdamW(groups, **adam, state_dtype=state_dtype, num_threads=num_threads)
+    if kahan:
+        return AdamWBF16(groups, **adam)
+    return torch.optim.AdamW(groups, **adam, **_torch_kind(flat))
+
+
+def _torch_kind(flat: list[torch.Tensor]) -> dict[str, bool]:
+    """Fused AdamW when every param is on CUDA (one kernel for the step), foreach otherwise."""
+    return {"fused": True} if all(p.device.type == "cuda" for p in flat) else {"foreach": True}
 
 
 class WarmupDecay:

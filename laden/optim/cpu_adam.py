@@ -229,7 +229,7 @@ class HostAdamW(torch.optim.Optimizer):
     def _new_buffer(self, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros(p.shape, dtype=self.state_dtype, pin_memory=self.pin_memory)
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -295,7 +295,7 @@ class HostAdamW(torch.optim.Optimizer):
             _check_aligned(["param", "grad"], [p, g], [(p.dtype,), _GRAD])
             if out is not None:
                 _check_aligned(["param", "param_out_bf16"], [p, out], [_F32, _BF16])
-            state = self._init_state(p)
+            state = self.init_state(p)
             state["step"] += 1
             work.append((p, g, out, group, state))
         if self.backend == "cpp":

@@ -48,7 +48,7 @@ from laden.engine.checkpoint import list_checkpoints, load_checkpoint, save_chec
 from laden.engine.factory import DTYPES, build_engine, launched_world_size
 from laden.engine.local import default_device
 from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
-from laden.model.loading import load_causal_lm, load_tokenizer
+from laden.model.hf.loading import load_causal_lm, load_tokenizer
 
 log = logging.getLogger("laden.sft")
 
@@ -415,12 +415,12 @@ def apply_activation_knobs(model: Any, actor: Any) -> None:
     """`actor.lean_activations` (lean RMSNorms and gated MLPs), `actor.fused_elementwise` (their math
     and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs,
     with lean RMSNorms) on a Hugging Face causal LM, before an engine wraps it."""
-    from laden.model.fused import use_fused_kernels
-    from laden.model.fused_rotary import enable_fused_rotary
-    from laden.model.lean_mlp import enable_lean_mlp
-    from laden.model.lean_norm import enable_lean_rmsnorm
-    from laden.model.sink_linear import enable_sink_linears
-    from laden.model.tiled import enable_tiled_mlp
+    from laden.model.patches.fused import use_fused_kernels
+    from laden.model.patches.fused_rotary import enable_fused_rotary
+    from laden.model.patches.lean_mlp import enable_lean_mlp
+    from laden.model.patches.lean_norm import enable_lean_rmsnorm
+    from laden.model.patches.sink_linear import enable_sink_linears
+    from laden.model.patches.tiled import enable_tiled_mlp
 
     if actor.lean_activations:
         log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean, %d attention projections "

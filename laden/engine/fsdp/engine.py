@@ -41,10 +41,11 @@ from laden.engine.fsdp import load
 from laden.engine.fsdp.launch import SHARD_AXIS, build_device_mesh
 from laden.engine.fsdp.loss import PackedLossModule
 from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, check_head_rule, decoder_layers
-from laden.engine.fsdp.shard_optim import ShardedAdamW
 from laden.engine.fsdp.ulysses import shard_packed_row
-from laden.engine.local import OptimSettings, autocast_context, default_device, enable_gradient_checkpointing
-from laden.optim import clip_grad_norm_, param_groups_with_decay
+from laden.engine.local import autocast_context, default_device, enable_gradient_checkpointing
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from laden.optim import OptimSettings, build_optimizer, clip_grad_norm_, param_groups_with_decay
+from laden.optim.sharded_adam import ShardedAdamW
 
 log = logging.getLogger("laden.fsdp")
 
@@ -70,7 +71,7 @@ class FSDPEngine:
         memory_efficient_load: bool = False,
         full_state_dict: dict[str, torch.Tensor] | None = None,
         chunked_loss: bool = True,
-        loss_chunk_size: int = 4096,
+        loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     ) -> None:
         for name, size in (("dp", dp), ("tp", tp), ("cp", cp), ("loss_chunk_size", loss_chunk_size)):
             if size < 1:
@@ -188,7 +189,7 @@ class FSDPEngine:
                 prefetch_layers=prefetch_layers,
             )
         else:
-            self.optimizer = o.build_optimizer(groups)
+            self.optimizer = build_optimizer(groups, o)
         self.scheduler = o.build_scheduler(self.optimizer)
 
     def _layer_param_groups(self) -> list[list[nn.Parameter]]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from laden.engine.fsdp.engine import FSDPEngine
-from laden.engine.local import OptimSettings
+from laden.optim import OptimSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

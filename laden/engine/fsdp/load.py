@@ -117,7 +117,7 @@ def load_model_for_rank(
     rank = dist.get_rank() if dist.is_initialized() else 0
     if memory_efficient_load and rank > 0:
         return build_meta_model(path, dtype=dtype, attn_impl=attn_impl)
-    from laden.model.loading import load_causal_lm
+    from laden.model.hf.loading import load_causal_lm
 
     return load_causal_lm(
         path,

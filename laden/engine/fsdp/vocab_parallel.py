@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+
 IGNORE_INDEX = -100
 
 
@@ -97,7 +99,7 @@ def vocab_parallel_cross_entropy(
     *,
     vocab_start: int,
     group: dist.ProcessGroup,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Summed token cross-entropy of `hidden [T, H]` against a vocab-sharded head `weight_shard [V_local, H]`.
 

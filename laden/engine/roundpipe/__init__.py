@@ -5,8 +5,8 @@ Config-driven engine (`actor.backend: roundpipe`): `RoundPipeEngine`, `build_rou
 """
 
 from laden.engine.roundpipe.api import RoundPipe
-from laden.engine.roundpipe.config import RoundPipeRunConfig
 from laden.engine.roundpipe.plan import ModelExecutePlan
+from laden.engine.roundpipe.run_config import RoundPipeRunConfig
 
 __all__ = ["ModelExecutePlan", "RoundPipe", "RoundPipeEngine", "RoundPipeRunConfig", "build_roundpipe_engine"]
 

@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
-from laden.engine.roundpipe.config import RoundPipeRunConfig, resolve
 from laden.engine.roundpipe.distributed import host_grad_group
-from laden.engine.roundpipe.host import PinMode
+from laden.engine.roundpipe.host.store import PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
+from laden.engine.roundpipe.run_config import RoundPipeRunConfig, resolve
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -66,7 +66,7 @@ class RoundPipe(nn.Module):
     name: a label for the host threads.
     model_run_config: defaults for every call's `RoundPipeRunConfig`.
     pin_model: "alloc" | "register" | "off", the host-memory / upload-speed trade-off
-        (see `laden.engine.roundpipe.host`); accepted and layout-only without CUDA.
+        (see `laden.engine.roundpipe.host.store`); accepted and layout-only without CUDA.
     devices: the device pool (default: every visible GPU, else the CPU).
     process_group: data-parallel replicas whose gradients are all-reduced at `step` (default:
         the initialised torch.distributed world, if larger than one process).

@@ -21,10 +21,10 @@ complete:
 weights of update k-1 while update k writes the other one, so the whole optimizer step
 hides behind the next step's compute; it costs a second upload buffer and a second
 gradient inbox in host memory (and, for masters shared with the upload copy, one buffer
-copy per update). Host bytes per parameter of every mode: `host_memory`; what an engine
+copy per update). Host bytes per parameter of every mode: `host.memory`; what an engine
 holds: `host_bytes_by_kind()`.
 
-A model with its parameters on the meta device (`host_memory.meta_params`) is materialised
+A model with its parameters on the meta device (`host.memory.meta_params`) is materialised
 layer by layer into the host store and filled by `init_meta` (default: a Hugging Face
 model's `_init_weights`), so building a large model never needs a second copy of it.
 
@@ -50,15 +50,14 @@ import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
-from laden.engine.local import OptimSettings
 from laden.engine.roundpipe.device import default_devices
 from laden.engine.roundpipe.distributed import host_grad_group
-from laden.engine.roundpipe.host import ParamGroup, PinMode
+from laden.engine.roundpipe.host.store import ParamGroup, PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
-from laden.engine.roundpipe.step_state import StepGrads
+from laden.engine.roundpipe.step_grads import StepGrads
 from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss, split_causal_lm
-from laden.optim import HostAdamW, build_lr_scheduler
+from laden.optim import HostAdamW, OptimSettings, build_lr_scheduler
 
 OptimStep = Literal["sync", "async"]
 
@@ -109,7 +108,7 @@ class RoundPipeEngine:
         self.loss_chunk_size = loss_chunk_size
         master_dtype = master_dtype_for(optim.type, optimizer_dtype)
         if compile_backend is not None:  # actor.roundpipe.compile
-            from laden.model.compiled import enable_compiled_layers
+            from laden.model.patches.compiled import enable_compiled_layers
 
             enable_compiled_layers(model, backend=compile_backend)
         split = split_causal_lm(model)
@@ -240,7 +239,7 @@ class RoundPipeEngine:
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
         """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes."""
-        from laden.model.export import export_hf
+        from laden.model.hf.export import export_hf
 
         self.pipe.jobs.drain()
         if self.dp_rank != 0:
@@ -277,11 +276,11 @@ class RoundPipeEngine:
         return sum(hp.numel for hp in self.pipe.store.params)
 
     def host_bytes_by_kind(self) -> dict[str, int]:
-        """Host bytes of the model state as allocated now, by kind (see `host_memory.HOST_KINDS`).
+        """Host bytes of the model state as allocated now, by kind (see `host.memory.HOST_KINDS`).
 
         Optimizer states appear after the first update; drains the host jobs first.
         """
-        from laden.engine.roundpipe.host_memory import measured_host_bytes
+        from laden.engine.roundpipe.host.memory import measured_host_bytes
 
         self.pipe.jobs.drain()
         return measured_host_bytes(self.pipe.store, self.optimizer)

@@ -23,15 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from laden.engine.roundpipe.call import AutocastState, CallSpec, Grain, Run
 from laden.engine.roundpipe.device import Lane, default_devices, lanes_for, wait_host
-from laden.engine.roundpipe.host import HostStore, InitFn, LayerInfo, ParamGroup, PinMode
-from laden.engine.roundpipe.host_jobs import HostJobs
-from laden.engine.roundpipe.host_layout import HostLayout
+from laden.engine.roundpipe.host.jobs import HostJobs
+from laden.engine.roundpipe.host.layout import HostLayout
+from laden.engine.roundpipe.host.store import HostStore, InitFn, LayerInfo, ParamGroup, PinMode
 from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_gib
 from laden.engine.roundpipe.residency import GradLanding, carried_params
-from laden.engine.roundpipe.runner import AutocastState, CallSpec, Grain, Run
-from laden.engine.roundpipe.scheduler import run_tasks
 from laden.engine.roundpipe.transfer import Aborted, Handoff, HostBuffers
+from laden.engine.roundpipe.workers import run_tasks
 
 LandingHook = Callable[[GradLanding], None]
 _collected = False  # whether a pipeline ran its one full garbage collection (see gc_paused)

@@ -19,7 +19,7 @@ fp32 accumulator as soon as autograd has written it (a post-accumulate-grad hook
 accumulation over micro-batches does not round to bf16 and no stage ever holds a full
 bf16 copy of its gradients beside the accumulators. A module that computes its weights'
 gradients itself (the lean gated MLP) skips that add: each such leaf carries a
-`laden.model.grad_sink.GradSink`, and the module adds the gradient's product into the fp32
+`laden.model.patches.grad_sink.GradSink`, and the module adds the gradient's product into the fp32
 accumulator directly (one fp32-output GEMM on CUDA). At the end of the residency each
 group's accumulator goes back to the host in one copy, on the `d2h` stream, with its L2
 norm computed on the device; in the last micro-batch of a residency an accumulator is
@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from laden.engine.roundpipe.device import Event, Lane
-from laden.engine.roundpipe.host import HostParam, HostStore, LayerInfo, ParamGroup
-from laden.model.grad_sink import accumulate_product, attach_sink
-from laden.model.stacked import stacked_rows
+from laden.engine.roundpipe.host.store import HostParam, HostStore, LayerInfo, ParamGroup
+from laden.model.patches.grad_sink import accumulate_product, attach_sink
+from laden.model.patches.stacked import stacked_rows
 
 
 def make_shell(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -289,7 +289,7 @@ class _AccumulatorSink:
 
     @staticmethod
     def join(sinks: Sequence[Any]) -> _JointAccumulatorSink | None:
-        """The sinks of weights stacked by rows, as one (`laden.model.grad_sink.joint_sink`): when
+        """The sinks of weights stacked by rows, as one (`laden.model.patches.grad_sink.joint_sink`): when
         they feed one residency and their accumulators are stacked the same way (a group's flat
         accumulator holds its parameters in the order the module lists them)."""
         if not all(isinstance(s, _AccumulatorSink) and s.res is sinks[0].res for s in sinks):

@@ -13,7 +13,7 @@ model state; tests compare the two):
 | adam_bf16 (Kahan)    | sync  | 2       | shared | 6      | 2     | 10    |
 | adam_bf16 (Kahan)    | async | 2 + 2   | shared | 6      | 2 + 2 | 14    |
 
-`adam_bf16` keeps its bf16 master in the upload copy (`host_layout`: shared masters), so the
+`adam_bf16` keeps its bf16 master in the upload copy (`host.layout`: shared masters), so the
 Kahan update writes what the GPU uploads next; its states are bf16 `exp_avg`, `exp_avg_sq`
 and the Kahan compensation. The asynchronous step adds a second upload buffer (the one-step
 stale weights the next step reads while the update writes the other) and a second gradient
@@ -46,8 +46,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from laden.engine.roundpipe.host import STORE_KINDS, HostStore, PinMode, alloc_nbytes
-from laden.engine.roundpipe.host_layout import HostLayout
+from laden.engine.roundpipe.host.layout import HostLayout
+from laden.engine.roundpipe.host.store import STORE_KINDS, HostStore, PinMode, alloc_nbytes
 from laden.engine.roundpipe.plan import ModelExecutePlan, default_memory_limit_gib
 
 OPTIM_KINDS = ("optim.exp_avg", "optim.exp_avg_sq", "optim.comp", "optim.momentum_buffer")

@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the lean RMSNorm and the lean gated MLP (`actor.fused_elementwise`).
 
-The lean modules (`laden.model.lean_norm`, `laden.model.lean_mlp`) run Hugging Face's ops
+The lean modules (`laden.model.patches.lean_norm`, `laden.model.patches.lean_mlp`) run Hugging Face's ops
 one by one: an RMSNorm forward is eight kernels over the row (cast, square, mean, rsqrt,
 multiply, cast back, weight multiply) and its backward about twenty, each reading and
 writing the whole activation. On a GPU such memory-bound kernels, not the matmuls, took
@@ -17,7 +17,7 @@ kernel choice, like PyTorch's backend flags.
 
 On an H200 (`benchmarks/RESULTS.md`, Qwen3-1.7B, 8 micro-batches of 2 x 4096 tokens) the step's
 kernel time fell from 2.54 to 1.90 s with it, and tokens/s rose by a fifth. The attention
-layers' rotary embedding has its fused kernels in `laden.model.fused_rotary`, behind the same
+layers' rotary embedding has its fused kernels in `laden.model.patches.fused_rotary`, behind the same
 switch.
 """
 

@@ -11,7 +11,7 @@ between, another dtype), in which case the caller runs its projections one by on
 Off by default (`use_joint_projections`): on an H200 the joint outputs' strided halves made
 the compiled elementwise kernels that read them slower than the launches and adds they saved
 (`benchmarks/RESULTS.md`, sixth round). With the fused kernels' static last dimensions
-(`laden.model.fused.use_static_last_dims`, the default since the seventh round) the reference
+(`laden.model.patches.fused.use_static_last_dims`, the default since the seventh round) the reference
 step still ran 1 to 4 % slower with them (35,441 and 35,306 tokens/s against 35,835 and
 36,615), so they stay off.
 """
@@ -30,7 +30,7 @@ _ENABLED = False
 def use_joint_projections(enabled: bool = True) -> None:
     """Run projections of one input as one GEMM where their weights are stacked (process-wide).
 
-    Read by the lean MLP at every call, and by `laden.model.sink_linear.enable_sink_linears`
+    Read by the lean MLP at every call, and by `laden.model.patches.sink_linear.enable_sink_linears`
     when it sets up an attention module (set it before the model is prepared).
     """
     global _ENABLED

@@ -8,7 +8,7 @@ its first layer's group; the other layer lists it as *foreign*.
 
 The layout only reads shapes and dtypes, so it works on a model whose parameters are on the
 meta device: that is how the host memory of a run is predicted before anything is
-allocated (`laden.engine.roundpipe.host_memory`), and how `HostStore` materialises a model
+allocated (`laden.engine.roundpipe.host.memory`), and how `HostStore` materialises a model
 straight into its final buffers.
 
 Master sharing: a trainable group whose optimizer dtype equals its compute dtype

@@ -42,7 +42,7 @@ _state = threading.local()
 
 
 def joint_sink(sinks: Sequence[GradSink | None]) -> GradSink | None:
-    """One sink for weights stacked by rows (`laden.model.stacked.stacked_rows`) whose gradients
+    """One sink for weights stacked by rows (`laden.model.patches.stacked.stacked_rows`) whose gradients
     go to `sinks`: it takes the stacked gradient's factors and adds them in one GEMM, if the
     sinks' class can join them (its `join(sinks)` returns a sink, e.g. accumulators that are
     stacked the same way); None otherwise, and the caller feeds each sink its own rows."""

@@ -1,7 +1,7 @@
 """Re-classing modules: a module gets a subclass of its own class that replaces a method.
 
-The tiled MLP (`laden.model.tiled`), the lean RMSNorm (`laden.model.lean_norm`) and the
-compiled decoder layer (`laden.model.compiled`) change one method of Hugging Face modules.
+The tiled MLP (`laden.model.patches.tiled`), the lean RMSNorm (`laden.model.patches.lean_norm`) and the
+compiled decoder layer (`laden.model.patches.compiled`) change one method of Hugging Face modules.
 They swap each module's `__class__` to a cached subclass of its own class (the way FSDP2's
 `fully_shard` re-classes a module) instead of wrapping it or binding a `forward` to the
 instance: parameter names, state dicts and tied weights do not change, and shallow copies of

@@ -1,11 +1,11 @@
 """Attention projections that add their weight gradients straight into a `GradSink`.
 
-The lean gated MLP hands its three weights' gradients to their sinks (`laden.model.grad_sink`);
+The lean gated MLP hands its three weights' gradients to their sinks (`laden.model.patches.grad_sink`);
 the attention layer's four projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`) are plain
 `nn.Linear`s, whose gradients autograd writes in bf16 for the roundpipe residency to add into
 their fp32 accumulators: for Qwen3-1.7B that add is most of what is left of the fold, about
 0.1 s of a 2 s step on an H200. `enable_sink_linears` re-classes those projections (a
-`laden.model.swap.ClassSwap`, so parameters, names and state dicts stay as they are) so that,
+`laden.model.patches.swap.ClassSwap`, so parameters, names and state dicts stay as they are) so that,
 when the weight carries a sink and autograd records the call, the linear runs as one autograd
 function whose backward gives the input's gradient as autograd's linear does and passes the
 weight gradient's two factors to the sink, which adds their product into the accumulator in
@@ -16,14 +16,14 @@ the projection is exactly `nn.Linear`.
 Joint query, key and value: the attention layer calls `q_proj`, `k_proj` and `v_proj` on the
 same input, three GEMMs forward and, in backward, three input-gradient GEMMs whose results
 autograd adds up in two more passes over `[T, H]`. When their weights lie back to back in
-one buffer (`laden.model.stacked`: the roundpipe engine uploads a layer's parameters as one
+one buffer (`laden.model.patches.stacked`: the roundpipe engine uploads a layer's parameters as one
 flat buffer, in the module's order) and none has a bias, `enable_sink_linears` also makes the
 attention module run them as one: a forward pre-hook computes the three outputs with one
 GEMM (`_JointLinearFn`) and hands each projection its part, which the projection returns
 when it is called on that very input. The backward sums the input gradient inside the GEMMs
 (`addmm`: no separate adds) and gives each weight its gradient (or its sink the factors).
 Anything else (weights apart, biases, autocast, a hooked projection, a compiled region)
-runs the projections one by one, as before. Only with `laden.model.stacked`'s joint
+runs the projections one by one, as before. Only with `laden.model.patches.stacked`'s joint
 projections on when `enable_sink_linears` runs (off by default, see there).
 """
 
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model.grad_sink import GradSink, sink_of
-from laden.model.stacked import joint_projections_enabled, stacked_rows
-from laden.model.swap import ClassSwap, decoder_layers, hookless, plain_linear, warn_skipped
+from laden.model.patches.grad_sink import GradSink, sink_of
+from laden.model.patches.stacked import joint_projections_enabled, stacked_rows
+from laden.model.patches.swap import ClassSwap, decoder_layers, hookless, plain_linear, warn_skipped
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
 
@@ -74,7 +74,7 @@ class _JointLinearFn(torch.autograd.Function):
     """`F.linear(x, w_i)` for every weight `w_i`, as one GEMM over their stacked rows.
 
     `apply(x, stacked, sinks, *weights)`: `stacked` is the weights' rows as one matrix (a view,
-    `laden.model.stacked.stacked_rows`), `sinks` their sinks (None: the gradient goes to autograd).
+    `laden.model.patches.stacked.stacked_rows`), `sinks` their sinks (None: the gradient goes to autograd).
     """
 
     @staticmethod

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from laden.engine.roundpipe.host import ParamGroup
+from laden.engine.roundpipe.host.store import ParamGroup
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.residency import GradLanding
 

@@ -9,9 +9,9 @@ training step waits for the thread that launches kernels, and these are about 25
 decoder layer's launches per micro-batch (`benchmarks/RESULTS.md`).
 
 `enable_fused_rotary(model)` re-classes each decoder layer's `self_attn` (as
-`laden.model.swap` does for the lean modules) to a subclass whose `forward` is the original
+`laden.model.patches.swap` does for the lean modules) to a subclass whose `forward` is the original
 `forward`'s own code, with only its global name `apply_rotary_pos_emb` bound to a function
-that, while fused kernels are on (`laden.model.fused`), runs `RotaryFn`: the rotation of both
+that, while fused kernels are on (`laden.model.patches.fused`), runs `RotaryFn`: the rotation of both
 tensors in one compiled function and its backward in another, the arithmetic in fp32 and
 rounded once (so equal to the eager ops to float rounding, like the other fused kernels).
 With fused kernels off, or for inputs it does not take (tensor subclasses, cos/sin that need
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model import fused
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers, warn_skipped
+from laden.model.patches import fused
+from laden.model.patches.swap import ClassSwap, check_own_forward, decoder_layers, warn_skipped
 
 __all__ = ["RotaryFn", "disable_fused_rotary", "enable_fused_rotary", "is_fused_rotary"]
 

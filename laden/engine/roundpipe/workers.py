@@ -26,9 +26,10 @@ import functools
 import threading
 from collections import deque
 
+from laden.engine.roundpipe import passes
+from laden.engine.roundpipe.call import Run, StageTask
 from laden.engine.roundpipe.device import Event, Lane, wait_host
 from laden.engine.roundpipe.residency import Residency
-from laden.engine.roundpipe.runner import Run, StageTask
 from laden.engine.roundpipe.transfer import Aborted
 
 
@@ -71,13 +72,13 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
     try:
         with lane.thread_context():
             current = queue.take()
-            res = current.prepare(lane) if current else None
+            res = passes.prepare(current, lane) if current else None
             previous_done: tuple[Event, Event] = (None, None)  # the previous stage's compute, downloads
             while current is not None and not run.aborted():
                 early: list[tuple[StageTask, Residency]] = []
                 if sole:  # the only worker: the next task is this lane's
                     current.early = functools.partial(_prepare_early, lane, queue, previous_done, early)
-                current.execute(lane, res)  # type: ignore[arg-type]  # queues the stage's work
+                passes.execute(current, lane, res)  # type: ignore[arg-type]  # queues the stage's work
                 current.early = None
                 done = lane.record(lane.compute), lane.record(lane.d2h)
                 nxt: StageTask | None
@@ -92,7 +93,7 @@ def _worker(run: Run, lane: Lane, queue: _Queue, errors: list[BaseException], *,
                         # it has finished, so its memory is free again before the next weights are
                         # allocated (at most two stages resident however far the host runs ahead).
                         wait_host(previous_done[0])
-                        nxt_res = nxt.prepare(lane)
+                        nxt_res = passes.prepare(nxt, lane)
                 previous_done = done
                 current, res = nxt, nxt_res
     except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -112,4 +113,4 @@ def _prepare_early(
     if nxt is None or not all(map(lane.finished, previous_done)) or not nxt.weights_ready():
         return
     queue.take()
-    early.append((nxt, nxt.prepare(lane)))
+    early.append((nxt, passes.prepare(nxt, lane)))

@@ -34,13 +34,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from laden.optim import (
-    adamw_bf16_kahan_step_,
-    adamw_foreach_,
-    adamw_kahan_foreach_,
-    adamw_scalars,
-    adamw_step_,
-)
+from laden.optim.adamw_foreach import adamw_foreach_, adamw_kahan_foreach_, adamw_scalars
+from laden.optim.cpu_adam import adamw_bf16_kahan_step_, adamw_step_
+from laden.optim.state import load_named_state, named_state
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -90,7 +86,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- states
 
-    def _state_of(self, p: nn.Parameter) -> dict[str, Any]:
+    def init_state(self, p: nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             local = _local(p)
@@ -136,7 +132,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                         "the host AdamW step needs parameters on the host; use offload_params or "
                         "per_layer_optim_step"
                     )
-                state = self._state_of(p)
+                state = self.init_state(p)
                 state["step"] += 1
                 h = self._hparams(p, state["step"])
                 if self.kahan_bf16:
@@ -170,7 +166,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         resident = _Resident(layer)
         with streams.upload():
             for p in layer:
-                state = self._state_of(p)
+                state = self.init_state(p)
                 keys = _STATE_KEYS + (("comp",) if self.kahan_bf16 else ())
                 assert p.grad is not None  # filtered by the caller
                 resident.host.append([_local(p), _local(p.grad)] + [state[k] for k in keys])
@@ -181,7 +177,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _update_on_device(self, layer: list[nn.Parameter], resident: _Resident) -> None:
         batches: dict[tuple[int, int], list[int]] = {}
         for k, p in enumerate(layer):
-            state = self._state_of(p)
+            state = self.init_state(p)
             state["step"] += 1
             batches.setdefault((id(self._group_of[id(p)]), state["step"]), []).append(k)
         for idx in batches.values():
@@ -214,35 +210,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------ checkpoint
 
     def fqn_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """`{"state": {fqn: {...}}, "param_groups": [...]}` with DTensor states (the DCP format)."""
+        """`laden.optim.state.named_state` with DTensor states laid out like their parameters (DCP's format)."""
         names = {id(p): n for n, p in model.named_parameters()}
-        state: dict[str, Any] = {}
-        for p in (p for g in self.param_groups for p in g["params"]):
-            s = self._state_of(p)
-            entry: dict[str, Any] = {"step": torch.tensor(float(s["step"]))}
-            for key, value in s.items():
-                if key != "step":
-                    entry[key] = _like_param(value, p)
-            state[names[id(p)]] = entry
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in self.param_groups
-        ]
-        return {"state": state, "param_groups": groups}
+        return named_state(self, names, wrap=_like_param)
 
     def load_fqn_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
-        params = dict(model.named_parameters())
-        for fqn, entry in state_dict["state"].items():
-            s = self._state_of(params[fqn])
-            for key, value in entry.items():
-                if key == "step":
-                    s["step"] = int(value)
-                elif key in s:
-                    src = _local(value)
-                    if src.data_ptr() != s[key].data_ptr():
-                        s[key].copy_(src)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        load_named_state(self, {id(p): n for n, p in model.named_parameters()}, state_dict)
 
 
 def _like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

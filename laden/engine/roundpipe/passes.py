@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from laden.engine.roundpipe.call import StageTask, capture_rng, restored_rng
 from laden.engine.roundpipe.device import Lane
 from laden.engine.roundpipe.residency import (
     Residency,
@@ -31,9 +32,45 @@ from laden.engine.roundpipe.residency import (
     arm_early_download,
     download_grads,
     release,
+    upload_stage,
 )
-from laden.engine.roundpipe.runner import StageTask, capture_rng, restored_rng
-from laden.engine.roundpipe.transfer import Handoff, Shared, as_leaves, fetch, float_leaves, input_grads, park
+from laden.engine.roundpipe.transfer import (
+    Aborted,
+    Handoff,
+    Shared,
+    as_leaves,
+    fetch,
+    float_leaves,
+    input_grads,
+    park,
+)
+
+
+def prepare(task: StageTask, lane: Lane) -> Residency:
+    """Queue the upload of the task's weights to `lane`, once the host has finished writing them,
+    then the copies of its first micro-batch's inputs (`prefetch_first`)."""
+    run, store = task.run, task.run.store
+    buf, required = run.spec.buf, run.spec.required
+    if not store.wait_weights(task.weight_groups(), buf, required, run.aborted):
+        raise Aborted
+    trainable = run.spec.backward and task.kind != "forward"
+    carry_out = frozenset(
+        hp.index
+        for layer in task.layers
+        for hp in store.layers[layer].foreign
+        if hp.index in run.spec.carried
+    )
+    res = upload_stage(
+        store, lane, task.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
+    )
+    prefetch_first(task, lane)
+    return res
+
+
+def execute(task: StageTask, lane: Lane, res: Residency) -> None:
+    """Queue the task's work on `lane`: its forward, fused or backward pass over every micro-batch."""
+    body = {"forward": run_forward, "fused": run_fused, "backward": run_backward}
+    body[task.kind](task, lane, res)
 
 
 def call_layer(res: Residency, layer_id: int, x: Any) -> Any:

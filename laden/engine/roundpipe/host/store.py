@@ -14,7 +14,7 @@ Every parameter lives in host memory in up to four forms (grouped as `HostLayout
   one-step-stale asynchronous update needs a second upload buffer (allocated on first use).
 - master weight (optimizer dtype, trainable params only): what the optimizer updates. When
   the optimizer dtype is the compute dtype the master *is* an upload buffer (no copy; see
-  `host_layout`): the update writes in place what the next residency uploads. In
+  `host.layout`): the update writes in place what the next residency uploads. In
   asynchronous mode the masters ping-pong between the two upload buffers: before an update
   writes buffer b, `move_masters_to(b)` copies the newest weights (in the other buffer,
   which the running step reads) into b and re-points the masters at b. Otherwise masters
@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from laden.engine.roundpipe.host_layout import HostLayout, HostParam, LayerInfo, ParamGroup
+from laden.engine.roundpipe.host.layout import HostLayout, HostParam, LayerInfo, ParamGroup
 
 PinMode = Literal["alloc", "register", "off"]
 PIN_MODES = ("alloc", "register", "off")
@@ -121,7 +121,7 @@ class HostStore:
         if meta_buffers and init_meta is not None:
             raise ValueError(
                 f"buffers {meta_buffers[:3]} are on the meta device; build the model with parameters on meta and "
-                "real buffers (laden.engine.roundpipe.host_memory.meta_params) so rotary tables stay computed"
+                "real buffers (laden.engine.roundpipe.host.memory.meta_params) so rotary tables stay computed"
             )
         if create_masters:
             self.ensure_masters()

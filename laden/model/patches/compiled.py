@@ -8,7 +8,7 @@ generated kernels.
 
 `enable_compiled_layers` swaps each decoder layer's class to a cached subclass whose
 `forward` runs the original class's `forward` through one `torch.compile`d function per
-original class and backend (`laden.model.swap`, as `laden.model.tiled` swaps MLP
+original class and backend (`laden.model.patches.swap`, as `laden.model.patches.tiled` swaps MLP
 classes): parameter names and state dicts do not change, the shallow copies the roundpipe
 engine binds to device weights stay compiled, and a pickled model unpickles compiled. The compiled function takes the layer as an argument; Dynamo treats its
 parameters as inputs, so the layers of a model (and every copy of them) share the same
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+from laden.model.patches.swap import ClassSwap, check_own_forward, decoder_layers
 
 __all__ = ["compiled_layer_count", "disable_compiled_layers", "enable_compiled_layers"]
 

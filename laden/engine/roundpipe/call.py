@@ -13,7 +13,7 @@ backward stages with `"layer"`), `grads` (gradients w.r.t. a backward stage's in
 Everything is in host memory; GPU memory holds one stage's weights and gradients, the next
 stage's prefetched weights, and one micro-batch's activations.
 
-The stage bodies are in `stages.py`; the device pool that runs the tasks in `scheduler.py`.
+The stage bodies (and how a task is prepared and executed) are in `passes.py`; the device workers that run the tasks in `workers.py`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Any, Literal
 import torch
 
 from laden.engine.roundpipe.device import Lane
-from laden.engine.roundpipe.host import HostStore, ParamGroup
+from laden.engine.roundpipe.host.store import HostStore, ParamGroup
 from laden.engine.roundpipe.plan import ModelExecutePlan
-from laden.engine.roundpipe.residency import GradLanding, Residency, upload_stage
-from laden.engine.roundpipe.transfer import Aborted, Handoff, HostBuffers, Shared
+from laden.engine.roundpipe.residency import GradLanding
+from laden.engine.roundpipe.transfer import Handoff, HostBuffers, Shared
 
 Grain = Literal["stage", "layer"]
 TaskKind = Literal["forward", "fused", "backward"]
@@ -86,48 +86,20 @@ class StageTask:
     kind: TaskKind
     layers: range
     final: bool = False  # last forward stage of an inference run: its outputs are the result
-    inputs: dict[str, Any] | None = None  # its input prefetchers, by role (`stages.task_inputs`)
+    inputs: dict[str, Any] | None = None  # its input prefetchers, by role (`passes.task_inputs`)
     # Called at the start of its last micro-batch, once that micro-batch's inputs are queued: the
-    # worker's chance to queue the next task's uploads early (`scheduler._prepare_early`).
+    # worker's chance to queue the next task's uploads early (`workers._prepare_early`).
     early: Callable[[], None] | None = None
-
-    def prepare(self, lane: Lane) -> Residency:
-        """Queue the upload of this stage's weights to `lane`, once the host has finished writing them,
-        then the copies of its first micro-batch's inputs (`stages.prefetch_first`)."""
-        from laden.engine.roundpipe import stages
-
-        run, store = self.run, self.run.store
-        buf, required = run.spec.buf, run.spec.required
-        if not store.wait_weights(self._weight_groups(), buf, required, run.aborted):
-            raise Aborted
-        trainable = run.spec.backward and self.kind != "forward"
-        carry_out = frozenset(
-            hp.index
-            for layer in self.layers
-            for hp in store.layers[layer].foreign
-            if hp.index in run.spec.carried
-        )
-        res = upload_stage(
-            store, lane, self.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
-        )
-        stages.prefetch_first(self, lane)
-        return res
 
     def weights_ready(self) -> bool:
         """Whether `prepare` would find the stage's weights written (it would not wait for the host)."""
         spec = self.run.spec
-        return self.run.store.weights_written(self._weight_groups(), spec.buf, spec.required)
+        return self.run.store.weights_written(self.weight_groups(), spec.buf, spec.required)
 
-    def _weight_groups(self) -> list[ParamGroup]:
+    def weight_groups(self) -> list[ParamGroup]:
         """The parameter groups whose weights the stage's layers read, each once."""
         layers = self.run.store.layers
         return list({g.index: g for layer in self.layers for g in layers[layer].weight_deps()}.values())
-
-    def execute(self, lane: Lane, res: Residency) -> None:
-        from laden.engine.roundpipe import stages
-
-        body = {"forward": stages.run_forward, "fused": stages.run_fused, "backward": stages.run_backward}
-        body[self.kind](self, lane, res)
 
 
 @dataclass(eq=False)

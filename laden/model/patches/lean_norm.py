@@ -7,7 +7,7 @@ the reciprocal RMS) and the normalised value cast back to `x.dtype` (for the wei
 gradient). For a bf16 input of width W that is 4W + 2W bytes per row where `x` itself is
 2W. Measured on one Qwen3-1.7B decoder layer in bf16 (hidden 2048, 16 heads, 8 KV heads,
 head_dim 128, T = 2048, varlen attention): 117,416 bytes per token saved for backward, or
-68,264 with the MLP tiled (`laden.model.tiled`); its four norms (input_layernorm and
+68,264 with the MLP tiled (`laden.model.patches.tiled`); its four norms (input_layernorm and
 post_attention_layernorm of W = 2048, q_norm 16 x 128, k_norm 8 x 128) keep 43,112 of them.
 
 `LeanRMSNormFn` computes the same forward with the same ops (bitwise the same output) but
@@ -29,7 +29,7 @@ graph holds an fp32 copy of a bf16 input and would not); no Hugging Face decoder
 writes to a norm's input. Double backward is not supported.
 
 `enable_lean_rmsnorm` swaps each eligible module's class to a cached subclass whose only
-change is the lean `forward` (`laden.model.swap`, as `laden.model.tiled` swaps MLP classes):
+change is the lean `forward` (`laden.model.patches.swap`, as `laden.model.patches.tiled` swaps MLP classes):
 parameter names, state dicts and tied weights do not change, shallow copies stay lean and
 run on their own weight, and `disable_lean_rmsnorm` gives the original class back. Eligible means:
 the class name ends with `RMSNorm`, the module has a 1-D `weight` tensor and a
@@ -47,8 +47,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model import fused
-from laden.model.swap import ClassSwap, check_own_forward, same_code, warn_skipped
+from laden.model.patches import fused
+from laden.model.patches.swap import ClassSwap, check_own_forward, same_code, warn_skipped
 
 __all__ = [
     "LeanRMSNormFn",

@@ -28,7 +28,7 @@ checkpointing does. Hooks on the MLP module itself run once per call; hooks on i
 submodules (`gate_proj`, ...) run once per tile in forward and again in backward.
 
 `enable_tiled_mlp` swaps each decoder layer's `mlp` to a subclass of its own class whose
-only change is a tiled `forward` (`laden.model.swap`, the way FSDP2's `fully_shard`
+only change is a tiled `forward` (`laden.model.patches.swap`, the way FSDP2's `fully_shard`
 re-classes a module), instead of wrapping it: parameter names, state dicts and tied weights
 do not change, and shallow copies of the module (the roundpipe engine runs layers as shells
 bound to device weights) stay tiled and run on their own parameters, which an
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model import grad_sink
-from laden.model.swap import ClassSwap, check_own_forward, decoder_layers
+from laden.model.patches import grad_sink
+from laden.model.patches.swap import ClassSwap, check_own_forward, decoder_layers
 
 __all__ = [
     "MLP_ATTRS",
@@ -230,7 +230,7 @@ def enable_tiled_mlp(model: nn.Module, *, tile_tokens: int) -> int:
     """
     _check_tile_tokens(tile_tokens)
     layers = decoder_layers(
-        model, "enable_tiled_mlp", "; for other modules call laden.model.tiled.tiled_forward directly"
+        model, "enable_tiled_mlp", "; for other modules call laden.model.patches.tiled.tiled_forward directly"
     )
     mlps = [_check_mlp(model, i, layer) for i, layer in enumerate(layers)]  # all checked before any patch
     for mlp in mlps:

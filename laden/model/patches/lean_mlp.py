@@ -7,7 +7,7 @@ each op saves: `x` (for both projections), `g = gate_proj(x)` (for the activatio
 H + 4I values per token, in the compute dtype. Under autocast each projection casts `x`
 itself and keeps its own copy (2H + 4I), and every projection keeps its cast weight until
 backward. For Qwen3-1.7B (H = 2048, I = 6144) in bf16 the MLP is 53,248 of the 117,416
-bytes per token a decoder layer saves (see `laden.model.lean_norm`).
+bytes per token a decoder layer saves (see `laden.model.patches.lean_norm`).
 
 `LeanGatedMLPFn` computes the same forward with the same ops (bitwise the same output, also
 under autocast) but saves only `x` (cast once to the autocast dtype when autocast is on),
@@ -20,17 +20,17 @@ matmuls in the dtypes autograd uses: gradients in the compute dtype, weight (and
 gradients then cast to the parameter's dtype, the input gradient summed over both
 projections in the input's dtype. fp32 gradients agree with Hugging Face's to float
 rounding, bf16 ones to bf16 rounding. Frozen weights get no gradient (nor is it computed).
-A weight with a `GradSink` (`laden.model.grad_sink`, attached by an engine that sums
+A weight with a `GradSink` (`laden.model.patches.grad_sink`, attached by an engine that sums
 gradients in fp32 accumulators) gets none either: its gradient is added into the sink's
 accumulator, in one fp32-output GEMM on CUDA.
 
-With `laden.model.stacked`'s joint projections on (off by default) and the gate and up
+With `laden.model.patches.stacked`'s joint projections on (off by default) and the gate and up
 weights back to back without biases (the roundpipe upload), both projections are one
 `[2I, H]` GEMM whose output halves are `gate` and `up`; the fused SwiGLU backward then writes
 both gradients side by side, the input gradient is one GEMM over them, and sinks that can
-join (`laden.model.grad_sink.joint_sink`) take both weight gradients in one GEMM.
+join (`laden.model.patches.grad_sink.joint_sink`) take both weight gradients in one GEMM.
 
-The tiled MLP (`laden.model.tiled`) already keeps only `x` for the whole MLP; the two
+The tiled MLP (`laden.model.patches.tiled`) already keeps only `x` for the whole MLP; the two
 compose in either order (`enable_lean_mlp` then `enable_tiled_mlp`, or the reverse): the
 MLP runs tiled, its tiles lean, which lowers the intermediates a tile's backward holds. Such
 an MLP copies (deep and shallow) but does not pickle: its tiled class's original is the
@@ -40,7 +40,7 @@ backward (autograd's version-counter error) instead of giving wrong gradients; n
 Hugging Face's is in place.
 
 `enable_lean_mlp` swaps each decoder layer's `mlp` to a cached subclass of its class whose
-only change is the lean `forward` (`laden.model.swap`, as `laden.model.lean_norm` swaps
+only change is the lean `forward` (`laden.model.patches.swap`, as `laden.model.patches.lean_norm` swaps
 RMSNorm classes): parameter names, state dicts and tied weights do not change, shallow copies
 stay lean and run on their own weights, and `disable_lean_mlp` gives the original class back.
 Eligible means: the class's `forward` compiles to the same code as Hugging Face's Llama-style
@@ -62,9 +62,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from laden.model import fused, stacked
-from laden.model.grad_sink import GradSink, joint_sink, sink_of
-from laden.model.swap import (
+from laden.model.patches import fused, stacked
+from laden.model.patches.grad_sink import GradSink, joint_sink, sink_of
+from laden.model.patches.swap import (
     ClassSwap,
     check_own_forward,
     decoder_layers,
@@ -72,7 +72,7 @@ from laden.model.swap import (
     same_code,
     warn_skipped,
 )
-from laden.model.tiled import class_swap as tiled_swap
+from laden.model.patches.tiled import class_swap as tiled_swap
 
 __all__ = ["LeanGatedMLPFn", "disable_lean_mlp", "enable_lean_mlp", "is_lean_mlp"]
 
@@ -229,7 +229,7 @@ def _swiglu_backward_stacked(
 
 def _stacked(w_gate: torch.Tensor, b_gate: object, w_up: torch.Tensor, b_up: object) -> torch.Tensor | None:
     """Gate and up weights as one `[2I, H]` matrix when joint projections are on
-    (`laden.model.stacked`), the weights lie back to back and have no biases."""
+    (`laden.model.patches.stacked`), the weights lie back to back and have no biases."""
     if not stacked.joint_projections_enabled() or b_gate is not None or b_up is not None:
         return None
     return stacked.stacked_rows((w_gate, w_up))
@@ -360,14 +360,14 @@ def enable_lean_mlp(model: nn.Module) -> int:
     """Make every decoder layer's Hugging Face Llama-style `mlp` in `model` lean (see the module docstring).
 
     Returns the number of lean MLPs in the decoder layers afterwards (calling it again changes
-    nothing). A tiled MLP (`laden.model.tiled`) stays tiled and runs lean tiles. MLPs of other
+    nothing). A tiled MLP (`laden.model.patches.tiled`) stays tiled and runs lean tiles. MLPs of other
     kinds are left alone, with one warning. Parameters, their names and the state dict are
     untouched; `disable_lean_mlp` undoes it.
     """
     layers = decoder_layers(
         model,
         "enable_lean_mlp",
-        "; for other modules call laden.model.lean_mlp.LeanGatedMLPFn.apply directly",
+        "; for other modules call laden.model.patches.lean_mlp.LeanGatedMLPFn.apply directly",
     )
     lean: list[tuple[nn.Module, type[nn.Module] | None]] = []
     skipped = set()
