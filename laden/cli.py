@@ -1,12 +1,26 @@
-"""`laden sft | config | doctor`: parse arguments and call the library; nothing else lives here."""
+"""`laden sft | config | doctor`: parse arguments and call the library; nothing else lives here.
+
+Errors about the user's input (a config, a data file, a model directory, the run directory)
+and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
+a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib import resources
+from pathlib import Path
 from typing import Literal
+
+EXIT_USAGE = 2
+"""Exit status for invalid input (config, data, model directory)."""
+EXIT_OS_ERROR = 1
+"""Exit status when the run directory cannot be written."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
 
 ASSETS = resources.files("laden") / "assets"
 
@@ -30,15 +44,59 @@ def _load(args: argparse.Namespace, job: Literal["sft", "rl", "any"]):
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from laden.config import run_dir
     from laden.sft.trainer import run_sft
 
     cfg = _load(args, "sft")
-    result = run_sft(cfg, progress=not args.no_progress)
-    print(
-        f"done: {result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; "
-        f"run directory {result.run_dir}"
-    )
+    directory = run_dir(cfg)
+    try:
+        result = run_sft(cfg, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        _say(f"laden: interrupted; rerun the same command to resume from the last checkpoint in {directory}")
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        message = _run_dir_error(exc, directory)
+        if message is None:
+            raise
+        _say(message)
+        return EXIT_OS_ERROR
+    if _is_main_process() and result.already_finished:
+        print(
+            f"done: run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
+            f"loss {result.last_loss}); nothing was trained. Raise total_train_steps to train on, or set trial_name"
+        )
+    elif _is_main_process():
+        print(
+            f"done: {result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; "
+            f"run directory {result.run_dir}"
+        )
     return 0
+
+
+def _run_dir_error(exc: OSError, directory: Path) -> str | None:
+    """One line for an OSError on the run directory or a path in it, else None (not about the user's input)."""
+    root = Path(os.path.abspath(directory))
+    for name in (exc.filename, exc.filename2):
+        if not isinstance(name, (str, bytes, os.PathLike)):
+            continue  # no name, or a file descriptor
+        path = Path(os.path.abspath(os.fsdecode(name)))
+        # Inside it, or an ancestor that creating it needs (`cluster.fileroot` and below).
+        if path == root or root in path.parents or path in root.parents:
+            return (
+                f"laden: run directory {str(directory)!r}: {exc.strerror or exc} ({path}); free space "
+                "or fix permissions there, or set cluster.fileroot / trial_name to use another directory"
+            )
+    return None
+
+
+def _is_main_process() -> bool:
+    # Under torchrun every rank runs this CLI; rank 0 speaks for all of them.
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(line: str) -> None:
+    if _is_main_process():
+        print(line, file=sys.stderr)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -106,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Under torchrun rank 0 logs for every rank; the others report only errors.
+    level = logging.INFO if _is_main_process() else logging.ERROR
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = build_parser()
     # Overrides may come before or after options (`config show --job sft a.b=1`): argparse stops
     # collecting a positional list at the first option, so the rest arrive as unknown arguments.
@@ -122,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as exc:
         print(f"laden: invalid configuration\n{exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except (ValueError, FileNotFoundError) as exc:
         print(f"laden: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say("laden: interrupted")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

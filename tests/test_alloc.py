@@ -104,12 +104,16 @@ def test_grammar_errors_name_string_reason_and_syntax(text, reason):
     assert "e.g. 'fsdp:d2t2'" in message
 
 
+@pytest.mark.parametrize("text", ["sglang:d2t2", "sglang:d4", "native:d2t1"])
+def test_seed_rollout_modes_are_valid_and_not_yet_implemented(text):
+    assert check_alloc(text, role="rollout", field="rollout.backend", require_implemented=False) == []
+    (error,) = check_alloc(text, role="rollout", field="rollout.backend")
+    assert "is not implemented yet" in error
+
+
 @pytest.mark.parametrize(
     ("text", "role"),
     [
-        ("sglang:d2t2", "rollout"),
-        ("sglang:d4", "rollout"),
-        ("native:d2t1", "rollout"),
         ("fsdp:d4", "actor"),
         ("fsdp:d2c2", "actor"),
         ("fsdp:d2t2", "actor"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 import warnings
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,7 +27,8 @@ from laden.config import (
 )
 from laden.config.docs import sections
 
-SFT = ["actor.path=/models/m", "train_dataset.path=data.jsonl"]
+TINY_MODEL = Path(__file__).resolve().parents[1] / "laden" / "assets" / "tiny"  # config.json: 4 heads, 2 kv
+SFT = [f"actor.path={TINY_MODEL}", "train_dataset.path=data.jsonl"]
 RL = [*SFT, "train_dataset.type=rl"]
 
 
@@ -60,7 +63,7 @@ def test_yaml_then_overrides_precedence(tmp_path):
     path.write_text(
         yaml.safe_dump(
             {
-                "actor": {"path": "/m", "mb_spec": {"max_tokens_per_mb": 2048, "n_mbs": 3}},
+                "actor": {"path": str(TINY_MODEL), "mb_spec": {"max_tokens_per_mb": 2048, "n_mbs": 3}},
                 "train_dataset": {"path": "d.jsonl", "max_length": 512},
                 "rollout": {"backend": "native:d1"},
             }
@@ -291,8 +294,18 @@ def test_missing_or_bad_file(tmp_path):
     assert "expected a mapping" in error
 
 
-def test_validate_against_model_head_rule():
-    cfg = load_config(None, [*SFT, "actor.backend=fsdp:d1t2c4", "cluster.n_gpus_per_node=8"])
+def _model_dir(path: Path, **config) -> Path:
+    """A model directory holding only a config.json (what validation reads)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_validate_against_model_head_rule(tmp_path):
+    model = _model_dir(tmp_path / "m40", num_attention_heads=40, num_key_value_heads=8)
+    cfg = load_config(
+        None, [*SFT, f"actor.path={model}", "actor.backend=fsdp:d1t2c4", "cluster.n_gpus_per_node=8"]
+    )
     assert validate_against_model(cfg, num_attention_heads=40, num_key_value_heads=8) == []
     cfg.actor.backend = "fsdp:c16"
     (error,) = validate_against_model(cfg, num_attention_heads=40, num_key_value_heads=8)

@@ -34,9 +34,10 @@ BACKEND_DIMS: dict[Role, dict[str, str]] = {
 
 IMPLEMENTED_BACKENDS: dict[Role, tuple[str, ...]] = {
     "actor": ("fsdp", "roundpipe"),
-    "rollout": ("native", "sglang", "vllm"),
+    "rollout": (),
 }
-"""Backends that laden can run today, per role."""
+"""Backends that laden can run today, per role: the two training engines; no rollout engine yet (a
+rollout backend is parsed and validated for its structure only)."""
 
 _SYNTAX_HINT = (
     "expected '<backend>:<dims>' with dims from d (data), t (tensor), c (context), "
@@ -154,7 +155,7 @@ def check_alloc(
     if require_implemented and not errors and mode.backend not in IMPLEMENTED_BACKENDS[role]:
         errors.append(
             f"{field}={text!r}: backend {mode.backend!r} is not implemented yet; implemented "
-            f"{role} backends: {', '.join(IMPLEMENTED_BACKENDS[role])}"
+            f"{role} backends: {', '.join(IMPLEMENTED_BACKENDS[role]) or 'none yet'}"
         )
     return errors
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -61,12 +62,29 @@ def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenC
     if job not in ("sft", "rl", "any"):
         raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
     cfg = _build(LadenConfig, data, "", errors)
+    _cluster_from_launcher(cfg, data.get("cluster"))
     errors += validate_config(cfg, job=job)
     if errors:
         raise ConfigError(errors)
     if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)
         cfg.rollout.max_concurrent_rollouts = cfg.max_concurrent_rollouts
     return cfg
+
+
+def _cluster_from_launcher(cfg: LadenConfig, given: Any) -> None:
+    """Under torchrun, `cluster.n_nodes` / `cluster.n_gpus_per_node` left unset come from its
+    environment (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`), so `torchrun --nproc-per-node 2 ... actor.backend=
+    fsdp:d2` needs no cluster fields; set ones are kept (a launch that contradicts them is reported
+    when the run starts, naming both)."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        return
+    given = given if isinstance(given, Mapping) else {}
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "n_gpus_per_node" not in given:
+        cfg.cluster.n_gpus_per_node = per_node
+    if "n_nodes" not in given:
+        cfg.cluster.n_nodes = max(1, int(world) // max(per_node, 1))
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -100,7 +118,12 @@ def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
         errors.append(f"config file {str(path)!r} does not exist; pass an existing YAML file")
         return {}
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        errors.append(f"config file {str(path)!r} cannot be read as UTF-8 text ({err}); save it as UTF-8")
+        return {}
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         errors.append(f"config file {str(path)!r} is not valid YAML: {err}")
         return {}

@@ -2,20 +2,27 @@
 
 Each rule returns error lines of the form `<dotted.field>=<value> <why>; <fix>`, so the
 loader can report every problem at once. Rules that need the model (attention heads)
-live in `validate_against_model`, called once the model's config.json is read. Settings
+live in `validate_against_model`; `validate_config` applies them to the `config.json` at
+`actor.path` (read as JSON, no weights, no torch), so `laden config show` and every rank
+of a job report a head split that does not divide before anything is loaded. Settings
 that are legal but ignored or known to hurt (e.g. `adam` with bf16 optimizer storage)
 give a `UserWarning` instead of an error. Trade-off: ranges are a flat table rather than
 per-dataclass `__post_init__` checks, so a config object may be built with bad values
-(tests and the loader need that) and is only judged here.
+(tests and the loader need that) and is only judged here; and validation reads the disk
+(`actor.path`/config.json, the nearest existing ancestor of `cluster.fileroot`) but never
+writes to it, so a config naming a model that is not downloaded yet does not validate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from laden.config.alloc import AllocationMode, check_alloc, head_rule_errors
 from laden.config.schema import LadenConfig
@@ -92,15 +99,17 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _alloc_errors(cfg, rl=rl)
     errors += _alias_errors(cfg)
     errors += _fused_errors(cfg)
+    errors += _fileroot_errors(cfg)
+    errors += _model_errors(cfg, rl=rl)
     _warn_optimizer(cfg)
     _warn_ignored_sections(cfg)
     return errors
 
 
 def validate_against_model(
-    cfg: LadenConfig, *, num_attention_heads: int, num_key_value_heads: int | None
+    cfg: LadenConfig, *, num_attention_heads: int, num_key_value_heads: int | None, rollout: bool = True
 ) -> list[str]:
-    """Head-rule errors for actor `t`, `c` (and their product) and rollout `t`."""
+    """Head-rule errors for actor `t`, `c` (and their product) and, if `rollout`, rollout `t`."""
     errors: list[str] = []
     heads = (num_attention_heads, num_key_value_heads)
     actor = _parse_or_none(cfg.actor.backend)
@@ -110,10 +119,10 @@ def validate_against_model(
             errors += head_rule_errors(size, *heads, field=field, axis_name=axis)
         if actor.tp > 1 and actor.cp > 1 and not errors:
             errors += head_rule_errors(actor.tp * actor.cp, *heads, field=field, axis_name="t*c")
-    rollout = _parse_or_none(cfg.rollout.backend)
-    if rollout is not None:
+    rollout_mode = _parse_or_none(cfg.rollout.backend) if rollout else None
+    if rollout_mode is not None:
         field = f"rollout.backend={cfg.rollout.backend!r}"
-        errors += head_rule_errors(rollout.tp, *heads, field=field, axis_name="tensor (t)")
+        errors += head_rule_errors(rollout_mode.tp, *heads, field=field, axis_name="tensor (t)")
     return errors
 
 
@@ -202,7 +211,8 @@ def _micro_batch_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
 def _alloc_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     errors = check_alloc(cfg.actor.backend, role="actor", field="actor.backend")
     if rl:
-        errors += check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend")
+        # Checked for structure only: no rollout engine exists yet (`IMPLEMENTED_BACKENDS`).
+        errors += check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend", require_implemented=False)
     if cfg.actor.optimizer.type == "adam_bf16" and cfg.actor.backend.startswith("megatron:"):
         errors.append(
             "actor.optimizer.type='adam_bf16' is not supported by the megatron backend; use adam or sgd"
@@ -260,6 +270,126 @@ def _fused_errors(cfg: LadenConfig) -> list[str]:
             "lean RMSNorm's and gated MLP's math; set actor.lean_activations: true or drop fused_elementwise"
         ]
     return []
+
+
+# ---------------------------------------------------------------------------------------
+# Rules that read the file system (never write to it)
+
+
+def _fileroot_errors(cfg: LadenConfig) -> list[str]:
+    """`cluster.fileroot` must be a directory that run directories can be created in."""
+    root = cfg.cluster.fileroot
+    if not root:
+        return []  # reported as empty by `_name_errors`
+    reason = unwritable_reason(Path(root).expanduser())
+    if reason is None:
+        return []
+    return [
+        f"cluster.fileroot={root!r} {reason}, so the run directory cannot be created there; set "
+        "cluster.fileroot to a writable directory (it is created if missing), e.g. cluster.fileroot=runs"
+    ]
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why directories cannot be created at `path`, or None; judges its nearest existing ancestor, creates nothing."""
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    reason = _not_a_writable_dir(existing)
+    if reason is None or existing == path:
+        return reason
+    return f"does not exist and its nearest existing ancestor {str(existing)!r} {reason}"
+
+
+def _not_a_writable_dir(directory: Path) -> str | None:
+    if not directory.is_dir():
+        return "is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable by this user"
+    try:
+        fs = os.statvfs(directory)
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror})"
+    if fs.f_flag & os.ST_RDONLY:
+        return "is on a read-only file system"
+    # /proc, /sys and the like report no storage blocks and refuse new directories, even to root.
+    if fs.f_blocks == 0:
+        return "is on a virtual file system without storage (like /proc or /sys)"
+    return None
+
+
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+
+
+def _model_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    """The head rules of `validate_against_model` on `actor.path`/config.json, read without the weights."""
+    path = cfg.actor.path
+    if not path:
+        return []  # reported by `_job_errors` where the job needs a model
+    config, error = read_model_config(path)
+    if error is not None:
+        return [error]
+    if config is None:
+        return []  # a .gguf file: its heads are checked once it is loaded
+    heads = _first_int(config, _HEAD_KEYS)
+    if heads is None:
+        return []  # an architecture without a head count: nothing to divide
+    kv_heads = _first_int(config, _KV_HEAD_KEYS) or heads
+    errors = validate_against_model(cfg, num_attention_heads=heads, num_key_value_heads=kv_heads, rollout=rl)
+    source = Path(path).expanduser() / "config.json"
+    return [f"{e} (head counts from {source})" for e in errors]
+
+
+def read_model_config(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(`config.json` of the model at `path`, None), (None, None) for a .gguf file, or (None, error line)."""
+    field = f"actor.path={path!r}"
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        return None, (
+            f"{field} does not exist; laden loads local directories only (model hubs are not reachable): "
+            "download the model (e.g. `huggingface-cli download <repo> --local-dir <dir>`) and set "
+            "actor.path to that directory"
+        )
+    if directory.is_file():
+        if directory.suffix == ".gguf":
+            return None, None
+        return (
+            None,
+            f"{field} is a file; set it to a Hugging Face model directory (config.json + weights) or a .gguf file",
+        )
+    file = directory / "config.json"
+    if not file.is_file():
+        return None, (
+            f"{field} has no config.json; set actor.path to a Hugging Face model directory (config.json "
+            "plus weights, as written by `save_pretrained`) or to a .gguf file"
+        )
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return (
+            None,
+            f"{field}: {file} cannot be read ({e}); re-download the model or re-save it with `save_pretrained`",
+        )
+    if not isinstance(config, dict):
+        return (
+            None,
+            f"{field}: {file} holds a {type(config).__name__}, not a JSON object; re-download the model",
+        )
+    return config, None
+
+
+def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    """The first integer under `keys`, at the top level or in `text_config` (multimodal models)."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in keys:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def _warn_optimizer(cfg: LadenConfig) -> None:

@@ -6,7 +6,7 @@ from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples, unpack
 from laden.data.loader import GlobalBatchIterator
 from laden.data.packing import PACKING_ALGORITHMS, ffd_partition, kk_partition, partition_microbatches
 from laden.data.sft import LengthStats, Sample, build_sft_samples, sample_lengths, tokenize_sft_record
-from laden.data.sources import load_records
+from laden.data.sources import Records, load_records
 
 __all__ = [
     "IGNORE_INDEX",
@@ -14,6 +14,7 @@ __all__ = [
     "GlobalBatchIterator",
     "LengthStats",
     "PackedBatch",
+    "Records",
     "Sample",
     "build_sft_samples",
     "ffd_partition",

@@ -97,8 +97,15 @@ def build_sft_samples(
     completion_key: str = "completion",
     messages_key: str = "messages",
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    source: str | None = None,
 ) -> tuple[list[Sample], LengthStats]:
-    """Tokenize records and apply the `max_length` policy; the stats account for every record."""
+    """Tokenize records and apply the `max_length` policy; the stats account for every record.
+
+    `source` names the records in errors (default: the `source` of `load_records`' result).
+    Raises ValueError naming the source when no record is left: none given, none with a
+    loss token (no assistant turn), or all longer than `max_length`.
+    """
+    source = source or getattr(records, "source", None) or "the dataset"
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length={max_length!r} must be an integer >= 2 (train_dataset.max_length)")
     if length_policy not in LENGTH_POLICIES:
@@ -107,6 +114,7 @@ def build_sft_samples(
         )
     samples: list[Sample] = []
     stats = LengthStats()
+    num_cut_before_loss = 0  # no-loss samples whose loss tokens were all cut by `truncate`
     for index, record in enumerate(records):
         stats.num_records += 1
         try:
@@ -119,7 +127,7 @@ def build_sft_samples(
                 chat_template_kwargs=chat_template_kwargs,
             )
         except ValueError as e:
-            raise ValueError(f"record {index}: {e}") from e
+            raise ValueError(f"{source}: record {index}: {e}") from e
         stats.max_num_tokens_raw = max(stats.max_num_tokens_raw, len(input_ids))
         if len(input_ids) > max_length:
             if length_policy == "filter":
@@ -132,16 +140,51 @@ def build_sft_samples(
         # The first token is never a target, so its mask bit does not count.
         if not any(loss_mask[1:]):
             stats.num_no_loss_tokens += 1
+            num_cut_before_loss += truncated
             continue
         stats.num_truncated += truncated
         stats.num_loss_tokens += sum(loss_mask[1:])
         samples.append(Sample(input_ids, loss_mask))
     stats.num_kept = len(samples)
-    if samples:
-        lengths = [len(s.input_ids) for s in samples]
-        stats.max_num_tokens = max(lengths)
-        stats.mean_num_tokens = sum(lengths) / len(lengths)
+    if not samples:
+        keys = (completion_key, messages_key)
+        raise ValueError(_nothing_kept_message(source, stats, num_cut_before_loss, max_length, keys))
+    lengths = [len(s.input_ids) for s in samples]
+    stats.max_num_tokens = max(lengths)
+    stats.mean_num_tokens = sum(lengths) / len(lengths)
     return samples, stats
+
+
+def _nothing_kept_message(
+    source: str, stats: LengthStats, num_cut_before_loss: int, max_length: int, keys: tuple[str, str]
+) -> str:
+    """Why no sample of `source` is left, with the fix for each cause; `keys`: (completion, messages)."""
+    if stats.num_records == 0:
+        return f"{source} has no records; a dataset needs at least one record"
+    completion, messages = keys
+    causes = []
+    num_no_assistant = stats.num_no_loss_tokens - num_cut_before_loss
+    if num_no_assistant:
+        causes.append(
+            f"{num_no_assistant} have no loss tokens (no assistant turn in {messages!r}, or an empty "
+            f"{completion!r}): give each record a {{'role': 'assistant'}} message in {messages!r} "
+            f"or a non-empty {completion!r} (or set the dataset's prompt_key/completion_key/"
+            "messages_key to the columns that hold them)"
+        )
+    if num_cut_before_loss:
+        causes.append(
+            f"{num_cut_before_loss} lose every loss token when truncated to max_length={max_length} "
+            "(the assistant turn starts later): raise the dataset's max_length"
+        )
+    if stats.num_filtered:
+        causes.append(
+            f"{stats.num_filtered} are longer than max_length={max_length} and filtered (the longest has "
+            f"{stats.max_num_tokens_raw} tokens): raise the dataset's max_length or set its "
+            "length_policy: truncate"
+        )
+    return f"no training sample is left from {source}: of its {stats.num_records} record(s), " + "; ".join(
+        causes
+    )
 
 
 def _record_messages(

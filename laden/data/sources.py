@@ -4,6 +4,12 @@ Every source is read into a plain `list[dict]` up front. Trade-off: the whole da
 in host memory as Python objects (a few hundred bytes per short record), in exchange for a
 loader with no worker processes, exact resume and length statistics computed before the
 first step. The optional formats (`pyarrow`, `datasets`) are imported only when used.
+
+Input errors name the input: an empty source, a bad line (`path:line`) and a non-UTF-8 byte
+(`path:line`, byte offset) are `ValueError`s. `hf:` names are resolved on the hub, whose
+client retries a failed connection for ~27 s: one request with a short timeout
+(`HUB_PROBE_TIMEOUT_S`) goes first, so an unreachable hub fails at once with the fix
+(a local copy), at the cost of one extra round trip when it is reachable.
 """
 
 from __future__ import annotations
@@ -17,10 +23,50 @@ ACCEPTED_FORMATS = (
     "a directory written by `datasets.Dataset.save_to_disk`, or `hf:<name>` for `datasets.load_dataset`"
 )
 HF_PREFIX = "hf:"
+HUB_PROBE_TIMEOUT_S = 5.0
+"""How long the one reachability request to the hub may take before `hf:` names fail as offline."""
 
 
-def load_records(path: str, *, split: str = "train") -> list[dict[str, Any]]:
-    """Read all records of a dataset as dicts; `split` picks the split of `hf:` names and saved DatasetDicts."""
+def _local_copy_fix(name: str) -> str:
+    return (
+        f"download it where the hub is reachable (`datasets.load_dataset({name!r}).save_to_disk(dir)`, or "
+        f"`huggingface-cli download --repo-type dataset {name} --local-dir dir`) and set the dataset path to "
+        "that directory or data file; or set HF_HUB_OFFLINE=1 to use a copy already in the datasets cache"
+    )
+
+
+class Records(list[dict[str, Any]]):
+    """The records of one source, a plain list that remembers where they were read from (for errors)."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, records: list[dict[str, Any]], *, source: str) -> None:
+        super().__init__(records)
+        self.source = source
+        """The dataset path as given (a file, a directory or `hf:<name>`)."""
+
+
+def load_records(path: str, *, split: str = "train") -> Records:
+    """Read all records of a dataset as dicts; `split` picks the split of `hf:` names and saved DatasetDicts.
+
+    Raises ValueError for a source with no records, naming it.
+    """
+    records = Records(_read_source(path, split=split), source=path)
+    if not records:
+        raise ValueError(
+            f"dataset path {path!r} has no records ({_empty_reason(path)}); a dataset needs at least one "
+            'record such as {"prompt": ..., "completion": ...} or {"messages": [...]}'
+        )
+    return records
+
+
+def _empty_reason(path: str) -> str:
+    if path.startswith(HF_PREFIX) or Path(path).expanduser().is_dir():
+        return "the dataset split is empty"
+    return "the file is empty or holds only blank lines"
+
+
+def _read_source(path: str, *, split: str) -> list[dict[str, Any]]:
     if path.startswith(HF_PREFIX):
         return _load_hub(path[len(HF_PREFIX) :], split=split)
     file = Path(path).expanduser()
@@ -42,8 +88,12 @@ def load_records(path: str, *, split: str = "train") -> list[dict[str, Any]]:
 
 def _load_jsonl(file: Path) -> list[dict[str, Any]]:
     records = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    offset = 0  # byte offset of the current line in the file
+    # Read as bytes and decode per line, so a bad byte is reported with its line and offset.
+    with file.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            line = _decode(raw, file, line_no=line_no, line_offset=offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -58,9 +108,35 @@ def _load_jsonl(file: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _decode(raw: bytes, file: Path, *, line_no: int, line_offset: int) -> str:
+    """`raw` as UTF-8, or a ValueError naming the file, line, column and byte offset of the bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start : e.end]
+        column = len(raw[: e.start].decode("utf-8", errors="replace")) + 1
+        raise ValueError(
+            f"{file}:{line_no}: byte {' '.join(f'0x{b:02x}' for b in bad)} at byte offset {line_offset + e.start} (column "
+            f"{column}) is not valid UTF-8 ({e.reason}); data files must be UTF-8: re-encode the file, "
+            "e.g. `iconv -f latin1 -t utf-8 IN > OUT` for Latin-1 text"
+        ) from e
+
+
+def _decode_file(raw: bytes, file: Path) -> str:
+    """A whole file as UTF-8; a bad byte is reported as by `_decode`, with its line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A newline byte never occurs inside a UTF-8 sequence, so the line alone fails the same way.
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        end = raw.find(b"\n", e.start)
+        line = raw[start:] if end < 0 else raw[start:end]
+        return _decode(line, file, line_no=raw.count(b"\n", 0, e.start) + 1, line_offset=start)
+
+
 def _load_json(file: Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(_decode_file(file.read_bytes(), file))
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
     if not isinstance(data, list):
@@ -117,5 +193,38 @@ def _load_hub(name: str, *, split: str) -> list[dict[str, Any]]:
         raise ValueError(
             f"dataset path {HF_PREFIX!r} names no dataset; write `hf:<name>`, e.g. `hf:org/data`"
         )
-    datasets = _import_datasets(f"{HF_PREFIX}{name}")
-    return datasets.load_dataset(name, split=split).to_list()
+    path = f"{HF_PREFIX}{name}"
+    datasets = _import_datasets(path)
+    # A local directory or an offline hub client needs no network; anything else asks the hub first.
+    if not Path(name).expanduser().exists() and not datasets.config.HF_HUB_OFFLINE:
+        reason = hub_unreachable_reason()
+        if reason is not None:
+            raise ValueError(
+                f"dataset path {path!r} needs the Hugging Face hub, which is unreachable ({reason}); "
+                + _local_copy_fix(name)
+            )
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except ConnectionError as e:
+        raise ValueError(
+            f"dataset path {path!r} could not be read from the hub ({e}); {_local_copy_fix(name)}"
+        ) from e
+    return loaded.to_list()
+
+
+def hub_unreachable_reason(
+    endpoint: str | None = None, *, timeout_s: float = HUB_PROBE_TIMEOUT_S
+) -> str | None:
+    """Why the hub at `endpoint` (default: `HF_ENDPOINT`) cannot be reached, or None when it answers.
+
+    One HEAD request through the hub client's own HTTP session (so proxies apply), no retries.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    url = endpoint or constants.ENDPOINT
+    try:
+        get_session().head(url, timeout=timeout_s)
+    except Exception as e:  # any transport failure (DNS, refused, timeout, proxy) means unreachable
+        return f"{url}: {type(e).__name__}: {e}"
+    return None

@@ -24,13 +24,22 @@ from laden.model.attention import AttnImpl, set_attention
 __all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer"]
 
 _WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
+_VOCAB_PATTERNS = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.model",
+    "*.tiktoken",
+    "tekken.json",
+)
+"""Files that carry a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken, Mistral)."""
 _ATTN_IMPLS = ("auto", "varlen", "sdpa", "eager")
 
 
 def has_weight_files(directory: str | Path) -> bool:
     """Whether `directory` holds Hugging Face weight files (safetensors or PyTorch bins)."""
-    d = Path(directory)
-    return any(next(d.glob(pattern), None) is not None for pattern in _WEIGHT_PATTERNS)
+    return _has_any(Path(directory), _WEIGHT_PATTERNS)
 
 
 def _resolve(path: str | Path, gguf_file: str | None) -> tuple[Path, str | None]:
@@ -132,6 +141,9 @@ def load_tokenizer(path: str, *, gguf_file: str | None = None):
     kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if gguf_file is not None:
         _require_gguf()
+    elif not _has_any(directory, _VOCAB_PATTERNS):
+        # transformers would build an empty tokenizer from config.json alone (every text -> unk).
+        raise ValueError(_no_tokenizer_message(directory))
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
     except (OSError, ValueError) as err:
@@ -147,4 +159,22 @@ def load_tokenizer(path: str, *, gguf_file: str | None = None):
                 "set pad_token in its tokenizer_config.json"
             )
         tokenizer.pad_token = fallback
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise ValueError(_no_tokenizer_message(directory, loaded=len(tokenizer)))
     return tokenizer
+
+
+def _has_any(directory: Path, patterns: tuple[str, ...]) -> bool:
+    return any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
+def _no_tokenizer_message(directory: Path, *, loaded: int | None = None) -> str:
+    found = "its tokenizer files hold no vocabulary" if loaded is not None else "it has no tokenizer files"
+    if loaded is not None:
+        found += f" ({loaded} token(s), all special)"
+    return (
+        f"actor.path={str(directory)!r}: {found}; expected tokenizer.json (or tokenizer_config.json with "
+        "vocab.json + merges.txt, vocab.txt or a SentencePiece tokenizer.model) next to config.json. Save "
+        "the model's tokenizer there (`AutoTokenizer.from_pretrained(<repo>).save_pretrained(<dir>)`, or "
+        "download the repository's tokenizer files into it)"
+    )
