@@ -1,6 +1,6 @@
 """Fused rotary embedding == Hugging Face's `apply_rotary_pos_emb` (outputs and gradients), and the
 attention re-classing that puts it in place: bitwise the original with fused kernels off, equal to
-float rounding with them on (inductor's CPU backend here)."""
+float rounding with them on (inductor's CPU backend here); the options are per model (its class)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 from test_attention import _llama, _qwen3
-from test_fused import fused  # noqa: F401  (the fixture)
+from test_fused import FUSED, fused  # noqa: F401  (the fixture)
 
 from laden.model.patches import fused_rotary
 from laden.model.patches.fused_rotary import (
@@ -19,7 +19,9 @@ from laden.model.patches.fused_rotary import (
     disable_fused_rotary,
     enable_fused_rotary,
     is_fused_rotary,
+    rotary_options,
 )
+from laden.model.patches.options import EAGER
 
 
 def _hf_rotation(q, k, cos, sin, unsqueeze_dim=1):
@@ -50,10 +52,11 @@ def test_rotary_fn_matches_autograd(fused, dtype, tol, unsqueeze_dim):  # noqa: 
     q_ref, k_ref = (t.detach().clone().requires_grad_() for t in (q, k))
     want = _hf_rotation(q_ref, k_ref, cos, sin, unsqueeze_dim)
     torch.autograd.backward(want, grads)
-    got = RotaryFn.apply(q, k, cos, sin, unsqueeze_dim)
+    got = RotaryFn.apply(q, k, cos, sin, unsqueeze_dim, FUSED)
     torch.autograd.backward(got, grads)
     for g, w in zip((*got, q.grad, k.grad), (*want, q_ref.grad, k_ref.grad)):
         torch.testing.assert_close(g, w, **tol)
+    assert fused == ["_rope", "_rope_backward"]  # both ran compiled
 
 
 def _step(model, ids):
@@ -66,15 +69,17 @@ def _step(model, ids):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_attention_with_fused_rotary_equals_hugging_face(arch, monkeypatch):
     """Re-classed attention: bitwise the original with fused kernels off; with them on, RotaryFn runs
-    once per layer and the step (logits and every gradient) agrees to fp32 rounding."""
+    once per layer and the step (logits and every gradient) agrees to fp32 rounding. Enabling again
+    with other options re-classes the modules to those options' class."""
     build = {"qwen3": _qwen3, "llama": lambda: _llama(tied=False)}[arch]
     ref, model = build(), build()
     ids = torch.randint(4, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     want = _step(ref, ids)
     layers = model.model.layers
-    assert enable_fused_rotary(model) == len(layers)
-    assert enable_fused_rotary(model) == len(layers)  # again: nothing changes
+    assert enable_fused_rotary(model, options=EAGER) == len(layers)
+    assert enable_fused_rotary(model, options=EAGER) == len(layers)  # again: nothing changes
     assert all(is_fused_rotary(layer.self_attn) for layer in layers)
+    assert rotary_options(layers[0].self_attn) == EAGER
     assert type(layers[0].self_attn).__name__ == f"FusedRope{type(ref.model.layers[0].self_attn).__name__}"
     assert model.state_dict().keys() == ref.state_dict().keys()
     off = _step(model, ids)
@@ -85,18 +90,18 @@ def test_attention_with_fused_rotary_equals_hugging_face(arch, monkeypatch):
     calls: list[int] = []
     apply = RotaryFn.apply
     monkeypatch.setattr(RotaryFn, "apply", lambda *args: calls.append(1) or apply(*args))
-    fused_rotary.fused.use_fused_kernels(True)
-    try:
-        on = _step(model, ids)
-    finally:
-        fused_rotary.fused.use_fused_kernels(False)
+    eager_class = type(layers[0].self_attn)
+    assert enable_fused_rotary(model, options=FUSED) == len(layers)  # the options change, nothing else
+    assert rotary_options(layers[0].self_attn) == FUSED and type(layers[0].self_attn) is not eager_class
+    assert type(layers[0].self_attn).__mro__[1] is type(ref.model.layers[0].self_attn)
+    on = _step(model, ids)
     assert len(calls) == len(layers)
     torch.testing.assert_close(on[0], want[0])
     for name, grad in want[1].items():
         torch.testing.assert_close(on[1][name], grad, msg=name)
 
     copied, restored = copy.deepcopy(model), pickle.loads(pickle.dumps(model))
-    assert all(is_fused_rotary(m.model.layers[0].self_attn) for m in (copied, restored))
+    assert all(rotary_options(m.model.layers[0].self_attn) == FUSED for m in (copied, restored))
     assert disable_fused_rotary(model) == len(layers)
     assert type(layers[0].self_attn) is type(ref.model.layers[0].self_attn)
 
@@ -140,7 +145,7 @@ def test_other_attention_modules_are_left_alone_with_a_warning():
     layer = model.model.layers[0]
     layer.self_attn = _OwnRotation()
     with pytest.warns(UserWarning, match="_OwnRotation as is"):
-        assert enable_fused_rotary(model) == len(model.model.layers) - 1
+        assert enable_fused_rotary(model, options=FUSED) == len(model.model.layers) - 1
     assert not is_fused_rotary(layer.self_attn)
 
 
@@ -166,7 +171,7 @@ def test_rotary_fn_on_cuda_matches_autograd(fused):  # noqa: F811
     torch.autograd.backward(want, grads)
     exact = _hf_rotation(q32, k32, cos.float(), sin.float())
     torch.autograd.backward(exact, [g.float() for g in grads])
-    got = RotaryFn.apply(q, k, cos, sin, 1)
+    got = RotaryFn.apply(q, k, cos, sin, 1, FUSED)
     torch.autograd.backward(got, grads)
     triples = zip((*got, q.grad, k.grad), (*want, q_ref.grad, k_ref.grad), (*exact, q32.grad, k32.grad))
     for g, w, e in triples:

@@ -15,9 +15,9 @@ from test_roundpipe_engine import (
 )
 
 from laden.engine.roundpipe import RoundPipeEngine, residency
-from laden.model.patches import stacked
 from laden.model.patches.grad_sink import accumulate_product, attach_sink, sink_of, suspended
 from laden.model.patches.lean_mlp import enable_lean_mlp
+from laden.model.patches.options import EAGER, PatchOptions
 from laden.model.patches.sink_linear import enable_sink_linears
 from laden.model.patches.stacked import stacked_rows
 from laden.model.patches.tiled import enable_tiled_mlp
@@ -37,8 +37,8 @@ class RecordingSink:
         self.calls += 1
 
 
-def _bf16_lean_mlp(**config):
-    return _lean_copy(_hf_mlp(**config)).to(torch.bfloat16)
+def _bf16_lean_mlp(options: PatchOptions = EAGER, **config):
+    return _lean_copy(_hf_mlp(**config), options=options).to(torch.bfloat16)
 
 
 def _micro_batches(count: int = 3):
@@ -117,10 +117,10 @@ def test_suspended_hides_sinks_in_this_thread_only():
     assert sink_of(weight) is sink
 
 
-def lean_model():
+def lean_model(options: PatchOptions = EAGER):
     model = tied_model()
-    enable_lean_mlp(model)
-    enable_sink_linears(model)
+    enable_lean_mlp(model, options=options)
+    enable_sink_linears(model, options=options)
     return model
 
 
@@ -137,10 +137,10 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, swiglu, monke
     from laden.model.patches import fused, grad_sink
 
     monkeypatch.setattr(grad_sink, "_fp32_out_addmm", lambda device, dtype: False)
+    options = EAGER
     if swiglu == "fused":  # with joint projections (off by default)
-        monkeypatch.setattr(fused, "fused_kernels_enabled", lambda: True)
-        monkeypatch.setattr(fused, "call", lambda fn, *args: fn(*args))
-        monkeypatch.setattr(stacked, "_ENABLED", True)
+        options = PatchOptions(fused=True, joint_projections=True)
+        monkeypatch.setattr(fused, "call", lambda fn, *args, options: fn(*args))
     joint_calls: list[list[int]] = []
     joint_accumulate = residency._JointAccumulatorSink.accumulate
 
@@ -165,10 +165,10 @@ def test_engine_with_sinks_equals_engine_with_gradient_hooks(plan, swiglu, monke
         residency, "_count_write", lambda res, index: writes.append(index) or count_write(res, index)
     )
     grain = "layer" if plan == "staged_layer_grain" else "stage"  # recomputed layer by layer
-    sunk = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
+    sunk = RoundPipeEngine(lean_model(options), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
                            recompute_grain=grain)  # fmt: skip
     monkeypatch.setattr(residency, "SINK_WEIGHT_GRADS", False)
-    hooked = RoundPipeEngine(lean_model(), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
+    hooked = RoundPipeEngine(lean_model(options), optim=o, compute_dtype=torch.bfloat16, execute_plan=execute_plan,
                              recompute_grain=grain)  # fmt: skip
     assert (len(sunk.plan.bwd_plan) == 1) == (plan == "one_stage")
     for mbs in make_steps(2):  # 3 micro-batches per step
@@ -255,16 +255,15 @@ def test_stacked_gate_and_up_are_one_gemm_and_their_sinks_one_when_they_join(fus
     Outputs, input gradients and the accumulated weight gradients are autograd's to bf16 rounding."""
     from laden.model.patches import fused, lean_mlp
 
-    monkeypatch.setattr(stacked, "_ENABLED", True)  # joint projections on (off by default)
     if fused_path:
-        monkeypatch.setattr(fused, "fused_kernels_enabled", lambda: True)
-        monkeypatch.setattr(fused, "call", lambda fn, *args: fn(*args))
+        monkeypatch.setattr(fused, "call", lambda fn, *args, options: fn(*args))
     linear = torch.nn.functional.linear
     gemms: list[tuple[int, ...]] = []
     monkeypatch.setattr(
         lean_mlp.F, "linear", lambda x, w, b=None: gemms.append(tuple(w.shape)) or linear(x, w, b)
     )
-    plain, sunk = _bf16_lean_mlp(), _bf16_lean_mlp()
+    joint_on = PatchOptions(fused=fused_path, joint_projections=True)  # joint projections: off by default
+    plain, sunk = _bf16_lean_mlp(), _bf16_lean_mlp(joint_on)
     _stack_gate_up(sunk)
     want = _fp32_sums_of_autograd_grads(plain)
     stacked_sinks = StackedSinks([sunk.gate_proj.weight, sunk.up_proj.weight])

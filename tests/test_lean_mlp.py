@@ -14,6 +14,7 @@ from test_tiled import GatedMLP, _assert_model_same, _batch, _lm_step, _other_ar
 from torch import nn
 
 from laden.model.patches.lean_mlp import LeanGatedMLPFn, disable_lean_mlp, enable_lean_mlp, is_lean_mlp
+from laden.model.patches.options import EAGER, PatchOptions, options_of
 from laden.model.patches.tiled import disable_tiled_mlp, enable_tiled_mlp, tile_tokens_of
 
 HIDDEN, INTER = 16, 40
@@ -47,9 +48,9 @@ def _holder(*mlps: nn.Module) -> nn.Module:
     return model
 
 
-def _lean_copy(mlp: nn.Module) -> nn.Module:
+def _lean_copy(mlp: nn.Module, options: PatchOptions = EAGER) -> nn.Module:
     lean = copy.deepcopy(mlp)
-    assert enable_lean_mlp(_holder(lean)) == 1
+    assert enable_lean_mlp(_holder(lean), options=options) == 1
     assert type(lean).__name__ == f"Lean{type(mlp).__name__}" and isinstance(lean, type(mlp))
     assert is_lean_mlp(lean) and not is_lean_mlp(mlp)
     return lean
@@ -116,7 +117,7 @@ def test_function_matches_plain_formula(shape, act, bias):
         up = x @ wu.t() + (0 if bu is None else bu)
         return (act(gate) * up) @ wd.t() + (0 if bd is None else bd)
 
-    lean_out = LeanGatedMLPFn.apply(x, act, *params)
+    lean_out = LeanGatedMLPFn.apply(x, act, *params, EAGER)
     got = torch.autograd.grad(lean_out, inputs, grad_out)
     want_out = plain()
     want = torch.autograd.grad(want_out, inputs, grad_out)
@@ -124,7 +125,7 @@ def test_function_matches_plain_formula(shape, act, bias):
     for name, g, w in zip(["x", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"], got, want):
         torch.testing.assert_close(g, w, msg=lambda m, n=name: f"{n}: {m}")
     with torch.no_grad():
-        out = LeanGatedMLPFn.apply(x, act, *params)
+        out = LeanGatedMLPFn.apply(x, act, *params, EAGER)
     assert out.grad_fn is None
     torch.testing.assert_close(out, want_out.detach())
 
@@ -369,9 +370,10 @@ def test_disable_and_reenable_keep_state_dict():
 
 def test_copies_and_pickles_stay_lean_on_their_own_weights():
     """A shallow copy with its own parameter dicts (how roundpipe binds device weights), a deep copy
-    and a pickle round trip all run lean, each on its own weights."""
+    and a pickle round trip all run lean, each on its own weights, with the model's options."""
     plain = _hf_mlp(seed=8)
-    lean = _lean_copy(plain)
+    options = PatchOptions(static_last_dims=False, joint_projections=True)  # not the defaults
+    lean = _lean_copy(plain, options)
     shell = copy.copy(lean)
     shell._modules = {name: copy.copy(sub) for name, sub in lean._modules.items()}
     for sub in shell._modules.values():
@@ -380,7 +382,7 @@ def test_copies_and_pickles_stay_lean_on_their_own_weights():
         }
     x, grad_out = _inputs((3, 5, HIDDEN), seed=8)
     for module, scale in ((shell, 2.0), (copy.deepcopy(lean), 1.0), (pickle.loads(pickle.dumps(lean)), 1.0)):
-        assert type(module) is type(lean)
+        assert type(module) is type(lean) and options_of(module) == options
         want_mlp = copy.deepcopy(plain)
         with torch.no_grad():
             for p in want_mlp.parameters():

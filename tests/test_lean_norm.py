@@ -14,6 +14,7 @@ from torch import nn
 
 from laden.model.attention import set_attention
 from laden.model.patches.lean_norm import LeanRMSNormFn, disable_lean_rmsnorm, enable_lean_rmsnorm
+from laden.model.patches.options import EAGER, PatchOptions, options_of
 from laden.model.patches.tiled import enable_tiled_mlp
 
 EPS = 1e-6
@@ -42,9 +43,9 @@ def _norm(cls: type[nn.Module], width: int, dtype=torch.float32, seed=0) -> nn.M
     return norm
 
 
-def _lean_copy(norm: nn.Module) -> nn.Module:
+def _lean_copy(norm: nn.Module, options: PatchOptions = EAGER) -> nn.Module:
     lean = copy.deepcopy(norm)
-    assert enable_lean_rmsnorm(lean) == 1
+    assert enable_lean_rmsnorm(lean, options=options) == 1
     assert type(lean).__name__ == f"Lean{type(norm).__name__}" and isinstance(lean, type(norm))
     return lean
 
@@ -153,12 +154,12 @@ def test_function_against_plain_formula():
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + EPS)).double()
 
-    got = torch.autograd.grad(LeanRMSNormFn.apply(x, weight, EPS), (x, weight), grad_out)
+    got = torch.autograd.grad(LeanRMSNormFn.apply(x, weight, EPS, EAGER), (x, weight), grad_out)
     want = torch.autograd.grad(plain(x, weight), (x, weight), grad_out)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     with torch.no_grad():
-        out = LeanRMSNormFn.apply(x, weight, EPS)
+        out = LeanRMSNormFn.apply(x, weight, EPS, EAGER)
     assert out.grad_fn is None
     torch.testing.assert_close(out, plain(x, weight))
 
@@ -220,9 +221,10 @@ def test_lean_with_gradient_checkpointing_and_tiled_mlp():
 
 def check_enable_disable_round_trip(enable, disable, count: int, modules_of, plain_name: str) -> None:
     """Enable twice (counted, switched once) and disable twice on the tiny model: class names,
-    state-dict keys and a training step unchanged throughout."""
+    state-dict keys and a training step unchanged throughout, the modules' attributes as before."""
     model = _tiny_model()
     keys = list(model.state_dict().keys())
+    attrs = [sorted(m.__dict__) for m in modules_of(model)]
     want = _lm_step(model, _batch(seed=2))
     assert enable(model) == count
     assert enable(model) == count  # already swapped: counted, not switched twice
@@ -232,6 +234,7 @@ def check_enable_disable_round_trip(enable, disable, count: int, modules_of, pla
     assert disable(model) == count
     assert disable(model) == 0
     assert {type(m).__name__ for m in modules_of(model)} == {plain_name}
+    assert [sorted(m.__dict__) for m in modules_of(model)] == attrs  # the options went too
     assert list(model.state_dict().keys()) == keys
     _assert_model_same(_lm_step(model, _batch(seed=2)), want)
 
@@ -245,14 +248,15 @@ def test_disable_and_reenable_keep_state_dict():
 
 def test_copies_and_pickles_stay_lean_on_their_own_weight():
     """A shallow copy with its own parameter dict (how roundpipe binds device weights), a deep copy
-    and a pickle round trip all run lean, each on its own weight."""
+    and a pickle round trip all run lean, each on its own weight, with the model's options."""
     plain = _norm(_hf_norm_class("qwen3", "Qwen3RMSNorm"), 32)
-    lean = _lean_copy(plain)
+    options = PatchOptions(static_last_dims=False, joint_projections=True)  # not the defaults
+    lean = _lean_copy(plain, options)
     shell = copy.copy(lean)
     shell._parameters = {"weight": nn.Parameter(lean.weight.detach() * 2)}
     x, grad_out = _inputs((3, 32), torch.float32, seed=6)
     for module, scale in ((shell, 2.0), (copy.deepcopy(lean), 1.0), (pickle.loads(pickle.dumps(lean)), 1.0)):
-        assert type(module) is type(lean)
+        assert type(module) is type(lean) and options_of(module) == options
         want_norm = copy.deepcopy(plain)
         with torch.no_grad():
             want_norm.weight.mul_(scale)

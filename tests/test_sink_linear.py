@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from laden.model.patches.grad_sink import attach_sink, suspended
+from laden.model.patches.options import EAGER, PatchOptions
 from laden.model.patches.sink_linear import (
     _HANDED,
     JOINT,
@@ -21,17 +22,10 @@ from laden.model.patches.sink_linear import (
     enable_sink_linears,
     is_sink_linear,
 )
-from laden.model.patches.stacked import use_joint_projections
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture
-def joint():
-    """`laden.model.patches.stacked`'s joint projections on for the test (off by default)."""
-    use_joint_projections(True)
-    yield
-    use_joint_projections(False)
+JOINT_ON = PatchOptions(joint_projections=True)  # per model; off by default
 
 
 def _swapped(linear: nn.Linear) -> nn.Linear:
@@ -146,7 +140,7 @@ def _count_joint(monkeypatch) -> list[int]:
     return calls
 
 
-def test_stacked_query_key_value_run_as_one_gemm_and_train_as_three_projections(joint, monkeypatch):
+def test_stacked_query_key_value_run_as_one_gemm_and_train_as_three_projections(monkeypatch):
     """fp32: a Qwen3 whose q/k/v weights lie back to back gives the plain model's loss and every
     gradient (to float rounding: one GEMM instead of three, the input gradient summed inside
     them), through one joint projection per layer; without a graph the same outputs."""
@@ -154,7 +148,7 @@ def test_stacked_query_key_value_run_as_one_gemm_and_train_as_three_projections(
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=32, num_hidden_layers=2))
     joint = copy.deepcopy(plain)
-    enable_sink_linears(joint)
+    enable_sink_linears(joint, options=JOINT_ON)
     _stack_qkv(joint)
     ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
     want = plain(input_ids=ids, labels=ids).loss
@@ -174,7 +168,7 @@ def test_stacked_query_key_value_run_as_one_gemm_and_train_as_three_projections(
     assert all(_HANDED not in m.__dict__ for m in joint.modules())  # nothing left handed out
 
 
-def test_stacked_projections_give_their_sinks_the_weight_gradients(joint, monkeypatch):
+def test_stacked_projections_give_their_sinks_the_weight_gradients(monkeypatch):
     """bf16 weights with sinks: each sink receives its own weight's gradient factors (the exact
     fp32 sum of autograd's bf16 weight gradients), `.grad` stays empty, and the input gradient is
     autograd's to bf16 rounding (summed inside the GEMMs instead of after them)."""
@@ -183,7 +177,7 @@ def test_stacked_projections_give_their_sinks_the_weight_gradients(joint, monkey
     plain = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=32, num_hidden_layers=1))
     plain = plain.to(torch.bfloat16)
     joint = copy.deepcopy(plain)
-    enable_sink_linears(joint)
+    enable_sink_linears(joint, options=JOINT_ON)
     _stack_qkv(joint)
     attn = joint.model.layers[0].self_attn
     sinks = {name: RecordingSink(getattr(attn, name).weight) for name in JOINT}
@@ -222,13 +216,35 @@ def test_joint_projections_are_off_by_default(monkeypatch):
     assert calls == []
 
 
-def test_joint_projection_hooks_pickle_and_go_with_disable(joint):
+def test_joint_projection_hooks_pickle_and_go_with_disable():
     model = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=32, num_hidden_layers=2))
-    enable_sink_linears(model)
-    enable_sink_linears(model)  # again: one pair of hooks per attention
+    enable_sink_linears(model, options=JOINT_ON)
+    enable_sink_linears(model, options=JOINT_ON)  # again: one pair of hooks per attention
     attn = model.model.layers[0].self_attn
     assert len(attn._forward_pre_hooks) == 1 and len(attn._forward_hooks) == 1
     clone = pickle.loads(pickle.dumps(model))
     assert len(clone.model.layers[1].self_attn._forward_pre_hooks) == 1
     assert disable_sink_linears(model) == 8
     assert not attn._forward_pre_hooks and not attn._forward_hooks and not attn._forward_hooks_always_called
+
+
+def test_two_models_keep_their_own_joint_projections(monkeypatch):
+    """One model with joint projections and one without, both with stacked q/k/v weights, trained in
+    turn in one process: only the first runs them as one GEMM, both give the plain model's loss;
+    enabling again with the option off takes the hooks away."""
+    calls = _count_joint(monkeypatch)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=32, num_hidden_layers=2))
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = plain(input_ids=ids, labels=ids).loss
+    models = {}
+    for options in (JOINT_ON, EAGER):
+        model = models[options] = copy.deepcopy(plain)
+        enable_sink_linears(model, options=options)
+        _stack_qkv(model)
+    for options in (JOINT_ON, EAGER, JOINT_ON, EAGER):
+        calls.clear()
+        torch.testing.assert_close(models[options](input_ids=ids, labels=ids).loss, want)
+        assert calls == ([3, 3] if options.joint_projections else [])
+    enable_sink_linears(models[JOINT_ON], options=EAGER)
+    assert not models[JOINT_ON].model.layers[0].self_attn._forward_pre_hooks

@@ -8,14 +8,17 @@ over the queries or keys. At one or two 4096-token sequences per micro-batch on 
 training step waits for the thread that launches kernels, and these are about 25 of a
 decoder layer's launches per micro-batch (`benchmarks/RESULTS.md`).
 
-`enable_fused_rotary(model)` re-classes each decoder layer's `self_attn` (as
-`laden.model.patches.swap` does for the lean modules) to a subclass whose `forward` is the original
-`forward`'s own code, with only its global name `apply_rotary_pos_emb` bound to a function
-that, while fused kernels are on (`laden.model.patches.fused`), runs `RotaryFn`: the rotation of both
-tensors in one compiled function and its backward in another, the arithmetic in fp32 and
-rounded once (so equal to the eager ops to float rounding, like the other fused kernels).
-With fused kernels off, or for inputs it does not take (tensor subclasses, cos/sin that need
-gradients), it calls the module's original function: bitwise Hugging Face's result.
+`enable_fused_rotary(model, options=...)` re-classes each decoder layer's `self_attn` (as
+`laden.model.patches.swap` does for the lean modules) to a subclass whose `forward` is the
+original `forward`'s own code, with only its global name `apply_rotary_pos_emb` bound to a
+function that, with `options.fused` (`laden.model.patches.options`), runs `RotaryFn`: the
+rotation of both tensors in one compiled function and its backward in another, the arithmetic
+in fp32 and rounded once (so equal to the eager ops to float rounding, like the other fused
+kernels). With fused kernels off, or for inputs it does not take (tensor subclasses, cos/sin
+that need gradients), it calls the module's original function: bitwise Hugging Face's result.
+The rotation is called without its module, so the options live in the class: one subclass
+per original class and `PatchOptions` (`class_swap(options)`), and two models with different
+options each run their own.
 
 A class is re-classed only if its `forward` looks up the global `apply_rotary_pos_emb` and
 that function computes the standard rotation (checked numerically once per class, in float64
@@ -37,12 +40,14 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.patches import fused
+from laden.model.patches.options import PatchOptions
 from laden.model.patches.swap import ClassSwap, check_own_forward, decoder_layers, warn_skipped
 
-__all__ = ["RotaryFn", "disable_fused_rotary", "enable_fused_rotary", "is_fused_rotary"]
+__all__ = ["RotaryFn", "disable_fused_rotary", "enable_fused_rotary", "is_fused_rotary", "rotary_options"]
 
 _NAME = "apply_rotary_pos_emb"
 _ORIGINAL_CLASS_ATTR = "_laden_unfused_rotary_class"
+FUSED = PatchOptions(fused=True)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,34 +73,35 @@ def _rope_backward(grad_q, grad_k, cos, sin, dim: int) -> tuple[torch.Tensor, to
 
 
 class RotaryFn(torch.autograd.Function):
-    """`RotaryFn.apply(q, k, cos, sin, unsqueeze_dim)`: Hugging Face's `apply_rotary_pos_emb`, fused.
+    """`RotaryFn.apply(q, k, cos, sin, unsqueeze_dim, options)`: Hugging Face's `apply_rotary_pos_emb`,
+    compiled with `options` (`PatchOptions`).
 
     cos and sin get no gradient (they come from the rotary embedding's buffers)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim: int):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim: int, options: PatchOptions):
         ctx.save_for_backward(cos, sin)
-        ctx.dim = unsqueeze_dim
-        return fused.call(_rope, q, k, cos, sin, unsqueeze_dim)
+        ctx.dim, ctx.options = unsqueeze_dim, options
+        return fused.call(_rope, q, k, cos, sin, unsqueeze_dim, options=options)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        dq, dk = fused.call(_rope_backward, grad_q, grad_k, cos, sin, ctx.dim)
-        return dq, dk, None, None, None
+        dq, dk = fused.call(_rope_backward, grad_q, grad_k, cos, sin, ctx.dim, options=ctx.options)
+        return dq, dk, None, None, None, None
 
 
-def _rotary_for(original: Callable) -> Callable:
-    """What the rebound `forward` calls by the name `apply_rotary_pos_emb`."""
+def _rotary_for(original: Callable, options: PatchOptions) -> Callable:
+    """What the rebound `forward` of a class with `options` calls by the name `apply_rotary_pos_emb`."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (
-            fused.fused_kernels_enabled()
+            options.fused
             and all(type(t) is torch.Tensor for t in (q, k, cos, sin))
             and not (cos.requires_grad or sin.requires_grad)
         ):
-            return RotaryFn.apply(q, k, cos, sin, unsqueeze_dim)
+            return RotaryFn.apply(q, k, cos, sin, unsqueeze_dim, options)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
@@ -166,20 +172,38 @@ def _standard_rotation(fn: Callable) -> bool:
     )
 
 
-def _methods(cls: type[nn.Module]) -> dict[str, Any]:
-    forward = cls.forward
-    original = inspect.unwrap(forward).__globals__[_NAME]
-    return {"forward": _rebound(forward, _rotary_for(original))}
+def _methods(options: PatchOptions) -> Callable[[type[nn.Module]], dict[str, Any]]:
+    def methods(cls: type[nn.Module]) -> dict[str, Any]:
+        forward = cls.forward
+        original = inspect.unwrap(forward).__globals__[_NAME]
+        return {"forward": _rebound(forward, _rotary_for(original, options))}
+
+    return methods
 
 
-_SWAP = ClassSwap(prefix="FusedRope", marker=_ORIGINAL_CLASS_ATTR, methods=_methods, owner=__name__)
+_SWAPS: dict[PatchOptions, ClassSwap] = {}  # a cache of classes, one family per options value
 
 
-class_swap = _SWAP.lookup  # what unpickling such an attention module looks up
+def class_swap(options: PatchOptions) -> ClassSwap:
+    """The class swap whose subclasses rotate with `options` (all share one marker); what unpickling
+    such an attention module looks up."""
+    if options not in _SWAPS:
+        _SWAPS[options] = ClassSwap(
+            prefix="FusedRope", marker=_ORIGINAL_CLASS_ATTR, methods=_methods(options), owner=__name__,
+            arg=options,
+        )  # fmt: skip
+    return _SWAPS[options]
 
 
 def is_fused_rotary(module: nn.Module | None) -> bool:
-    return module is not None and _SWAP.applied(module)
+    return module is not None and _ORIGINAL_CLASS_ATTR in type(module).__dict__
+
+
+def rotary_options(module: nn.Module | None) -> PatchOptions | None:
+    """The options an attention module re-classed by `enable_fused_rotary` rotates with; else None."""
+    if not is_fused_rotary(module):
+        return None
+    return type(module)._laden_swap.arg  # type: ignore[union-attr]
 
 
 def _eligible(cls: type[nn.Module]) -> bool:
@@ -197,13 +221,17 @@ def _eligible(cls: type[nn.Module]) -> bool:
     return True
 
 
-def enable_fused_rotary(model: nn.Module) -> int:
-    """Re-class every decoder layer's `self_attn` of `model` as described in the module docstring.
+def enable_fused_rotary(model: nn.Module, *, options: PatchOptions = FUSED) -> int:
+    """Re-class every decoder layer's `self_attn` of `model` as described in the module docstring,
+    rotating with `options` (the default: fused kernels, static last dimensions).
 
     Returns the number of attention modules with the fused rotation afterwards (calling it again
-    changes nothing). Other attention modules are left alone, with one warning. Parameters,
-    their names and the state dict are untouched; `disable_fused_rotary` undoes it.
+    changes nothing but the options, which every such module of `model` then rotates with).
+    Other attention modules are left alone, with one warning. Parameters, their names and the
+    state dict are untouched; `disable_fused_rotary` undoes it.
     """
+    if not isinstance(options, PatchOptions):
+        raise ValueError(f"options={options!r} must be a laden.model.patches.options.PatchOptions")
     layers = decoder_layers(model, "enable_fused_rotary")
     chosen: list[nn.Module] = []
     skipped = set()
@@ -221,9 +249,13 @@ def enable_fused_rotary(model: nn.Module) -> int:
         "enable_fused_rotary left",
         f"its forward does not call a module-level {_NAME}(q, k, cos, sin) computing q * cos + rotate_half(q) * sin",
     )
-    return _SWAP.apply_all(chosen)  # all checked before any is switched
+    swap = class_swap(options)
+    for attn in chosen:  # all checked before any is switched
+        original = type(attn).__dict__[_ORIGINAL_CLASS_ATTR] if is_fused_rotary(attn) else type(attn)
+        attn.__class__ = swap.subclass(original)
+    return len(chosen)
 
 
 def disable_fused_rotary(model: nn.Module) -> int:
     """Give every attention module `enable_fused_rotary` re-classed its original class back."""
-    return len(_SWAP.undo(model))
+    return len(class_swap(FUSED).undo(model))  # undo reads only the shared marker

@@ -24,7 +24,7 @@ A weight with a `GradSink` (`laden.model.patches.grad_sink`, attached by an engi
 gradients in fp32 accumulators) gets none either: its gradient is added into the sink's
 accumulator, in one fp32-output GEMM on CUDA.
 
-With `laden.model.patches.stacked`'s joint projections on (off by default) and the gate and up
+With joint projections on (`PatchOptions.joint_projections`, off by default) and the gate and up
 weights back to back without biases (the roundpipe upload), both projections are one
 `[2I, H]` GEMM whose output halves are `gate` and `up`; the fused SwiGLU backward then writes
 both gradients side by side, the input gradient is one GEMM over them, and sinks that can
@@ -49,8 +49,10 @@ are plain `nn.Linear` (biases are supported, as `mlp_bias=True` gives) without h
 lean forward calls `F.linear` on their weights and would bypass a hook or a subclass's own
 forward, e.g. a LoRA or quantised layer), and `act_fn` is not in place. Other MLPs are left
 alone with one warning. The check is repeated at every call: a projection hooked or
-replaced after `enable_lean_mlp` (a LoRA adapter added later) makes that MLP run its
-original forward, never bypassed.
+replaced after `enable_lean_mlp` (a LoRA adapter added later, tensor parallelism's DTensor
+hooks) makes that MLP run its original forward, never bypassed. Each lean MLP keeps the model's
+`PatchOptions` (`laden.model.patches.options`: fused SwiGLU kernels, joint gate/up projections)
+in its `__dict__` and passes them to `LeanGatedMLPFn` at every call.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from torch.autograd.function import once_differentiable
 
 from laden.model.patches import fused, stacked
 from laden.model.patches.grad_sink import GradSink, joint_sink, sink_of
+from laden.model.patches.options import EAGER, PatchOptions, clear_options, options_of, set_options
 from laden.model.patches.swap import (
     ClassSwap,
     check_own_forward,
@@ -83,8 +86,9 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class LeanGatedMLPFn(torch.autograd.Function):
     """`F.linear(act_fn(x Wg^T + bg) * (x Wu^T + bu), Wd, bd)`, saving only `x`, gate and up.
 
-    `LeanGatedMLPFn.apply(x, act_fn, w_gate, b_gate, w_up, b_up, w_down, b_down)`: `x` [..., H],
-    `w_gate`, `w_up` [I, H], `w_down` [H, I], biases [I] / [H] or None, `act_fn` elementwise.
+    `LeanGatedMLPFn.apply(x, act_fn, w_gate, b_gate, w_up, b_up, w_down, b_down, options)`:
+    `x` [..., H], `w_gate`, `w_up` [I, H], `w_down` [H, I], biases [I] / [H] or None, `act_fn`
+    elementwise, `options` the model's `PatchOptions` (fused SwiGLU, joint gate/up projections).
     """
 
     @staticmethod
@@ -98,11 +102,12 @@ class LeanGatedMLPFn(torch.autograd.Function):
         b_up: torch.Tensor | None,
         w_down: torch.Tensor,
         b_down: torch.Tensor | None,
+        options: PatchOptions,
     ) -> torch.Tensor:
         # Hugging Face's ops; `F.linear` casts `x` to the autocast dtype anyway, so casting it
         # once here changes no value and keeps one copy for both projections.
         x_in = _autocast_input(x)
-        w_gate_up = _stacked(w_gate, b_gate, w_up, b_up)
+        w_gate_up = _stacked(w_gate, b_gate, w_up, b_up, options)
         if w_gate_up is not None:  # one GEMM; gate and up are views of its output
             gate, up = F.linear(x_in, w_gate_up).split([w_gate.shape[0], w_up.shape[0]], -1)
         else:
@@ -111,8 +116,10 @@ class LeanGatedMLPFn(torch.autograd.Function):
         ctx.save_for_backward(x_in, gate, up, w_gate, w_up, w_down)  # before act_fn could write to gate
         ctx.sinks = (sink_of(w_gate), sink_of(w_up), sink_of(w_down))  # an engine's fp32 accumulators
         ctx.act_fn, ctx.autocast, ctx.x_dtype = act_fn, _autocast_state(x.device.type), x.dtype
+        ctx.options = options
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
-        prod = fused.call(_swiglu, gate, up) if _fusable(act_fn) else act_fn(gate) * up  # [..., I]
+        fusable = _fusable(act_fn, options)
+        prod = fused.call(_swiglu, gate, up, options=options) if fusable else act_fn(gate) * up  # [..., I]
         out = F.linear(prod, w_down, b_down)  # [..., H]
         ctx.down_dtype = out.dtype  # the dtype down_proj computed in
         return out
@@ -121,16 +128,17 @@ class LeanGatedMLPFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         x_in, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
-        need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad
+        need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd, _ = ctx.needs_input_grad
         need_gate, need_up = need_x or need_wg or need_bg, need_x or need_wu or need_bu
         gate = gate.detach().requires_grad_(need_gate)
         up = up.detach().requires_grad_(need_up)
         device_type = x_in.device.type
         enabled, dtype = ctx.autocast
         bias_gate_dtype, bias_up_dtype, bias_down_dtype = ctx.bias_dtypes
-        fused_swiglu = _fusable(ctx.act_fn)
+        options = ctx.options
+        fused_swiglu = _fusable(ctx.act_fn, options)
         sink_gate, sink_up, sink_down = ctx.sinks
-        w_gate_up = _stacked(w_gate, bias_gate_dtype, w_up, bias_up_dtype)
+        w_gate_up = _stacked(w_gate, bias_gate_dtype, w_up, bias_up_dtype, options)
         grad_gate = grad_up = grad_gate_up = None
         if fused_swiglu:  # the product and both its input gradients in one compiled pass
             with _autocast(device_type, False, dtype):
@@ -138,16 +146,16 @@ class LeanGatedMLPFn(torch.autograd.Function):
                     grad_prod = (grad_out @ w_down.to(ctx.down_dtype)).to(gate.dtype)  # [..., I]
                     if w_gate_up is not None:  # both gradients in one [..., 2I] buffer, as gate and up were
                         prod, grad_gate_up = fused.call(
-                            _swiglu_backward_stacked, gate.detach(), up.detach(), grad_prod
+                            _swiglu_backward_stacked, gate.detach(), up.detach(), grad_prod, options=options
                         )
                         grad_gate, grad_up = grad_gate_up.split([gate.shape[-1], up.shape[-1]], -1)
                     else:
                         prod, grad_gate, grad_up = fused.call(
-                            _swiglu_backward, gate.detach(), up.detach(), grad_prod
+                            _swiglu_backward, gate.detach(), up.detach(), grad_prod, options=options
                         )
                     del grad_prod
                 else:
-                    prod = fused.call(_swiglu, gate, up)
+                    prod = fused.call(_swiglu, gate, up, options=options)
         else:
             with torch.set_grad_enabled(need_gate or need_up), _autocast(device_type, enabled, dtype):
                 prod = ctx.act_fn(gate) * up  # [..., I], recomputed: bitwise the forward's value
@@ -192,14 +200,12 @@ class LeanGatedMLPFn(torch.autograd.Function):
                     grad_x = _input_grad(
                         grad_gate, grad_up, grad_gate_up, w_gate, w_up, w_gate_up, ctx.x_dtype
                     )
-        return grad_x, None, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+        return grad_x, None, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down, None
 
 
-def _fusable(act_fn: object) -> bool:
+def _fusable(act_fn: object, options: PatchOptions) -> bool:
     """SiLU (the gated MLPs' activation) with fused kernels on: the compiled SwiGLU path."""
-    return fused.fused_kernels_enabled() and (
-        isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-    )
+    return options.fused and (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation")
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -227,10 +233,12 @@ def _swiglu_backward_stacked(
     return prod, torch.cat([grad_gate, grad_up], dim=-1)
 
 
-def _stacked(w_gate: torch.Tensor, b_gate: object, w_up: torch.Tensor, b_up: object) -> torch.Tensor | None:
+def _stacked(
+    w_gate: torch.Tensor, b_gate: object, w_up: torch.Tensor, b_up: object, options: PatchOptions
+) -> torch.Tensor | None:
     """Gate and up weights as one `[2I, H]` matrix when joint projections are on
     (`laden.model.patches.stacked`), the weights lie back to back and have no biases."""
-    if not stacked.joint_projections_enabled() or b_gate is not None or b_up is not None:
+    if not options.joint_projections or b_gate is not None or b_up is not None:
         return None
     return stacked.stacked_rows((w_gate, w_up))
 
@@ -315,7 +323,7 @@ def _lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         )
         return plain.forward(self, x)  # (tiled, the lean class is a base: look it up in the MRO)
     return LeanGatedMLPFn.apply(
-        x, self.act_fn, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias
+        x, self.act_fn, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias, options_of(self)
     )
 
 
@@ -356,11 +364,12 @@ def _lean_class(module: nn.Module) -> type[nn.Module] | None:
     return tiled.subclass(lean) if tiled.applied(module) else lean
 
 
-def enable_lean_mlp(model: nn.Module) -> int:
-    """Make every decoder layer's Hugging Face Llama-style `mlp` in `model` lean (see the module docstring).
+def enable_lean_mlp(model: nn.Module, *, options: PatchOptions = EAGER) -> int:
+    """Make every decoder layer's Hugging Face Llama-style `mlp` in `model` lean (see the module
+    docstring), running with `options` (fused SwiGLU kernels, joint gate/up projections).
 
     Returns the number of lean MLPs in the decoder layers afterwards (calling it again changes
-    nothing). A tiled MLP (`laden.model.patches.tiled`) stays tiled and runs lean tiles. MLPs of other
+    nothing but the options, which every lean MLP of `model` then runs with). A tiled MLP (`laden.model.patches.tiled`) stays tiled and runs lean tiles. MLPs of other
     kinds are left alone, with one warning. Parameters, their names and the state dict are
     untouched; `disable_lean_mlp` undoes it.
     """
@@ -390,6 +399,7 @@ def enable_lean_mlp(model: nn.Module) -> int:
         "keeps its own backward",
     )
     for mlp, cls in lean:  # all checked before any is switched
+        set_options(mlp, options)
         if cls is not None:
             mlp.__class__ = cls
     return len(lean)
@@ -409,5 +419,6 @@ def disable_lean_mlp(model: nn.Module) -> int:
             module.__class__ = tiled.subclass(tiled.original(module).__dict__[_PLAIN_CLASS_ATTR])
         else:
             continue
+        clear_options(module)
         undone += 1
     return undone

@@ -28,15 +28,17 @@ to it after the norm makes backward raise autograd's version-counter error (Hugg
 graph holds an fp32 copy of a bf16 input and would not); no Hugging Face decoder layer
 writes to a norm's input. Double backward is not supported.
 
-`enable_lean_rmsnorm` swaps each eligible module's class to a cached subclass whose only
-change is the lean `forward` (`laden.model.patches.swap`, as `laden.model.patches.tiled` swaps MLP classes):
+`enable_lean_rmsnorm(model, options=...)` swaps each eligible module's class to a cached
+subclass whose only change is the lean `forward` (`laden.model.patches.swap`, as `laden.model.patches.tiled` swaps MLP classes):
 parameter names, state dicts and tied weights do not change, shallow copies stay lean and
 run on their own weight, and `disable_lean_rmsnorm` gives the original class back. Eligible means:
 the class name ends with `RMSNorm`, the module has a 1-D `weight` tensor and a
 `variance_epsilon`, and the class's `forward` compiles to the same code as Hugging Face's
 Llama-style forward (checked on the installed transformers, so a family that changes its
 norm is left alone). Gemma's `x * (1 + weight)` computed in fp32, Olmo2's
-`(weight * x).to(dtype)` and other variants differ and are skipped with a warning.
+`(weight * x).to(dtype)` and other variants differ and are skipped with a warning. Each lean
+norm keeps the model's `PatchOptions` (`laden.model.patches.options`: fused kernels or eager
+ops) in its `__dict__` and passes them to `LeanRMSNormFn` at every call.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.patches import fused
+from laden.model.patches.options import EAGER, PatchOptions, clear_options, options_of, set_options
 from laden.model.patches.swap import ClassSwap, check_own_forward, same_code, warn_skipped
 
 __all__ = [
@@ -63,14 +66,18 @@ _PLAIN_CLASS_ATTR = "_laden_plain_norm_class"
 class LeanRMSNormFn(torch.autograd.Function):
     """Hugging Face's RMSNorm, `weight * normed(x).to(x.dtype)`, saving only `x` and `rstd`.
 
-    `LeanRMSNormFn.apply(x, weight, eps)`: `x` [..., W] of any float dtype, `weight` [W].
-    Output dtype is `torch.result_type(weight, x)`, as in Hugging Face's forward.
+    `LeanRMSNormFn.apply(x, weight, eps, options)`: `x` [..., W] of any float dtype, `weight` [W],
+    `options` the model's `PatchOptions` (fused kernels or eager ops). Output dtype is
+    `torch.result_type(weight, x)`, as in Hugging Face's forward.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        out, rstd = fused.call(_norm_forward, x, weight, eps)
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, options: PatchOptions
+    ) -> torch.Tensor:
+        out, rstd = fused.call(_norm_forward, x, weight, eps, options=options)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.options = options
         return out
 
     @staticmethod
@@ -81,8 +88,10 @@ class LeanRMSNormFn(torch.autograd.Function):
         # Autograd's formulas for Hugging Face's graph, in fp32 whatever autocast is active
         # (a backward called inside an autocast region must not change their dtypes).
         with _autocast_off(x.device.type):
-            grad_x, grad_weight = fused.call(_norm_backward, grad_out, x, weight, rstd, need_x, need_weight)
-        return grad_x, grad_weight, None
+            grad_x, grad_weight = fused.call(
+                _norm_backward, grad_out, x, weight, rstd, need_x, need_weight, options=ctx.options
+            )
+        return grad_x, grad_weight, None, None
 
 
 def _norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +144,11 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()  # a device without autocast (meta, ...): nothing to turn off
 
 
-def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def lean_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, options: PatchOptions = EAGER
+) -> torch.Tensor:
     """Hugging Face's Llama-style RMSNorm of `x` [..., W] with weight [W], saving `x` and `rstd` only."""
-    return LeanRMSNormFn.apply(x, weight, eps)
+    return LeanRMSNormFn.apply(x, weight, eps, options)
 
 
 # The statements of Hugging Face's Llama-style RMSNorm.forward (names included): a class is made lean
@@ -152,7 +163,7 @@ def _hf_rmsnorm_forward(self, hidden_states):
 
 def _lean_rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The lean class's `forward`: the original's result, saving only the input and `rstd`."""
-    return LeanRMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon)
+    return LeanRMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon, options_of(self))
 
 
 _SWAP = ClassSwap(
@@ -176,12 +187,14 @@ def _is_hf_rmsnorm(module: nn.Module) -> bool:
     )
 
 
-def enable_lean_rmsnorm(model: nn.Module) -> int:
-    """Make every Hugging Face Llama-style RMSNorm in `model` lean (see the module docstring).
+def enable_lean_rmsnorm(model: nn.Module, *, options: PatchOptions = EAGER) -> int:
+    """Make every Hugging Face Llama-style RMSNorm in `model` lean (see the module docstring),
+    running with `options` (fused kernels or eager ops).
 
-    Returns the number of lean norms in `model` afterwards (calling it again changes nothing).
-    Modules named `...RMSNorm` with other semantics are left alone, with one warning.
-    Parameters, their names and the state dict are untouched; `disable_lean_rmsnorm` undoes it.
+    Returns the number of lean norms in `model` afterwards (calling it again changes nothing but
+    the options, which every lean norm of `model` then runs with). Modules named `...RMSNorm`
+    with other semantics are left alone, with one warning. Parameters, their names and the state
+    dict are untouched; `disable_lean_rmsnorm` undoes it.
     """
     norms, skipped = [], set()
     for name, module in model.named_modules():
@@ -199,9 +212,14 @@ def enable_lean_rmsnorm(model: nn.Module) -> int:
         "its forward is not Hugging Face's Llama-style RMSNorm (weight * normed(x).to(x.dtype)), so it "
         "keeps its own backward",
     )
-    return _SWAP.apply_all(norms)  # all checked before any is switched
+    for norm in norms:  # all checked before any is switched
+        set_options(norm, options)
+    return _SWAP.apply_all(norms)
 
 
 def disable_lean_rmsnorm(model: nn.Module) -> int:
     """Give every norm `enable_lean_rmsnorm` switched its original class back; returns how many."""
-    return len(_SWAP.undo(model))
+    undone = _SWAP.undo(model)
+    for norm in undone:
+        clear_options(norm)
+    return len(undone)

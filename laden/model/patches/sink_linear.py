@@ -23,8 +23,15 @@ GEMM (`_JointLinearFn`) and hands each projection its part, which the projection
 when it is called on that very input. The backward sums the input gradient inside the GEMMs
 (`addmm`: no separate adds) and gives each weight its gradient (or its sink the factors).
 Anything else (weights apart, biases, autocast, a hooked projection, a compiled region)
-runs the projections one by one, as before. Only with `laden.model.patches.stacked`'s joint
-projections on when `enable_sink_linears` runs (off by default, see there).
+runs the projections one by one, as before. Only for a model whose `enable_sink_linears` got
+`PatchOptions(joint_projections=True)` (`laden.model.patches.options`; off by default, see
+`laden.model.patches.stacked`): the hooks on its attention modules are that model's option, so
+another model in the process keeps its own; calling `enable_sink_linears` again with the option
+off removes them.
+
+Only the roundpipe engine attaches sinks; under any other engine (fsdp, tensor parallel, one
+device) these projections and the joint hooks are harmless but do nothing a plain `nn.Linear`
+would not (FSDP2's gathered weights are separate tensors, never back to back).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from laden.model.patches.grad_sink import GradSink, sink_of
-from laden.model.patches.stacked import joint_projections_enabled, stacked_rows
+from laden.model.patches.options import EAGER, PatchOptions
+from laden.model.patches.stacked import stacked_rows
 from laden.model.patches.swap import ClassSwap, decoder_layers, hookless, plain_linear, warn_skipped
 
 __all__ = ["disable_sink_linears", "enable_sink_linears", "is_sink_linear"]
@@ -113,7 +121,7 @@ def _joint_outputs(x: object, projections: list[Any]) -> tuple[torch.Tensor, ...
     weights = [p.weight for p in projections]
     if x.dtype != weights[0].dtype or torch.is_autocast_enabled(x.device.type):
         return None
-    stacked = stacked_rows(weights) if joint_projections_enabled() else None
+    stacked = stacked_rows(weights)
     if stacked is None:
         return None
     if not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))):
@@ -198,13 +206,16 @@ def plain_sink_linear(module: nn.Module) -> bool:
     return "forward" not in module.__dict__ and hookless(module)
 
 
-def enable_sink_linears(model: nn.Module) -> int:
-    """Re-class every decoder layer's attention projections of `model` (see the module docstring).
+def enable_sink_linears(model: nn.Module, *, options: PatchOptions = EAGER) -> int:
+    """Re-class every decoder layer's attention projections of `model` (see the module docstring);
+    with `options.joint_projections` their attention modules also run query, key and value as one.
 
-    Returns the number of sink projections afterwards (calling it again changes nothing).
-    Attention modules without the four plain `nn.Linear` projections are left alone, with one
-    warning; `disable_sink_linears` undoes it.
+    Returns the number of sink projections afterwards (calling it again changes nothing but the
+    joint projections, added or removed as `options` says). Attention modules without the four
+    plain `nn.Linear` projections are left alone, with one warning; `disable_sink_linears` undoes it.
     """
+    if not isinstance(options, PatchOptions):
+        raise ValueError(f"options={options!r} must be a laden.model.patches.options.PatchOptions")
     layers = decoder_layers(model, "enable_sink_linears")
     chosen: list[nn.Module] = []
     attentions: list[nn.Module] = []
@@ -223,9 +234,11 @@ def enable_sink_linears(model: nn.Module) -> int:
         f"its {'/'.join(PROJECTIONS)} are not all plain nn.Linear modules without hooks (LoRA or quantised "
         "layers compute their own gradients), so their weight gradients go through autograd",
     )
-    if joint_projections_enabled():
-        for attn in attentions:
+    for attn in attentions:
+        if options.joint_projections:
             _add_joint_hooks(attn)
+        else:
+            _remove_joint_hooks(attn)
     return _SWAP.apply_all(chosen)
 
 

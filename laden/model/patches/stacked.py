@@ -8,12 +8,14 @@ module lists them) has them back to back already: `stacked_rows` finds that out 
 the joint matrix as a view, and `None` otherwise (separately allocated weights, a bias in
 between, another dtype), in which case the caller runs its projections one by one.
 
-Off by default (`use_joint_projections`): on an H200 the joint outputs' strided halves made
-the compiled elementwise kernels that read them slower than the launches and adds they saved
-(`benchmarks/RESULTS.md`, sixth round). With the fused kernels' static last dimensions
-(`laden.model.patches.fused.use_static_last_dims`, the default since the seventh round) the reference
-step still ran 1 to 4 % slower with them (35,441 and 35,306 tokens/s against 35,835 and
-36,615), so they stay off.
+Off by default (`PatchOptions.joint_projections`, `laden.model.patches.options`, per model): on
+an H200 the joint outputs' strided halves made the compiled elementwise kernels that read them
+slower than the launches and adds they saved (`benchmarks/RESULTS.md`, sixth round). With the
+fused kernels' static last dimensions (`PatchOptions.static_last_dims`, the default since the
+seventh round) the reference step still ran 1 to 4 % slower with them (35,441 and 35,306
+tokens/s against 35,835 and 36,615), so they stay off. The lean MLP reads the option from its
+module at every call; `laden.model.patches.sink_linear.enable_sink_linears` gives an attention
+module its joint query/key/value hooks only when the option is on.
 """
 
 from __future__ import annotations
@@ -22,23 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["joint_projections_enabled", "stacked_rows", "use_joint_projections"]
-
-_ENABLED = False
-
-
-def use_joint_projections(enabled: bool = True) -> None:
-    """Run projections of one input as one GEMM where their weights are stacked (process-wide).
-
-    Read by the lean MLP at every call, and by `laden.model.patches.sink_linear.enable_sink_linears`
-    when it sets up an attention module (set it before the model is prepared).
-    """
-    global _ENABLED
-    _ENABLED = bool(enabled)
-
-
-def joint_projections_enabled() -> bool:
-    return _ENABLED
+__all__ = ["stacked_rows"]
 
 
 def stacked_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
