@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class LargestTensor(TorchDispatchMode):
@@ -39,11 +40,10 @@ class LiveBytes(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         import weakref
 
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = _storage_ptr(t)
         if key == 0 or key in self._seen:
             return
-        nbytes = storage.nbytes()
+        nbytes = t.untyped_storage().nbytes()
         self._seen[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -57,7 +57,20 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         if torch.Tag.inplace_view not in func.tags and not func._schema.is_mutable:
+            # An alias of an input (`detach`, a state dict's entries) shares its storage: nothing new.
+            inputs = {_storage_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in outputs:
-                if isinstance(t, torch.Tensor) and not t._is_view() and t.device.type != "meta":
+                if isinstance(t, torch.Tensor) and not t._is_view() and _storage_ptr(t) not in inputs:
                     self._track(t)
         return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The storage's address; 0 for meta tensors and for wrapper subclasses (a DTensor has no storage
+    of its own: its local tensor is tracked when an op creates it)."""
+    if t.device.type == "meta":
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0

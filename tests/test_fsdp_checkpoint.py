@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
+from laden.engine.fsdp.checkpoint import load_dcp, save_dcp
 
 
 def make_engine(world_size: int, **options) -> FSDPEngine:
@@ -19,6 +20,18 @@ def make_engine(world_size: int, **options) -> FSDPEngine:
         optim=SETTINGS,
         **options,
     )
+
+
+def save_checkpoint(engine: FSDPEngine, path) -> None:
+    """A resharding distributed checkpoint of the engine's state (all ranks call it)."""
+    save_dcp(engine.state_dict(), path)
+
+
+def load_checkpoint(engine: FSDPEngine, path) -> None:
+    """Fill the engine's state template from `path` (any data-parallel size), then load it."""
+    state = engine.state_dict()
+    load_dcp(state, path)
+    engine.load_state_dict(state)
 
 
 def full_optimizer_state(engine: FSDPEngine) -> dict[str, torch.Tensor]:
@@ -39,14 +52,14 @@ def snapshot(engine: FSDPEngine):
 def _save_worker(rank: int, world_size: int, path: str, hf_dir: str, options: dict):
     engine = make_engine(world_size, **options)
     run_engine(engine, split_steps(STEPS[:1], world_size))
-    engine.save_checkpoint(path)
+    save_checkpoint(engine, path)
     engine.export_hf(hf_dir)
     return snapshot(engine)
 
 
 def _load_worker(rank: int, world_size: int, path: str, options: dict):
     engine = make_engine(world_size, **options)
-    engine.load_checkpoint(path)
+    load_checkpoint(engine, path)
     before = snapshot(engine)
     run_engine(engine, split_steps(STEPS[1:], world_size))
     return before, full_params(engine.model)
@@ -68,7 +81,7 @@ def test_save_d2_resume_d1_and_export(tmp_path):
     the next step equals the next step of an uninterrupted d1 run. The HF export loads back."""
     saved = run_workers(_save_worker, 2, str(tmp_path / "ckpt"), str(tmp_path / "hf"), {})[0]
     engine = make_engine(1)
-    engine.load_checkpoint(tmp_path / "ckpt")
+    load_checkpoint(engine, tmp_path / "ckpt")
     assert_same_state(snapshot(engine), saved)
 
     run_engine(engine, split_steps(STEPS[1:], 1))
@@ -89,7 +102,7 @@ def test_save_d1_resume_d2_with_per_layer_optimizer(tmp_path):
     options = {"per_layer_optim_step": True}
     engine = make_engine(1, **options)
     run_engine(engine, split_steps(STEPS[:1], 1))
-    engine.save_checkpoint(tmp_path / "ckpt")
+    save_checkpoint(engine, tmp_path / "ckpt")
     saved = snapshot(engine)
     results = run_workers(_load_worker, 2, str(tmp_path / "ckpt"), options)
     run_engine(engine, split_steps(STEPS[1:], 1))
@@ -100,10 +113,12 @@ def test_save_d1_resume_d2_with_per_layer_optimizer(tmp_path):
 
 
 def test_export_single_process_writes_bounded_shards(tmp_path):
-    from laden.engine.fsdp.checkpoint import export_hf
+    from laden.model.hf.export import export_hf
 
     model = tiny_model()
-    export_hf(model, tmp_path, dtype=torch.bfloat16, max_shard_bytes=64 * 1024)
+    engine = make_engine(1)
+    weights = engine.named_weights(torch.bfloat16)
+    export_hf(engine.model, tmp_path, dtype=torch.bfloat16, max_shard_size_bytes=64 * 1024, weights=weights)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
     from transformers import AutoModelForCausalLM

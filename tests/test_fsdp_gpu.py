@@ -8,6 +8,7 @@ from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, spli
 from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
+from laden.engine.fsdp.checkpoint import load_dcp, save_dcp
 
 NCCL = "cpu:gloo,cuda:nccl"
 
@@ -82,9 +83,11 @@ def _gpu_checkpoint_worker(rank: int, world_size: int, path: str, options: dict)
 
     first = engine()
     run_engine(first, split_steps(STEPS[:1], world_size))
-    first.save_checkpoint(path)
+    save_dcp(first.state_dict(), path)
     second = engine()
-    second.load_checkpoint(path)
+    state = second.state_dict()
+    load_dcp(state, path)
+    second.load_state_dict(state)
     pairs = zip(
         first.state_dict()["optimizer"]["state"].items(), second.state_dict()["optimizer"]["state"].items()
     )
@@ -105,3 +108,43 @@ def _gpu_checkpoint_worker(rank: int, world_size: int, path: str, options: dict)
 )
 def test_two_gpus_checkpoint_round_trip(tmp_path, options):
     assert all(run_workers(_gpu_checkpoint_worker, 2, str(tmp_path / "ckpt"), options, backend=NCCL))
+
+
+@pytest.mark.gpu
+def test_offload_frees_the_gpu_and_onload_trains_bitwise():
+    """One process on CUDA: offload gives back the parameters', gradients' and Adam states' device
+    memory (pinned host copies), onload restores it, and training continues bitwise; `forward`
+    matches the CPU reference."""
+    from protocol_reference import packed_batches, reference_token_outputs
+    from test_fsdp import VOCAB
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", 0)
+
+    def engine() -> FSDPEngine:
+        return FSDPEngine(
+            tiny_model(), device=device, dtype=torch.float32, optimizer_dtype=torch.float32, optim=SETTINGS
+        )
+
+    batches = packed_batches(VOCAB, num_micro_batches=2, seed=1)
+    tokens = sum(mb.num_loss_tokens for mb in batches)
+    offloaded, plain = engine(), engine()
+    for e in (offloaded, plain):
+        e.train_batch(batches, global_num_loss_tokens=tokens)
+    state_bytes = sum(p.nbytes * 4 for p in offloaded.model.parameters())  # param, grad, exp_avg, exp_avg_sq
+    before = torch.cuda.memory_allocated(device)
+    offloaded.offload()
+    assert torch.cuda.memory_allocated(device) <= before - state_bytes
+    offloaded.onload()
+    assert torch.cuda.memory_allocated(device) == before
+    for e in (offloaded, plain):
+        e.train_batch(batches, global_num_loss_tokens=tokens)
+    got, want = dict(offloaded.named_weights(torch.float32)), dict(plain.named_weights(torch.float32))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    ref = tiny_model()
+    ref.load_state_dict({k: v.cpu() for k, v in want.items()})
+    for out, batch in zip(plain.forward(batches), batches):
+        expected = reference_token_outputs(ref, batch)
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(out[key], expected[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -53,6 +53,18 @@ def test_shard_packed_row_pads_with_its_own_document():
     assert shards[0].cu_seqlens.tolist() == [0, 3, 7, 9]
 
 
+def test_shard_packed_row_slices_fields_like_labels():
+    ids = torch.arange(5)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    weights = torch.tensor([0.5, 1.5, 2.5, 3.5, 0.0])
+    shards = [
+        shard_packed_row(ids, ids, ids, cu, 5, cp_rank=r, cp_size=2, fields={"loss_weights": weights})
+        for r in range(2)
+    ]
+    assert [s.fields["loss_weights"].tolist() for s in shards] == [[0.5, 1.5, 2.5], [3.5, 0.0, 0.0]]
+    assert [s.labels.tolist() for s in shards] == [[0, 1, 2], [3, 4, -100]]
+
+
 def _vocab_parallel_worker(rank: int, world_size: int):
     torch.manual_seed(0)
     hidden = torch.randn(10, 8, requires_grad=True)

@@ -15,10 +15,20 @@ import torch
 
 from laden.config import LadenConfig
 
+_HOST_OOM_TEXT = ("defaultcpuallocator: can't allocate memory", "cannot allocate memory", "std::bad_alloc")
+
+
+def is_host_oom(exc: BaseException) -> bool:
+    """A host allocation failure: Python's MemoryError or torch's CPU allocator refusing."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(t in text for t in _HOST_OOM_TEXT)
+
 
 def is_oom(exc: BaseException) -> bool:
     """True for a device or host allocation failure."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+    if isinstance(exc, torch.OutOfMemoryError) or is_host_oom(exc):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
@@ -30,8 +40,39 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def host_oom_advice(cfg: LadenConfig) -> list[str]:
+    """Knob changes for a host-memory OOM in training (the second guide's CPU OOM section), with values."""
+    actor, advice = cfg.actor, []
+    if actor.backend.startswith("roundpipe"):
+        if actor.roundpipe.pin_model == "alloc":
+            advice.append(
+                "actor.roundpipe.pin_model=register (about 1x the model in pinned host memory instead of 1.5x)"
+            )
+        elif actor.roundpipe.pin_model == "register":
+            advice.append("actor.roundpipe.pin_model=off (weights paged in on demand)")
+        advice.append(
+            "fewer micro-batches per step (actor.mb_spec.max_tokens_per_mb larger, or actor.roundpipe.num_microbatch "
+            "smaller): each micro-batch's stage activations are parked in host memory"
+        )
+        if actor.roundpipe.optim_step == "async":
+            advice.append("actor.roundpipe.optim_step=sync (no second upload buffer and gradient inbox)")
+    if actor.fsdp.offload_params:
+        advice.append(
+            "actor.fsdp.offload_params=false (parameters, gradients and optimizer states back on the GPU)"
+        )
+    if actor.optimizer.type == "adam":
+        advice.append(
+            "actor.optimizer.type=adam_bf16 with actor.optimizer_dtype=bfloat16 (bf16 master weights and states)"
+        )
+    if actor.fsdp.memory_efficient_load:
+        advice.append(
+            "actor.fsdp.memory_efficient_load=false (rank 0 no longer holds the whole model at load)"
+        )
+    return advice
+
+
 def training_oom_advice(cfg: LadenConfig, *, tokens_per_mb: int, longest_seq: int) -> list[str]:
-    """Knob changes for a training-phase OOM, most effective first, with values."""
+    """Knob changes for a training-phase GPU OOM, most effective first, with values."""
     actor = cfg.actor
     advice = []
     smaller = max(longest_seq, tokens_per_mb // 2)
@@ -59,11 +100,28 @@ class TrainingOOMError(RuntimeError):
     """A training step ran out of memory; the message lists the knob changes that fix it."""
 
     def __init__(
-        self, cfg: LadenConfig, *, step: int, tokens_per_mb: int, longest_seq: int, cause: BaseException
+        self,
+        cfg: LadenConfig,
+        *,
+        step: int,
+        tokens_per_mb: int,
+        longest_seq: int,
+        cause: BaseException,
+        in_collectives: bool = False,
     ):
-        lines = training_oom_advice(cfg, tokens_per_mb=tokens_per_mb, longest_seq=longest_seq)
-        where = "GPU" if isinstance(cause, torch.OutOfMemoryError) else "host"
+        host = is_host_oom(cause)
+        self.where = "host" if host else "GPU"
+        lines = host_oom_advice(cfg) if host else []
+        lines += training_oom_advice(cfg, tokens_per_mb=tokens_per_mb, longest_seq=longest_seq)
+        note = ""
+        if in_collectives:
+            note = (
+                "It happened inside the step's collectives, where the other ranks cannot retry with this one; "
+                "the run stops here and a rerun of the same command resumes from the newest checkpoint.\n"
+            )
         super().__init__(
-            f"training step {step} ran out of {where} memory ({str(cause).splitlines()[0][:200]}).\n"
-            "Change one of, most effective first:\n" + "\n".join(f"  - {line}" for line in lines)
+            f"training step {step} ran out of {self.where} memory ({str(cause).splitlines()[0][:200]}).\n"
+            + note
+            + "Change one of, most effective first:\n"
+            + "\n".join(f"  - {line}" for line in lines)
         )

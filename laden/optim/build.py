@@ -138,7 +138,7 @@ def build_optimizer(
     _warn_ignored(o)
     groups = _param_groups(params, o.weight_decay)
     flat = [p for g in groups for p in g["params"]]
-    adam = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
+    adam: dict[str, Any] = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
     if o.type == "sgd":
         return torch.optim.SGD(
             groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, foreach=True
@@ -164,7 +164,7 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **adam, **_torch_kind(flat))
 
 
-def _torch_kind(flat: list[torch.Tensor]) -> dict[str, bool]:
+def _torch_kind(flat: list[torch.Tensor]) -> dict[str, Any]:
     """Fused AdamW when every param is on CUDA (one kernel for the step), foreach otherwise."""
     return {"fused": True} if all(p.device.type == "cuda" for p in flat) else {"foreach": True}
 

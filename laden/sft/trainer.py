@@ -1,15 +1,17 @@
-"""Supervised fine-tuning: the loop that turns a config into optimizer steps.
+"""Supervised fine-tuning: a thin loop over the shared runtime (`laden.engine.runtime`).
 
-One optimizer step = one global batch of `train_dataset.batch_size` sequences, split
-into token-budget micro-batches (`actor.mb_spec`), handed to the engine together with the
-global loss-token count. The loop itself does little on purpose: everything that decides
-memory lives in the data path (budget, packing) and the engine. It syncs with the device
-once per logged step, to read the metrics.
+One optimizer step = one global batch of `train_dataset.batch_size` sequences, split into
+token-budget micro-batches (`actor.mb_spec`; at least `actor.roundpipe.num_microbatch` of them
+under the roundpipe engine), handed to the engine with the global loss-token count. Processes,
+model loading and patching, the engine, data-parallel sharding and the OOM retry are the
+runtime's; the run directory (one owner, one history, resume policy) is `laden.engine.rundir`'s;
+the checkpoint layout is `laden.engine.checkpoint`'s. The loop syncs with the device once per
+logged step, to read the metrics.
 
-Nothing is lost on failure: checkpoints are atomic and resume restores the data position
-and every RNG, and the run directory receives the resolved config, the data statistics
-(how many samples the length policy filtered or truncated) and one JSON line of metrics
-per logged step.
+Nothing is lost on failure: checkpoints are atomic, a final one is written at the end (so a
+rerun of a finished run says so and trains nothing), an interrupted single-process run
+(Ctrl-C) writes one for its last completed step before it stops, and resume restores the data
+position and every RNG.
 """
 
 from __future__ import annotations
@@ -19,23 +21,18 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from tqdm.auto import tqdm
 
-from laden.config import (
-    AllocationMode,
-    ConfigError,
-    DatasetConfig,
-    LadenConfig,
-    dump_config,
-    run_dir,
-    validate_against_model,
-)
+from laden.config import DatasetConfig, LadenConfig, dump_config, format_config, run_dir
+from laden.config.usage import fields_without_effect
 from laden.data import (
     GlobalBatchIterator,
     PackedBatch,
@@ -44,11 +41,21 @@ from laden.data import (
     pack_samples,
     partition_microbatches,
 )
-from laden.engine.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from laden.engine.factory import DTYPES, build_engine, launched_world_size
-from laden.engine.local import default_device
-from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
-from laden.model.hf.loading import load_causal_lm, load_tokenizer
+from laden.engine.checkpoint import load_checkpoint, save_checkpoint
+from laden.engine.rundir import History, RunDirectory
+from laden.engine.runtime import (
+    OOMRetry,
+    Runtime,
+    build_engine,
+    check_world_size,
+    engine_kind,
+    load_model,
+    loss_tokens,
+    shard_for_rank,
+    start_runtime,
+)
+from laden.model.hf.loading import load_tokenizer
+from laden.optim import OptimSettings
 
 log = logging.getLogger("laden.sft")
 
@@ -62,9 +69,11 @@ class SFTResult:
     num_steps: int
     """Optimizer steps taken in total (including those before a resume)."""
     first_loss: float | None
-    """Loss of the first step this process ran."""
+    """Loss of the first step this process ran (None when it ran none)."""
     last_loss: float | None
     """Loss of the last step."""
+    already_finished: bool = False
+    """The run directory held a finished run: nothing was trained or exported."""
 
 
 def seed_everything(seed: int) -> None:
@@ -78,8 +87,16 @@ def budget(cfg: LadenConfig) -> int:
     return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
 
 
-def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str, *, write: bool = True):
-    """Tokenize a dataset, apply its length policy and (if `write`) save the counts to `<name>_data_stats.json`."""
+def min_micro_batches(cfg: LadenConfig) -> int:
+    """`actor.mb_spec.n_mbs`, raised to `actor.roundpipe.num_microbatch` under the roundpipe engine."""
+    n = cfg.actor.mb_spec.n_mbs
+    if engine_kind(cfg) == "roundpipe" and cfg.actor.roundpipe.num_microbatch:
+        n = max(n, cfg.actor.roundpipe.num_microbatch)
+    return n
+
+
+def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
+    """Tokenize a dataset and apply its length policy: (samples, statistics)."""
     records = load_records(ds.path, split=ds.split)
     samples, stats = build_sft_samples(
         records,
@@ -90,269 +107,251 @@ def prepare_data(ds: DatasetConfig, tokenizer: Any, out_dir: Path, name: str, *,
         completion_key=ds.completion_key,
         messages_key=ds.messages_key,
     )
-    stats_path = out_dir / f"{name}_data_stats.json"
-    if write:
-        stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
     log.info("%s_dataset: %s", name, stats.to_dict())
-    if stats.num_filtered or stats.num_truncated:
-        log.warning(
-            "%s_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
-            name,
-            ds.max_length,
-            stats.num_filtered,
-            stats.num_truncated,
-            ds.length_policy,
-            stats_path,
-        )
     if len(samples) < ds.batch_size:
         raise ValueError(
             f"{name}_dataset.batch_size={ds.batch_size} but only {len(samples)} samples remain after the "
             f"length policy; lower {name}_dataset.batch_size or raise {name}_dataset.max_length"
         )
-    return samples
+    return samples, stats
 
 
-def loss_tokens(samples, indices: list[int]) -> int:
-    """Tokens that carry a loss (a label) in these samples: the global normaliser of a step."""
-    return sum(sum(samples[i][1][1:]) for i in indices)
-
-
-def shard_for_rank(samples, indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
-    """This data-parallel rank's share of a global batch, balanced by tokens (longest first, to the lightest rank)."""
-    if dp_size == 1:
-        return indices
-    loads = [0] * dp_size
-    shares: list[list[int]] = [[] for _ in range(dp_size)]
-    for i in sorted(indices, key=lambda i: (-len(samples[i][0]), i)):
-        r = min(range(dp_size), key=lambda r: (loads[r], r))
-        loads[r] += len(samples[i][0])
-        shares[r].append(i)
-    return sorted(shares[dp_rank])
+def write_data_stats(ds: DatasetConfig, stats: Any, out_dir: Path, name: str) -> None:
+    """`<name>_data_stats.json`: how many samples the length policy filtered or truncated."""
+    stats_path = out_dir / f"{name}_data_stats.json"
+    stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
+    if stats.num_filtered or stats.num_truncated:
+        log.warning(
+            "%s_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
+            name, ds.max_length, stats.num_filtered, stats.num_truncated, ds.length_policy, stats_path,
+        )  # fmt: skip
 
 
 def step_micro_batches(
-    cfg: LadenConfig, samples, indices: list[int], device: torch.device, tokens_per_mb: int
+    cfg: LadenConfig, samples, indices: Sequence[int], device: torch.device, tokens_per_mb: int
 ) -> list[PackedBatch]:
     """Pack the given samples into token-budget micro-batches on `device`."""
     seqlens = [len(samples[i][0]) for i in indices]
     bins = partition_microbatches(
         seqlens,
         max_tokens_per_mb=tokens_per_mb,
-        n_mbs=cfg.actor.mb_spec.n_mbs,
+        n_mbs=min_micro_batches(cfg),
         algorithm=cfg.actor.mb_spec.packing_algorithm,
     )
     packed = [pack_samples([samples[indices[j]] for j in b]) for b in bins]
     return [p.to(device, non_blocking=True) for p in packed]
 
 
-def train_step(cfg: LadenConfig, engine, samples, indices: list[int], device: torch.device, *, step: int):
-    """One optimizer step; under `oom_policy: auto` an OOM halves the micro-batch budget and retries.
+def train_step(cfg: LadenConfig, rt: Runtime, engine, samples, indices: list[int], *, step: int):
+    """One optimizer step, through the runtime's OOM retry. Returns (metrics, micro-batches, tokens).
 
-    Each data-parallel rank packs its share of the global batch; the loss is normalised by
-    the loss tokens of the whole global batch, which every rank computes from host data.
-    The retry uses the same samples, so nothing is dropped, and the engine zeroes gradients
-    at the start of every attempt, so a retried step equals one that never failed.
+    Each data-parallel rank packs its share of the global batch; the loss is normalised by the
+    loss tokens of the whole global batch, which every rank computes from host data. The retry
+    uses the same samples, so nothing is dropped, and the engine starts every attempt with
+    fresh gradients, so a retried step equals one that never failed.
     """
     global_loss_tokens = loss_tokens(samples, indices)
-    mine = shard_for_rank(samples, indices, getattr(engine, "dp_rank", 0), getattr(engine, "dp_size", 1))
-    tokens_per_mb = budget(cfg)
-    longest = max(len(samples[i][0]) for i in mine)
-    while True:
-        try:
-            mbs = step_micro_batches(cfg, samples, mine, device, tokens_per_mb)
-            out = engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens)
-            return out, len(mbs), sum(len(samples[i][0]) for i in indices)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            mbs = None  # drop the failed attempt's tensors before retrying
-            release_cached_memory()
-            # Under torch.distributed the ranks would have to agree on a retry; there the OOM is reported.
-            if cfg.oom_policy != "auto" or tokens_per_mb <= longest or launched_world_size() > 1:
-                raise TrainingOOMError(
-                    cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc
-                ) from exc
-            tokens_per_mb = max(longest, tokens_per_mb // 2)
-            log.warning(
-                "step %d ran out of memory; retrying with %d tokens per micro-batch", step, tokens_per_mb
-            )
+    mine = shard_for_rank(samples, indices, engine.dp_rank, engine.dp_size)
+    retry = OOMRetry(cfg=cfg, rt=rt)
+    out, mbs = retry(
+        lambda tokens: step_micro_batches(cfg, samples, mine, rt.device, tokens),
+        lambda mbs: engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens),
+        step=step,
+        tokens_per_mb=budget(cfg),
+        longest=max(len(samples[i][0]) for i in mine),
+    )
+    return out, len(mbs), sum(len(samples[i][0]) for i in indices)
 
 
-def evaluate(cfg: LadenConfig, engine, valid, device: torch.device) -> torch.Tensor:
+def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
     """Token-mean loss over the whole validation set, `valid_dataset.batch_size` samples at a time."""
     assert cfg.valid_dataset is not None
     size = cfg.valid_dataset.batch_size
     total_loss_tokens = loss_tokens(valid, list(range(len(valid))))
-    dp_rank, dp_size = getattr(engine, "dp_rank", 0), getattr(engine, "dp_size", 1)
-    loss = torch.zeros((), device=device)
+    loss = torch.zeros((), device=rt.device)
     for start in range(0, len(valid), size):
-        indices = shard_for_rank(valid, list(range(start, min(start + size, len(valid)))), dp_rank, dp_size)
-        mbs = step_micro_batches(cfg, valid, indices, device, budget(cfg))
-        loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(device)
+        indices = shard_for_rank(
+            valid, list(range(start, min(start + size, len(valid)))), engine.dp_rank, engine.dp_size
+        )
+        mbs = step_micro_batches(cfg, valid, indices, rt.device, budget(cfg))
+        loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(rt.device)
     return loss
-
-
-@dataclass(kw_only=True, slots=True)
-class Runtime:
-    """Where this process runs: its rank under torchrun (0 of 1 otherwise) and its device."""
-
-    rank: int
-    """Global rank."""
-    world_size: int
-    """Number of processes."""
-    device: torch.device
-    """This process's device."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-
-def start_runtime() -> Runtime:
-    """Join torchrun's process group when launched by it; otherwise a single process."""
-    if launched_world_size() == 1:
-        return Runtime(rank=0, world_size=1, device=default_device())
-    from laden.engine.fsdp.launch import init_distributed
-
-    rank, world_size, _, device = init_distributed()
-    return Runtime(rank=rank, world_size=world_size, device=device)
-
-
-def check_world_size(cfg: LadenConfig, rt: Runtime) -> None:
-    """`actor.backend` names one process per data/tensor/context rank: the launch must match it."""
-    num_procs = AllocationMode.parse(cfg.actor.backend).num_gpus
-    if num_procs != rt.world_size:
-        fix = (
-            f"torchrun --nproc_per_node {num_procs} -m laden.cli sft ..."
-            if num_procs > 1
-            else "plain `laden sft`"
-        )
-        raise ValueError(
-            f"actor.backend={cfg.actor.backend!r} needs {num_procs} process(es) but {rt.world_size} were "
-            f"launched; start it with {fix}, or change actor.backend to match the launch"
-        )
-
-
-def load_model(cfg: LadenConfig, rt: Runtime):
-    """The model this rank hands its engine (a meta-device skeleton on ranks > 0 with memory_efficient_load)."""
-    dtype = DTYPES[cfg.actor.optimizer_dtype]
-    if rt.world_size > 1:
-        from laden.engine.fsdp.load import load_model_for_rank
-
-        model = load_model_for_rank(
-            cfg.actor.path,
-            dtype=dtype,
-            memory_efficient_load=cfg.actor.fsdp.memory_efficient_load,
-            init_from_config=cfg.actor.init_from_config,
-            seed=cfg.seed,
-            attn_impl=cfg.actor.attn_impl,
-        )
-    else:
-        model = load_causal_lm(
-            cfg.actor.path,
-            dtype=dtype,
-            init_from_config=cfg.actor.init_from_config,
-            seed=cfg.seed,
-            attn_impl=cfg.actor.attn_impl,
-        )
-    apply_activation_knobs(model, cfg.actor)
-    mc: Any = model.config
-    num_heads = int(mc.num_attention_heads)
-    num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)
-    errors = validate_against_model(cfg, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
-    if errors:
-        raise ConfigError(errors)
-    return model
 
 
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
     rt = start_runtime()
-    check_world_size(cfg, rt)
-    out_dir = run_dir(cfg)
+    check_world_size(cfg, rt, "sft")
     if rt.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out_dir / "config.yaml")
-    rt.barrier()
+        for line in fields_without_effect(cfg, job="sft", engine=engine_kind(cfg)):
+            log.warning("%s", line)
+    run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
+    rt.on_main(run.acquire)
+    try:
+        return _run(cfg, rt, run, progress)
+    finally:
+        run.release()
+
+
+def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SFTResult:
+    history = run.history()
+    config_dict = yaml.safe_load(format_config(cfg))
+    changes = rt.on_main(lambda: run.check_resume(history, config_dict, resume=cfg.checkpoint.resume)) or []
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.actor.path)
-    samples = prepare_data(cfg.train_dataset, tokenizer, out_dir, "train", write=rt.is_main)
-    valid = None
-    if cfg.valid_dataset:
-        valid = prepare_data(cfg.valid_dataset, tokenizer, out_dir, "valid", write=rt.is_main)
+    samples, stats = prepare_data(cfg.train_dataset, tokenizer, "train")
+    valid, valid_stats = (
+        prepare_data(cfg.valid_dataset, tokenizer, "valid") if cfg.valid_dataset else (None, None)
+    )
+    batches = GlobalBatchIterator(len(samples), batch_size=cfg.train_dataset.batch_size,
+                                  shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)  # fmt: skip
+    total_steps = min(cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs,
+                      batches.steps_per_epoch * cfg.total_train_epochs)  # fmt: skip
+    if history.checkpoint is not None and history.checkpoint_step >= total_steps:
+        return _already_finished(cfg, run, history, total_steps)
+    if rt.is_main:  # only now, once the directory may continue this history, is anything written
+        dump_config(cfg, run.path / "config.yaml")
+        write_data_stats(cfg.train_dataset, stats, run.path, "train")
+        if cfg.valid_dataset is not None:
+            write_data_stats(cfg.valid_dataset, valid_stats, run.path, "valid")
     model = load_model(cfg, rt)
-    batches = GlobalBatchIterator(
-        len(samples),
-        batch_size=cfg.train_dataset.batch_size,
-        shuffle=cfg.train_dataset.shuffle,
-        seed=cfg.seed,
-    )
-    total_steps = min(
-        cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs,
-        batches.steps_per_epoch * cfg.total_train_epochs,
-    )
-    engine = build_engine(cfg, model, total_steps=total_steps, device=rt.device)
+    engine = build_engine(cfg, model, rt, total_steps=total_steps)
     log.info(
         "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, rt.device
     )
-
-    start_step = _maybe_resume(cfg, engine, batches, out_dir / "checkpoints", rt)
-    losses = _train_loop(cfg, engine, samples, valid, batches, rt, start_step, total_steps, progress)
-    if cfg.checkpoint.save_freq_steps and start_step < total_steps:
-        _save(cfg, engine, batches, out_dir / "checkpoints", total_steps, rt)
+    settings = OptimSettings.from_config(cfg.actor.optimizer, total_steps)
+    start_step = _resume(cfg, rt, run, engine, batches, history, settings, changes)
+    loop = _Loop(cfg=cfg, rt=rt, run=run, engine=engine, samples=samples, valid=valid, batches=batches,
+                 total_steps=total_steps)  # fmt: skip
+    losses = loop.train(start_step, progress)
+    if start_step < total_steps:
+        loop.save(total_steps)
     if cfg.checkpoint.export_hf:
-        engine.export_hf(out_dir / "hf", tokenizer=tokenizer)
+        engine.export_hf(run.path / "hf", tokenizer=tokenizer)
     rt.barrier()
-    return SFTResult(run_dir=out_dir, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
+    return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
 
 
-def _train_loop(cfg, engine, samples, valid, batches, rt: Runtime, start_step, total_steps, progress):
-    """The optimizer steps; rank 0 logs metrics and drives the progress bar. Returns (first, last) loss."""
-    out_dir = run_dir(cfg)
-    if start_step >= total_steps:
-        log.warning(
-            "run directory %s already holds a finished run (step %d of %d); nothing to train. "
-            "Set trial_name to a new name, or checkpoint.resume=never to start over",
-            out_dir,
-            start_step,
-            total_steps,
-        )
-    first_loss = last_loss = None
-    bar = tqdm(
-        total=total_steps, initial=start_step, disable=not (progress and rt.is_main), desc="sft", unit="step"
+def _already_finished(cfg: LadenConfig, run: RunDirectory, history: History, total_steps: int) -> SFTResult:
+    last = run.last_logged()
+    loss = None if last is None else last.get("loss")
+    log.warning(
+        "run directory %s already holds a finished run (step %d of %d, last loss %s); nothing to train. "
+        "Raise total_train_steps to train on, or set trial_name to a new name for a new run",
+        run.path, history.checkpoint_step, total_steps, loss,
+    )  # fmt: skip
+    return SFTResult(run_dir=run.path, num_steps=history.checkpoint_step, first_loss=None, last_loss=loss,
+                     already_finished=True)  # fmt: skip
+
+
+def _resume(cfg, rt: Runtime, run: RunDirectory, engine, batches, history: History, settings, changes) -> int:
+    """Load the newest checkpoint (keeping the new config's schedule and hyper-parameters); its step."""
+    if history.checkpoint is None or cfg.checkpoint.resume == "never":
+        return 0
+    step = history.checkpoint_step
+    trainer_state = load_checkpoint(
+        history.checkpoint, engine, rank=rt.rank, keep=_new_hyperparameters(engine, settings, step)
     )
-    window_tokens, window_start = 0, time.perf_counter()
-    metrics_file = (out_dir / "metrics.jsonl").open("a") if rt.is_main else None
-    try:
-        for step in range(start_step, total_steps):
-            indices = next(batches)
-            out, num_mbs, num_tokens = train_step(cfg, engine, samples, indices, rt.device, step=step + 1)
-            window_tokens += num_tokens
-            done = step + 1
-            if valid is not None and (done % batches.steps_per_epoch == 0 or done == total_steps):
-                out["eval_loss"] = evaluate(cfg, engine, valid, rt.device)
-            if done % cfg.log_freq_steps == 0 or done == total_steps:
-                record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt.device)
-                window_tokens, window_start = 0, time.perf_counter()
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                first_loss = record["loss"] if first_loss is None else first_loss
-                last_loss = record["loss"]
-                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            freq = cfg.checkpoint.save_freq_steps
-            if freq and done % freq == 0 and done < total_steps:
-                _save(cfg, engine, batches, out_dir / "checkpoints", done, rt)
-    finally:
-        bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
-    return first_loss, last_loss
+    batches.load_state_dict(trainer_state["data"])
+    for line in changes:
+        log.warning("%s (takes effect from step %d)", line, step + 1)
+    run.keep_metrics_through(step)
+    log.info("resumed from %s", history.checkpoint)
+    return step
+
+
+def _new_hyperparameters(engine, settings: OptimSettings, step: int):
+    """The resume policy: optimizer state and step count from the checkpoint, the schedule and the
+    param groups' hyper-parameters from this run's config (equal to the checkpoint's when unchanged)."""
+    fresh = engine.state_dict()
+    fresh_groups = [{k: v for k, v in g.items()} for g in fresh["optimizer"]["param_groups"]]
+    fresh_schedule = dict(fresh["scheduler"])
+
+    def keep(state: dict[str, Any]) -> dict[str, Any]:
+        lr = settings.lr_at(step)
+        state["optimizer"]["param_groups"] = [{**g, "lr": lr} for g in fresh_groups]
+        saved = state["scheduler"]
+        state["scheduler"] = {**fresh_schedule, "last_epoch": saved["last_epoch"], "_step_count": saved["_step_count"],
+                              "_last_lr": [lr] * len(fresh_schedule.get("base_lrs", [lr]))}  # fmt: skip
+        return state
+
+    return keep
+
+
+@dataclass(kw_only=True, slots=True)
+class _Loop:
+    """The optimizer steps of one run; rank 0 logs metrics and drives the progress bar."""
+
+    cfg: LadenConfig
+    rt: Runtime
+    run: RunDirectory
+    engine: Any
+    samples: Any
+    valid: Any
+    batches: GlobalBatchIterator
+    total_steps: int
+
+    def train(self, start_step: int, progress: bool) -> tuple[float | None, float | None]:
+        """Steps `start_step + 1 .. total_steps`; returns the (first, last) logged loss."""
+        cfg, rt = self.cfg, self.rt
+        first_loss = last_loss = None
+        bar = tqdm(total=self.total_steps, initial=start_step, disable=not (progress and rt.is_main), desc="sft",
+                   unit="step")  # fmt: skip
+        window_tokens, window_start = 0, time.perf_counter()
+        metrics = self.run.metrics_path.open("a") if rt.is_main else None
+        done = saved = start_step
+        data_state = self.batches.state_dict()  # the data position after the last completed step
+        try:
+            for step in range(start_step, self.total_steps):
+                indices = next(self.batches)
+                out, num_mbs, num_tokens = train_step(
+                    cfg, rt, self.engine, self.samples, indices, step=step + 1
+                )
+                data_state = self.batches.state_dict()
+                window_tokens += num_tokens
+                done = step + 1
+                if self.valid is not None and (
+                    done % self.batches.steps_per_epoch == 0 or done == self.total_steps
+                ):
+                    out["eval_loss"] = evaluate(cfg, rt, self.engine, self.valid)
+                if done % cfg.log_freq_steps == 0 or done == self.total_steps:
+                    record = _log_record(
+                        out, done, num_mbs, num_tokens, window_tokens, window_start, rt.device
+                    )
+                    window_tokens, window_start = 0, time.perf_counter()
+                    if metrics is not None:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    first_loss = record["loss"] if first_loss is None else first_loss
+                    last_loss = record["loss"]
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                freq = cfg.checkpoint.save_freq_steps
+                if freq and done % freq == 0 and done < self.total_steps:
+                    self.save(done)
+                    saved = done
+        except KeyboardInterrupt:
+            if rt.world_size == 1 and done > saved:  # one process: nothing waits in a collective
+                log.warning("interrupted after step %d: writing a checkpoint before stopping", done)
+                self.save(done, data_state=data_state)
+            raise
+        finally:
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+        return first_loss, last_loss
+
+    def save(self, step: int, *, data_state: dict[str, Any] | None = None) -> None:
+        """Checkpoint `step`; `data_state`: the data position after it (default: the iterator's now)."""
+        cfg, rt = self.cfg, self.rt
+        meta = {"backend": cfg.actor.backend, "engine": type(self.engine).__name__, "dp_size": self.engine.dp_size,
+                "optimizer": cfg.actor.optimizer.type, "optimizer_dtype": cfg.actor.optimizer_dtype,
+                "dtype": cfg.actor.dtype}  # fmt: skip
+        save_checkpoint(
+            self.run.ckpt_root, step=step, engine=self.engine, trainer_state={"data": data_state or self.batches.state_dict()},
+            meta=meta, config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=rt.rank,
+            barrier=rt.barrier,
+        )  # fmt: skip
 
 
 def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, device) -> dict[str, Any]:
@@ -376,63 +375,3 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _save(
-    cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, step: int, rt: Runtime
-) -> None:
-    save_checkpoint(
-        ckpt_root,
-        step=step,
-        engine=engine,
-        trainer_state={"data": batches.state_dict()},
-        keep_last=cfg.checkpoint.keep_last,
-        rank=rt.rank,
-        barrier=rt.barrier,
-    )
-
-
-def _maybe_resume(
-    cfg: LadenConfig, engine, batches: GlobalBatchIterator, ckpt_root: Path, rt: Runtime
-) -> int:
-    found = list_checkpoints(ckpt_root)
-    if cfg.checkpoint.resume == "never" or not found:
-        return 0
-    trainer_state = load_checkpoint(found[-1], engine, rank=rt.rank)
-    batches.load_state_dict(trainer_state["data"])
-    log.info("resumed from %s", found[-1])
-    return int(trainer_state["step"])
-
-
-def fused_elementwise(actor: Any) -> bool:
-    """`actor.fused_elementwise` resolved: null means on with lean activations on a CUDA machine."""
-    if actor.fused_elementwise is None:
-        return bool(actor.lean_activations) and torch.cuda.is_available()
-    return bool(actor.fused_elementwise)
-
-
-def apply_activation_knobs(model: Any, actor: Any) -> None:
-    """`actor.lean_activations` (lean RMSNorms and gated MLPs), `actor.fused_elementwise` (their math
-    and the attention layers' rotary embeddings compiled) and `actor.tiled_mlp_tokens` (tiled MLPs,
-    with lean RMSNorms) on a Hugging Face causal LM, before an engine wraps it."""
-    from laden.model.patches.fused import use_fused_kernels
-    from laden.model.patches.fused_rotary import enable_fused_rotary
-    from laden.model.patches.lean_mlp import enable_lean_mlp
-    from laden.model.patches.lean_norm import enable_lean_rmsnorm
-    from laden.model.patches.sink_linear import enable_sink_linears
-    from laden.model.patches.tiled import enable_tiled_mlp
-
-    if actor.lean_activations:
-        log.info("actor.lean_activations: %d RMSNorms and %d gated MLPs lean, %d attention projections "
-                 "able to add their weight gradients into the roundpipe engine's fp32 accumulators",
-                 enable_lean_rmsnorm(model), enable_lean_mlp(model), enable_sink_linears(model))  # fmt: skip
-    fused = fused_elementwise(actor)
-    use_fused_kernels(fused)  # process-wide: set (or reset) by every run
-    if fused:
-        log.info("actor.fused_elementwise: the lean modules' elementwise math and %d attention layers' "
-                 "rotary embeddings run compiled", enable_fused_rotary(model))  # fmt: skip
-    if actor.tiled_mlp_tokens:
-        num_tiled = enable_tiled_mlp(model, tile_tokens=actor.tiled_mlp_tokens)
-        num_norms = enable_lean_rmsnorm(model)
-        log.info("actor.tiled_mlp_tokens=%d: %d decoder MLPs tiled, %d RMSNorms lean",
-                 actor.tiled_mlp_tokens, num_tiled, num_norms)  # fmt: skip

@@ -1,21 +1,27 @@
-"""Sharded state of the `fsdp` engine: DCP checkpoints and the Hugging Face export.
+"""Checkpoint state of the `fsdp` engine in the shared layout, and distributed-checkpoint helpers.
 
-- Checkpoints use `torch.distributed.checkpoint` (DCP): each rank writes its shards with
-  their global offsets, so a run saved at `d4` resumes at `d2` (or `d1`, one plain process):
-  the loader reads whichever pieces its own shards need. Master weights and optimizer
-  states keep the storage dtype (fp32), so resumed training is exact.
-- Hugging Face export gathers one tensor at a time (`full_tensor`, a collective every rank
-  joins) and only rank 0 keeps it, cast to the compute dtype, in a host buffer written out
-  as a safetensors shard every `max_shard_bytes`. Cost: one all-gather per tensor (slower
-  than a bulk gather) in exchange for no full model copy on any rank.
+`engine_state` is what `FSDPEngine.state_dict()` returns: `{"model": {name: parameter},
+"optimizer": laden.optim.named_state(...), "scheduler": ..., "version": int}`, keyed by the
+Hugging Face parameter names, holding the live tensors (sharded DTensors under FSDP, with the
+host-resident states of `ShardedAdamW` wrapped as DTensors laid out like their parameters).
+A distributed checkpoint (DCP) of it therefore reshards: saved at `d4`, it loads at `d2` or in
+one plain process, each rank reading the pieces its own shards need, and loading into the
+template returned by `state_dict()` writes in place. Master weights and optimizer states keep
+the storage dtype (fp32), so resumed training is exact.
+
+`load_engine_state` accepts the layout with DTensors or with plain full tensors (a checkpoint
+written by a single-process engine and read with `torch.load`): for a sharded parameter each
+rank copies its own slice of a full tensor, without a collective.
+
+`save_dcp` / `load_dcp` write and read any nested dict of tensors, DTensors and plain values
+with `torch.distributed.checkpoint`, under a process group or in one plain process (quietly).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,59 +29,93 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-DEFAULT_SHARD_BYTES = 2 << 30
-
-
-# -------------------------------------------------------------- state dicts
+from laden.optim import load_named_state, named_state
 
 
-def model_state_dict(model: nn.Module, *, distributed: bool) -> dict[str, Any]:
-    """FQN -> tensor; DTensor shards under FSDP (no gathering)."""
-    return get_model_state_dict(model) if distributed else dict(model.state_dict())
-
-
-def load_model_state_dict(model: nn.Module, state: dict[str, Any], *, distributed: bool) -> None:
-    if distributed:
-        set_model_state_dict(model, state)
+def engine_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    version: int,
+) -> dict[str, Any]:
+    """The shared checkpoint layout over the live tensors (see the module docstring)."""
+    params = dict(model.named_parameters())  # tied weights once, under the first name
+    fqn_state_dict = getattr(optimizer, "fqn_state_dict", None)
+    if fqn_state_dict is not None:  # ShardedAdamW: host states wrapped like their parameters
+        optim_state = fqn_state_dict(model)
     else:
-        model.load_state_dict(state)
+        optim_state = named_state(optimizer, {id(p): n for n, p in params.items()})
+    return {
+        "model": params,
+        "optimizer": optim_state,
+        "scheduler": scheduler.state_dict(),
+        "version": version,
+    }
 
 
-def optimizer_state_dict(model: nn.Module, optimizer, *, distributed: bool) -> dict[str, Any]:
-    """Optimizer state keyed by parameter FQN (the format DCP reshards)."""
-    if hasattr(optimizer, "fqn_state_dict"):
-        return optimizer.fqn_state_dict(model)
-    return get_optimizer_state_dict(model, optimizer)
+@torch.no_grad()
+def load_engine_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: Mapping[str, Any],
+) -> int:
+    """Copy a checkpoint in the shared layout into the engine's tensors; return its `version`."""
+    params = dict(model.named_parameters())
+    _check_names(set(params), set(state["model"]))
+    for name, p in params.items():
+        src, dst = _local(_own_slice(state["model"][name], p)), _local(p)
+        if src.data_ptr() != dst.data_ptr():  # not loaded in place: write it back
+            dst.copy_(src)
+    saved_optim = state["optimizer"]
+    local_states = {
+        name: {key: _own_slice(value, params[name]) for key, value in entry.items()}
+        for name, entry in saved_optim["state"].items()
+        if name in params
+    }
+    names = {id(p): n for n, p in params.items()}
+    load_named_state(optimizer, names, {**saved_optim, "state": local_states})
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["version"])
 
 
-def load_optimizer_state_dict(
-    model: nn.Module, optimizer, state: dict[str, Any], *, distributed: bool
-) -> None:
-    if hasattr(optimizer, "load_fqn_state_dict"):
-        optimizer.load_fqn_state_dict(model, state)
-    else:
-        set_optimizer_state_dict(model, optimizer, state)
+def _check_names(expected: set[str], saved: set[str]) -> None:
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"the checkpoint's model parameters do not match this model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; resume with the model the checkpoint was written for"
+        )
 
 
-def save_dcp(state: dict[str, Any], path: Path) -> None:
-    """Every rank writes its shards under `path` (a directory)."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of a DTensor (sharing storage), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _own_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value`, a state laid out like `param`; a full plain tensor of a sharded `param` becomes this
+    rank's slice of it (what DTensor's placements give this rank; no collective)."""
+    if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.shape != param.shape:
+        return value
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def save_dcp(state: Mapping[str, Any], path: str | Path) -> None:
+    """Every rank writes its shards of `state` under `path` (a directory)."""
     Path(path).mkdir(parents=True, exist_ok=True)
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(dict(state), checkpoint_id=str(path))
 
 
-def load_dcp(state: dict[str, Any], path: Path) -> None:
-    """Fill `state` (this engine's current state dict, any sharding) in place from `path`."""
+def load_dcp(state: dict[str, Any], path: str | Path) -> None:
+    """Fill `state` (a template: the engine's `state_dict()`, any sharding) in place from `path`."""
     if not Path(path).is_dir():
-        raise ValueError(f"checkpoint {path} does not exist; pass a directory written by save_checkpoint")
+        raise ValueError(f"checkpoint {path} does not exist; pass a directory written by save_dcp")
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path))
 
@@ -87,76 +127,3 @@ def _single_process_quiet() -> Iterator[None]:
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-# ----------------------------------------------------------------- export
-
-
-def export_hf(
-    model: nn.Module,
-    out_dir: Path,
-    *,
-    dtype: torch.dtype,
-    tokenizer: Any | None = None,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-) -> None:
-    """Write `config.json`, safetensors shards (+ index) and the tokenizer; all ranks must call it."""
-    from safetensors.torch import save_file
-
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    out_dir = Path(out_dir)
-    if is_writer:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    files: list[str] = []
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if id(tensor) in seen:  # tied weights are saved once, as transformers does
-            continue
-        seen.add(id(tensor))
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective
-        if not is_writer:
-            continue
-        value = full.detach().to(dtype if full.is_floating_point() else full.dtype).cpu().contiguous()
-        if shard_bytes and shard_bytes + value.nbytes > max_shard_bytes:
-            files.append(_write_shard(save_file, out_dir, shards[-1], len(files)))
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = value
-        shard_bytes += value.nbytes
-    if is_writer:
-        files.append(_write_shard(save_file, out_dir, shards[-1], len(files)))
-        _finish_export(model, out_dir, files, shards, dtype, tokenizer)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _write_shard(save_file, out_dir: Path, tensors: dict[str, torch.Tensor], index: int) -> str:
-    name = f"model-{index + 1:05d}.safetensors"
-    save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
-    tensors.clear()  # the host buffer is bounded by one shard
-    return name
-
-
-def _finish_export(model, out_dir: Path, files: list[str], shards, dtype, tokenizer) -> None:
-    """Rename a single shard to `model.safetensors` or write the index; save config and tokenizer."""
-    from safetensors import safe_open
-
-    if len(files) == 1:
-        (out_dir / files[0]).rename(out_dir / "model.safetensors")
-    else:
-        weight_map = {}
-        for file in files:
-            with safe_open(str(out_dir / file), framework="pt") as f:
-                weight_map.update({k: file for k in f.keys()})  # noqa: SIM118 - safe_open has no iterator
-        index = {"metadata": {}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = model.config
-    config.dtype = dtype
-    config.save_pretrained(out_dir)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)

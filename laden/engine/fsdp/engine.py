@@ -2,50 +2,60 @@
 
 Every rank runs the same program on its part of the data: data-parallel ranks get
 different micro-batches, context-parallel ranks slices of the same rows, tensor-parallel
-ranks the same rows. One optimizer step:
+ranks the same rows. One optimizer step (`forward_backward`, then `optimizer_step`):
 
-1. the ranks agree on the micro-batch count (all-reduce MAX: one host sync per step) and
-   those with fewer run empty micro-batches (one ignored token per context rank), because
-   FSDP's all-gathers and reduce-scatters must match across ranks;
-2. each micro-batch's summed token loss is scaled by `shard_size / global_num_loss_tokens`:
-   FSDP *averages* gradients over the `dp x cp` shard axis, so the factor turns that mean
-   into the global token mean, and d2 == d1 on the same data;
+1. the ranks agree on the micro-batch count (all-reduce MAX: one host sync per call) and
+   those with fewer run padding micro-batches (one ignored token per context rank, fields
+   read as zeros), because FSDP's all-gathers and reduce-scatters must match across ranks;
+2. the root module (`ObjectiveRoot`) runs the decoder and hands the final hidden states, the
+   head weight and the micro-batch (labels and per-token `fields`, this rank's slice under
+   context parallel) to the objective, whose summed loss is scaled by
+   `shard_size / normalizer`: FSDP *averages* gradients over the `dp x cp` shard axis, so the
+   factor turns that mean into the global `sum / normalizer`, and d2 == d1 on the same data;
 3. the global gradient norm is clipped, then one of three optimizer steps runs:
    `torch.optim` on the sharded parameters (states where the parameters are), the host
    AdamW on the offloaded shards (`offload_params`), or the per-layer streamed step
    (`per_layer_optim_step`: host states, update on the device, layer by layer).
 
-Without a process group (one plain process, `fsdp:d1`) the model is a plain module on the
-device and the same code runs with autocast instead of FSDP's mixed-precision policy;
+This is also laden's one single-process engine: without a process group (one plain process,
+`fsdp:d1`) the model is a plain module on the device and the same code runs, with autocast
+instead of FSDP's mixed-precision policy (parameters stored in the optimizer dtype, the
+forward in the compute dtype: weights are cast per matmul, the price of one fp32 copy).
 `offload_params` needs FSDP's offload policy and starts a single-process group for it.
 
-`global_num_loss_tokens` is the loss-token count of the whole step over all data-parallel
-ranks (every rank passes the same value), as the `TrainEngine` protocol says.
+`forward` (log-probs, entropies without gradients), `named_weights` (one gathered tensor at a
+time), `offload` / `onload` and the checkpoint layout are those of `laden.engine.base`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from laden.data.batch import PackedBatch
-from laden.engine.fsdp import checkpoint as ckpt
+from laden.data.batch import IGNORE_INDEX, PackedBatch
+from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
+from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
 from laden.engine.fsdp import load
+from laden.engine.fsdp.checkpoint import engine_state, load_engine_state
 from laden.engine.fsdp.launch import SHARD_AXIS, build_device_mesh
-from laden.engine.fsdp.loss import PackedLossModule
+from laden.engine.fsdp.loss import ObjectiveRoot
+from laden.engine.fsdp.offload import StorageOffload
 from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, check_head_rule, decoder_layers
-from laden.engine.fsdp.ulysses import shard_packed_row
-from laden.engine.local import autocast_context, default_device, enable_gradient_checkpointing
+from laden.engine.fsdp.ulysses import gather_row, shard_batch
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from laden.optim import OptimSettings, build_optimizer, clip_grad_norm_, param_groups_with_decay
-from laden.optim.sharded_adam import ShardedAdamW
+from laden.model.objective import CrossEntropy, token_outputs
+from laden.optim import OptimSettings, ShardedStep, build_optimizer, clip_grad_norm_, param_groups_with_decay
 
 log = logging.getLogger("laden.fsdp")
 
@@ -77,9 +87,11 @@ class FSDPEngine:
             if size < 1:
                 raise ValueError(f"{name}={size} must be at least 1")
         self.optim_settings = optim or OptimSettings()
-        if self.optim_settings.type == "adam_bf16":
-            optimizer_dtype = torch.bfloat16
+        optimizer_dtype = self.optim_settings.master_dtype(optimizer_dtype)
         self.compute_dtype, self.storage_dtype = dtype, optimizer_dtype
+        self.objective: Objective = CrossEntropy(chunked=chunked_loss, chunk_size=loss_chunk_size)
+        """The default objective (`actor.chunked_loss`, `actor.loss_chunk_size`)."""
+        self.loss_chunk_size = loss_chunk_size
         self.offload_params = offload_params
         self.device = device or default_device()
         if offload_params and not dist.is_initialized():
@@ -93,11 +105,12 @@ class FSDPEngine:
         self.dp, self.tp, self.cp = dp, tp, cp
         self.mesh = build_device_mesh(dp, tp, cp, self.device.type) if self.distributed else None
         self._setup_model(model, gradient_checkpointing, memory_efficient_load, full_state_dict)
-        self.root = PackedLossModule(
-            self.model, chunked=chunked_loss, chunk_size=loss_chunk_size, tp_group=self._group("tp")
-        )
+        self.root = ObjectiveRoot(self.model, tp_group=self._group("tp"))
         self._shard(memory_efficient_load)
         self._build_optimizer(per_layer_optim_step, optim_step_prefetch_layers)
+        self._version = 0
+        self._offload = StorageOffload(self.device)
+        self._offloaded = False
 
     # ----------------------------------------------------------------- set-up
 
@@ -166,30 +179,31 @@ class FSDPEngine:
 
     def _build_optimizer(self, per_layer_optim_step: bool, prefetch_layers: int) -> None:
         o = self.optim_settings
-        named = list(self.model.named_parameters())
-        groups = param_groups_with_decay(named, o.weight_decay)
-        kahan = o.type == "adam_bf16"
-        self.optimizer: torch.optim.Optimizer
+        groups = param_groups_with_decay(list(self.model.named_parameters()), o.weight_decay)
         if per_layer_optim_step and o.type == "sgd":
             log.warning("actor.fsdp.per_layer_optim_step is ignored with actor.optimizer.type=sgd")
             per_layer_optim_step = False
+        kahan = o.type == "adam_bf16"
+        sharded = None
         if o.type != "sgd" and (per_layer_optim_step or self.offload_params or (kahan and self.distributed)):
-            # Host states (offload / per-layer), or the Kahan update on device-resident local shards.
-            self.optimizer = ShardedAdamW(
-                groups,
-                lr=o.lr,
-                betas=o.betas,
-                eps=o.eps,
-                weight_decay=o.weight_decay,
-                kahan_bf16=kahan,
-                streamed=per_layer_optim_step or not self.offload_params,
-                states_on_host=per_layer_optim_step or self.offload_params,
+            # Host states (offload / per-layer), or the Kahan update on device-resident local shards
+            # (its foreach kernels need plain tensors, not DTensors).
+            sharded = ShardedStep(
                 device=self.device,
                 layer_groups=self._layer_param_groups(),
+                streamed=per_layer_optim_step or not self.offload_params,
+                states_on_host=per_layer_optim_step or self.offload_params,
                 prefetch_layers=prefetch_layers,
             )
-        else:
-            self.optimizer = build_optimizer(groups, o)
+        self.optimizer = build_optimizer(groups, o, sharded=sharded)
+        if sharded is not None and not hasattr(self.optimizer, "fqn_state_dict"):
+            # build_optimizer keeps plain bf16 AdamW for `adam` on bf16 masters, as asked.
+            log.warning(
+                "actor.fsdp.per_layer_optim_step / offload_params: the host-state AdamW is not used with "
+                "actor.optimizer.type=adam on %s master weights (states stay where the parameters are); "
+                "set actor.optimizer.type=adam_bf16 or actor.optimizer_dtype=float32",
+                self.storage_dtype,
+            )
         self.scheduler = o.build_scheduler(self.optimizer)
 
     def _layer_param_groups(self) -> list[list[nn.Parameter]]:
@@ -204,7 +218,12 @@ class FSDPEngine:
         rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in seen]
         return out + ([rest] if rest else [])
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------- properties
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied so far (restored with a checkpoint)."""
+        return self._version
 
     @property
     def dp_rank(self) -> int:
@@ -215,141 +234,301 @@ class FSDPEngine:
     def dp_size(self) -> int:
         return self.dp
 
-    def _autocast(self):
-        if self.distributed:  # FSDP's MixedPrecisionPolicy casts the gathered weights
-            return contextlib.nullcontext()
-        return autocast_context(self.device, self.storage_dtype, self.compute_dtype)
-
-    def _padded(self, micro_batches: Sequence[PackedBatch]) -> list[PackedBatch]:
-        """The micro-batches plus empty ones, so every rank runs the same count."""
-        mbs = list(micro_batches)
-        if not self.distributed:
-            if not mbs:
-                raise ValueError("train_batch/eval_batch got no micro-batches")
-            return mbs
-        count = torch.tensor([len(mbs)], dtype=torch.int64, device=self._collective_device())
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        target = int(count.item())  # deliberate host sync: the loop length must be known on the host
-        return mbs + [_empty_batch() for _ in range(target - len(mbs))]
-
-    def _collective_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def _micro_batch_loss(self, mb: PackedBatch) -> torch.Tensor:
-        """This rank's summed token loss of `mb` (its context slice under cp)."""
-        mb = mb.to(self.device, non_blocking=True)
-        ids, pos, labels, cu, max_len = mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens, mb.max_seqlen
-        if self.mesh is not None and self.cp > 1:
-            cp_rank = self.mesh.local_rank("cp")
-            shard = shard_packed_row(ids, pos, labels, cu, max_len, cp_rank=cp_rank, cp_size=self.cp)
-            ids, pos, labels, cu, max_len = (
-                shard.input_ids,
-                shard.position_ids,
-                shard.labels,
-                shard.cu_seqlens,
-                shard.max_seqlen,
-            )
-        with self._autocast():
-            return self.root(ids, pos, labels, cu, max_len).float()
-
-    def _run(self, micro_batches, global_num_loss_tokens: int, *, backward: bool) -> torch.Tensor:
-        mbs = self._padded(micro_batches)
-        shard_size = self.dp * self.cp
-        scale = shard_size / float(max(global_num_loss_tokens, 1))
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for mb in mbs:
-            loss_sum = self._micro_batch_loss(mb)
-            if backward:
-                (loss_sum * scale).backward()
-            total = total + loss_sum.detach()
-        total = total / float(max(global_num_loss_tokens, 1))
-        group = self._group(SHARD_AXIS)
-        if group is not None:
-            dist.all_reduce(total, group=group)
-        return total
-
-    def train_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
-    ) -> dict[str, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step the optimizer and the LR schedule."""
-        loss = self.forward_backward(micro_batches, global_num_loss_tokens=global_num_loss_tokens)
-        return {"loss": loss, **self.optimizer_step()}
-
-    def forward_backward(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
-    ) -> torch.Tensor:
-        """Fresh gradients of the step's token-mean loss (returned, all-reduced, on the device)."""
-        self.root.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        return self._run(micro_batches, global_num_loss_tokens, backward=True)
-
-    def optimizer_step(self) -> dict[str, torch.Tensor]:
-        """Clip the global gradient norm, step the optimizer and the LR schedule."""
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_settings.gradient_clipping)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": torch.tensor(lr)}
-
-    @torch.no_grad()
-    def eval_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
-    ) -> dict[str, torch.Tensor]:
-        """Token-mean loss without gradients (all ranks must call it together)."""
-        self.root.eval()
-        try:
-            return {"loss": self._run(micro_batches, global_num_loss_tokens, backward=False)}
-        finally:
-            self.root.train()
-
-    # ------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """Sharded (DTensor) model and optimizer state plus the scheduler: save with `save_checkpoint`."""
-        return {
-            "model": ckpt.model_state_dict(self.model, distributed=self.distributed),
-            "optimizer": ckpt.optimizer_state_dict(self.model, self.optimizer, distributed=self.distributed),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ckpt.load_model_state_dict(self.model, state["model"], distributed=self.distributed)
-        ckpt.load_optimizer_state_dict(
-            self.model, self.optimizer, state["optimizer"], distributed=self.distributed
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def save_checkpoint(self, path: Path) -> None:
-        """Write a resharding-capable distributed checkpoint (all ranks call it)."""
-        ckpt.save_dcp(self.state_dict(), path)
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Load a checkpoint written by `save_checkpoint` at any data-parallel size."""
-        state = self.state_dict()
-        ckpt.load_dcp(state, path)
-        self.load_state_dict(state)
-
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Hugging Face directory in the compute dtype, gathered to rank 0 one tensor at a time."""
-        ckpt.export_hf(self.model, Path(out_dir), dtype=self.compute_dtype, tokenizer=tokenizer)
-
     @property
     def num_params(self) -> int:
         """Parameters of the full (unsharded) model."""
         return sum(p.numel() for p in self.model.parameters())
 
+    # ----------------------------------------------------------------- batches
 
-def _empty_batch() -> PackedBatch:
+    def _autocast(self) -> AbstractContextManager:
+        if self.distributed:  # FSDP's MixedPrecisionPolicy casts the gathered weights
+            return contextlib.nullcontext()
+        return autocast_context(self.device, self.storage_dtype, self.compute_dtype)
+
+    def _padded(self, micro_batches: Sequence[PackedBatch]) -> list[PackedBatch | None]:
+        """The micro-batches plus padding ones (`None`), so every rank runs the same count."""
+        mbs: list[PackedBatch | None] = list(micro_batches)
+        if not self.distributed:
+            if not mbs:
+                raise ValueError("the engine got no micro-batches; pass at least one PackedBatch")
+            return mbs
+        count = torch.tensor([len(mbs)], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        target = int(count.item())  # deliberate host sync: the loop length must be known on the host
+        return mbs + [None] * (target - len(mbs))
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _local_batch(self, mb: PackedBatch | None) -> PackedBatch:
+        """This rank's part of `mb` on the device (its context slice under cp); `None`: padding."""
+        batch = _padding_batch() if mb is None else mb
+        batch = batch.to(self.device, non_blocking=True)
+        if self.mesh is not None and self.cp > 1:
+            batch = shard_batch(batch, cp_rank=self.mesh.local_rank("cp"), cp_size=self.cp)
+        if mb is None:  # an objective reading a field gets zeros (no loss token reads them anyway)
+            batch = replace(batch, fields=_ZeroFields(batch.labels))
+        return batch
+
+    def _check_onloaded(self, what: str) -> None:
+        if self._offloaded:
+            raise OffloadedError(f"FSDPEngine.{what}")
+
+    def _reshard(self) -> None:
+        """Free FSDP's gathered weights: the root keeps them after a forward without backward, and
+        while gathered its modules hold the unsharded parameters, not the optimizer's."""
+        for module in self.root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # ------------------------------------------------------------------ steps
+
+    def forward_backward(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
+    ) -> torch.Tensor:
+        """Fresh gradients of `sum(objective(mb)) / normalizer` (the global value is returned, all-reduced,
+        on the device)."""
+        self._check_onloaded("forward_backward")
+        self.root.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._run(micro_batches, objective, normalizer, backward=True)
+
+    def _run(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, normalizer: float, *, backward: bool
+    ) -> torch.Tensor:
+        if not normalizer > 0:
+            raise ValueError(f"normalizer={normalizer} must be positive (e.g. the global loss-token count)")
+        scale = self.dp * self.cp / float(normalizer)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for mb in self._padded(micro_batches):
+            batch = self._local_batch(mb)
+            with self._autocast():
+                loss_sum = self.root(batch, objective).float()
+            if backward:
+                (loss_sum * scale).backward()
+            total = total + loss_sum.detach()
+        total = total / float(normalizer)
+        group = self._group(SHARD_AXIS)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        return total
+
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """Clip the global gradient norm, step the optimizer and the LR schedule; `version` += 1."""
+        self._check_onloaded("optimizer_step")
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_settings.gradient_clipping)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self._version += 1
+        return {"grad_norm": grad_norm, "lr": torch.tensor(lr)}
+
+    def train_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """`forward_backward` over the step's token count (default: the configured cross-entropy), then
+        `optimizer_step`."""
+        normalizer = float(max(global_num_loss_tokens, 1))
+        loss = self.forward_backward(micro_batches, objective or self.objective, normalizer=normalizer)
+        return {"loss": loss, **self.optimizer_step()}
+
+    @torch.no_grad()
+    def eval_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The objective's global mean without gradients (all ranks must call it together)."""
+        self._check_onloaded("eval_batch")
+        normalizer = float(max(global_num_loss_tokens, 1))
+        self.root.eval()
+        try:
+            return {"loss": self._run(micro_batches, objective or self.objective, normalizer, backward=False)}
+        finally:
+            self.root.train()
+            self._reshard()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        outputs: Sequence[ForwardOutput] = FORWARD_OUTPUTS,
+        temperature: float = 1.0,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Per micro-batch, each requested output as a `[T]` fp32 host tensor, without gradients.
+
+        Chunked like the loss (`loss_chunk_size` tokens at a time, never `[T, V]` logits). Under
+        context parallel each rank computes its slice and the slices are all-gathered over the
+        context group, so every rank returns whole rows. One host copy (a sync) per micro-batch.
+        """
+        self._check_onloaded("forward")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be positive")
+        fn = _TokenOutputs(outputs=tuple(outputs), temperature=temperature, chunk_size=self.loss_chunk_size)
+        results = []
+        self.root.eval()
+        try:
+            for mb in self._padded(micro_batches):
+                with self._autocast():
+                    values = self.root(self._local_batch(mb), fn)
+                if mb is not None:
+                    results.append(
+                        {k: self._whole_row(v, mb.num_tokens).float().cpu() for k, v in values.items()}
+                    )
+        finally:
+            self.root.train()
+            self._reshard()
+        return results
+
+    def _whole_row(self, values: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        group = self._group("cp")
+        return values if group is None else gather_row(values, group, num_tokens)
+
+    # ----------------------------------------------------------------- weights
+
+    def named_weights(
+        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's Hugging Face state one full tensor at a time (`hf_state_names` order).
+
+        DTensors are gathered with `full_tensor()` (an all-gather every rank joins: all ranks must
+        iterate to the end), then cast to `dtype` (default: the compute dtype) and moved to
+        `device` (default: where the engine keeps the weights). The previous tensor is dropped
+        before the next is gathered, so beyond the model at most one full tensor is held (plus
+        whatever the caller keeps). In one process an fp32 weight asked for in fp32 is the live
+        parameter itself (detached), not a copy: copy it to keep or modify it.
+        """
+        self._check_onloaded("named_weights")
+        self._reshard()
+        return self._iter_weights(dtype or self.compute_dtype, device)
+
+    def _iter_weights(
+        self, dtype: torch.dtype, device: torch.device | str | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from laden.model.hf.export import hf_state_names
+
+        state = self.model.state_dict()
+        for name in hf_state_names(self.model):
+            with torch.no_grad():  # not across the yield: the caller's grad mode is its own
+                out = _full_tensor(state[name], dtype, device)
+            yield name, out
+            del out  # before the next gather
+
+    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+        """Hugging Face directory in the compute dtype, through `named_weights` (rank 0 writes)."""
+        from laden.model.hf.export import export_hf
+
+        write = not self.distributed or dist.get_rank() == 0
+        weights = self.named_weights(self.compute_dtype)
+        export_hf(
+            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write
+        )
+        if self.distributed:
+            dist.barrier()  # the export is complete on disk when any rank returns
+
+    # ----------------------------------------------------------------- offload
+
+    def offload(self) -> None:
+        """Copy parameters (local shards), gradients and optimizer states to host buffers and release
+        their device storage (`laden.engine.fsdp.offload`). Idempotent."""
+        if self._offloaded:
+            return
+        self._reshard()
+        self._offload.offload(self._state_tensors())
+        self._offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Restore what `offload` released, bitwise. Idempotent."""
+        self._offload.onload()
+        self._offloaded = False
+
+    def _state_tensors(self) -> Iterator[torch.Tensor]:
+        for p in self.model.parameters():
+            yield _local(p)
+            if p.grad is not None:
+                yield _local(p.grad)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield _local(value)
+
+    # ------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared checkpoint layout (`laden.engine.fsdp.checkpoint`): live tensors, DTensors under FSDP."""
+        self._check_onloaded("state_dict")
+        self._reshard()
+        return engine_state(self.model, self.optimizer, self.scheduler, self._version)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the shared layout (DTensors, or plain full tensors), in place where it already is."""
+        self._check_onloaded("load_state_dict")
+        self._reshard()
+        self._version = load_engine_state(self.model, self.optimizer, self.scheduler, state)
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenOutputs:
+    """`forward`'s per-token outputs as an objective-shaped callable (run inside the root's forward)."""
+
+    outputs: tuple[str, ...]
+    temperature: float
+    chunk_size: int
+
+    def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> dict:
+        return token_outputs(
+            hidden,
+            head_weight,
+            batch.labels,
+            self.outputs,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+        )
+
+
+class _ZeroFields(dict):
+    """The fields of a padding micro-batch: any name reads as zeros laid out like the labels."""
+
+    def __init__(self, labels: torch.Tensor) -> None:
+        super().__init__()
+        self._labels = labels
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        return torch.zeros(self._labels.shape, dtype=torch.float32, device=self._labels.device)
+
+
+def _padding_batch() -> PackedBatch:
     """One ignored token: runs forward/backward (matching collectives) and adds zero loss."""
     return PackedBatch(
         input_ids=torch.zeros(1, dtype=torch.long),
         position_ids=torch.zeros(1, dtype=torch.long),
-        labels=torch.full((1,), -100, dtype=torch.long),
+        labels=torch.full((1,), IGNORE_INDEX, dtype=torch.long),
         cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
         max_seqlen=1,
         num_loss_tokens=0,
         seqlens=[1],
     )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of a DTensor (sharing storage); a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _full_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    full = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # a collective for DTensors
+    cast = dtype if full.is_floating_point() else full.dtype
+    return full.to(device=device or full.device, dtype=cast)  # one copy at most: cast and move together
 
 
 def _start_single_process_group() -> None:

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from laden.engine.fsdp.engine import FSDPEngine
+from laden.model.dtypes import torch_dtype
 from laden.optim import OptimSettings
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_fsdp_engine(
@@ -24,9 +23,11 @@ def build_fsdp_engine(
 ) -> FSDPEngine:
     """The engine for `actor.backend: fsdp:dXtYcZ` (`mode` is its parsed `AllocationMode`).
 
-    Under torchrun the process group must already be started (`init_distributed`). With
-    `actor.fsdp.memory_efficient_load` rank 0 passes the real model (or `full_state_dict`)
-    and the other ranks a model whose parameters are on the meta device.
+    One plain process (no torchrun) runs `fsdp:d1` without a process group. Under torchrun the
+    process group must already be started (`init_distributed`). With
+    `actor.fsdp.memory_efficient_load` rank 0 passes the real model (or `full_state_dict`) and
+    the other ranks a model whose parameters are on the meta device. The default objective is
+    `CrossEntropy(actor.chunked_loss, actor.loss_chunk_size)`.
     """
     actor = cfg.actor
     return FSDPEngine(
@@ -35,8 +36,8 @@ def build_fsdp_engine(
         tp=mode.tp,
         cp=mode.cp,
         device=device,
-        dtype=_DTYPES[actor.dtype],
-        optimizer_dtype=_DTYPES[actor.optimizer_dtype],
+        dtype=torch_dtype(actor.dtype),
+        optimizer_dtype=torch_dtype(actor.optimizer_dtype),
         optim=optim,
         gradient_checkpointing=actor.gradient_checkpointing,
         offload_params=actor.fsdp.offload_params,

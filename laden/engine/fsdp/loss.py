@@ -1,17 +1,24 @@
-"""The per-rank packed loss of the `fsdp` engine, as the root module FSDP wraps.
+"""The root module of the `fsdp` engine: final hidden states and the head weight, handed to an objective.
 
 FSDP2 gathers a unit's parameters in the unit's forward pre-hook, so the embedding, the
 final norm and the LM head (the root unit) are only materialised while a *root* forward
-runs. The packed loss reads the LM head weight directly (chunked cross-entropy, no logits
-module call), so the loss itself is the root: `PackedLossModule.forward` returns the summed
-token loss of this rank's part of one micro-batch.
+runs. The objective reads the LM head weight directly (chunked, no logits module call), so
+the objective runs inside the root's forward: `ObjectiveRoot.forward(batch, objective)`
+returns `objective(hidden [T, H], head_weight [V, H], batch)` for this rank's part of one
+micro-batch (a summed loss, or the per-token outputs of `TrainEngine.forward`).
 
 Per rank, depending on the mesh:
-- context parallel: the rank's contiguous slice of the padded row, the full row's
-  `cu_seqlens` (Ulysses attention gathers the sequence per head group);
-- tensor parallel: hidden states are replicated, the LM head is split on the vocabulary and
-  the loss is the vocab-parallel chunked cross-entropy;
-- otherwise: the chunked linear + cross-entropy of `laden.model.loss`.
+- context parallel: `batch` is the rank's contiguous slice of the padded row (tokens, labels,
+  fields) with the full row's `cu_seqlens` (Ulysses attention gathers the sequence per head
+  group), so the objective sees `[T/c, H]` hidden states and `[T/c]` labels and fields;
+- tensor parallel: hidden states are replicated and the LM head is split on the vocabulary.
+  `CrossEntropy` runs as the vocab-parallel chunked cross-entropy (three small all-reduces per
+  chunk, no gathered weight). Any other objective gets the full head weight
+  (`DTensor.full_tensor()`, differentiable: its backward hands each rank its rows' gradient).
+  That costs one all-gather of the `[V, H]` head per micro-batch and a full `[V, H]` copy on
+  every rank while the objective runs: fine for RL objectives next to the rollout's cost, and
+  the reason SFT keeps the vocab-parallel path;
+- otherwise: the objective as given, on the plain (gathered) head weight.
 
 Labels are already shifted per document (`PackedBatch`), which is what lets a row be cut
 anywhere for context parallelism.
@@ -19,54 +26,51 @@ anywhere for context parallelism.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from laden.data.batch import PackedBatch
 from laden.engine.fsdp.vocab_parallel import vocab_parallel_cross_entropy, vocab_shard_range
 from laden.model.attention import lm_head_weight, packed_forward_hidden
-from laden.model.loss import chunked_linear_cross_entropy, linear_cross_entropy
+from laden.model.objective import CrossEntropy
 
 
-class PackedLossModule(nn.Module):
-    """Root module: `forward(ids, pos, labels, cu_seqlens, max_seqlen)` -> summed token loss (fp32)."""
+class ObjectiveRoot(nn.Module):
+    """Root module: `forward(batch, objective)` -> `objective(hidden, head_weight, batch)`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        chunked: bool,
-        chunk_size: int,
-        tp_group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.model = model
-        self.chunked = chunked
-        self.chunk_size = chunk_size
         self.tp_group = tp_group
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        labels: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-    ) -> torch.Tensor:
-        hidden = packed_forward_hidden(self.model, input_ids, position_ids, cu_seqlens, max_seqlen)  # [T, H]
+    def forward(self, batch: PackedBatch, objective: Any) -> Any:
+        hidden = packed_forward_hidden(
+            self.model, batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen
+        )  # [T, H]
         weight = lm_head_weight(self.model)
-        if isinstance(weight, DTensor) and self.tp_group is not None:
-            tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-            start, _ = vocab_shard_range(weight.shape[0], tp_rank, tp_size)
-            return vocab_parallel_cross_entropy(
-                hidden,
-                weight.to_local(),  # [V / tp, H]
-                labels,
-                vocab_start=start,
-                group=self.tp_group,
-                chunk_size=self.chunk_size,
-            )
-        if self.chunked:
-            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)
-        return linear_cross_entropy(hidden, weight, labels)
+        if not isinstance(weight, DTensor):
+            return objective(hidden, weight, batch)
+        if isinstance(objective, CrossEntropy) and self.tp_group is not None:
+            return self._vocab_parallel_cross_entropy(hidden, weight, batch, objective)
+        return objective(hidden, weight.full_tensor(), batch)  # [V, H] on every rank: see the docstring
+
+    def _vocab_parallel_cross_entropy(
+        self, hidden: torch.Tensor, weight: DTensor, batch: PackedBatch, objective: CrossEntropy
+    ) -> torch.Tensor:
+        assert self.tp_group is not None
+        tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        start, _ = vocab_shard_range(weight.shape[0], tp_rank, tp_size)
+        # `chunked=False` asks for the full logits: one chunk of every token gives exactly that.
+        chunk_size = objective.chunk_size if objective.chunked else max(hidden.shape[0], 1)
+        return vocab_parallel_cross_entropy(
+            hidden,
+            weight.to_local(),  # [V / tp, H]
+            batch.labels,
+            vocab_start=start,
+            group=self.tp_group,
+            chunk_size=chunk_size,
+        )

@@ -17,18 +17,24 @@ heads use. Cost: four all-to-alls of the q/k/v/output activations per layer (eac
 scale as `1/c` per rank.
 
 The row is padded to a multiple of `c` with a padding document (ignored labels, its own
-`cu_seqlens` entry), so the padding never attends to or from real tokens.
+`cu_seqlens` entry), so the padding never attends to or from real tokens. Per-token fields
+(loss weights, advantages, old log-probs) are padded with 0 and sliced like the labels
+(`shard_batch`), so an objective reads them next to the rank's labels. Per-token outputs of
+a gradient-free forward come back as slices and are all-gathered into whole rows
+(`gather_row`: one all-gather of `[T]` per output and micro-batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from laden.data.batch import PackedBatch
 
 IGNORE_INDEX = -100
 
@@ -113,6 +119,7 @@ class RowShard:
     labels: torch.Tensor  # [T/c]
     cu_seqlens: torch.Tensor  # [D + 1] int32, of the whole padded row
     max_seqlen: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [T/c], sliced like labels
 
 
 def shard_packed_row(
@@ -124,14 +131,20 @@ def shard_packed_row(
     *,
     cp_rank: int,
     cp_size: int,
+    fields: dict[str, torch.Tensor] | None = None,
 ) -> RowShard:
-    """Pad the row to a multiple of `cp_size` (one padding document) and take slice `cp_rank`."""
+    """Pad the row to a multiple of `cp_size` (one padding document) and take slice `cp_rank`.
+
+    `fields` (per-token tensors laid out like `labels`) are padded with 0 and sliced the same way.
+    """
     num_tokens = input_ids.shape[0]
     num_pad = -num_tokens % cp_size
+    fields = dict(fields or {})
     if num_pad:
         input_ids = torch.cat([input_ids, input_ids.new_zeros(num_pad)])
         position_ids = torch.cat([position_ids, torch.arange(num_pad, device=position_ids.device)])
         labels = torch.cat([labels, labels.new_full((num_pad,), IGNORE_INDEX)])
+        fields = {k: torch.cat([v, v.new_zeros((num_pad, *v.shape[1:]))]) for k, v in fields.items()}
         end = cu_seqlens.new_full((1,), num_tokens + num_pad)
         cu_seqlens = torch.cat([cu_seqlens, end])
         max_seqlen = max(max_seqlen, num_pad)
@@ -143,7 +156,41 @@ def shard_packed_row(
         labels=labels[piece],
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
+        fields={k: v[piece] for k, v in fields.items()},
     )
+
+
+def shard_batch(batch: PackedBatch, *, cp_rank: int, cp_size: int) -> PackedBatch:
+    """`batch` as context-parallel rank `cp_rank` sees it: its slice of the tokens, labels and fields,
+    the full padded row's `cu_seqlens` / `max_seqlen`; `num_loss_tokens` and `seqlens` stay the
+    whole row's (they describe the micro-batch, not the slice)."""
+    shard = shard_packed_row(
+        batch.input_ids,
+        batch.position_ids,
+        batch.labels,
+        batch.cu_seqlens,
+        batch.max_seqlen,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        fields=batch.fields,
+    )
+    return replace(
+        batch,
+        input_ids=shard.input_ids,
+        position_ids=shard.position_ids,
+        labels=shard.labels,
+        cu_seqlens=shard.cu_seqlens,
+        max_seqlen=shard.max_seqlen,
+        fields=shard.fields,
+    )
+
+
+def gather_row(values: torch.Tensor, group: dist.ProcessGroup, num_tokens: int) -> torch.Tensor:
+    """The inverse of the slicing: every rank's `[T/c, ...]` slice -> the full `[T, ...]` row, padding
+    dropped (an all-gather over `group`; every rank of it gets the row)."""
+    pieces = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, values.contiguous(), group=group)
+    return torch.cat(pieces)[:num_tokens]
 
 
 ULYSSES_ATTENTION = "laden_ulysses"

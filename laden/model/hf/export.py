@@ -25,10 +25,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["export_hf", "hf_state_names"]
+__all__ = ["ShardWriter", "export_hf", "hf_state_names"]
 
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5 * 2**30
-_INDEX_NAME = "model.safetensors.index.json"
 
 
 def hf_state_names(model: torch.nn.Module) -> list[str]:
@@ -67,11 +66,15 @@ def _export_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class _ShardWriter:
-    """Safetensors shards of at most `max_bytes`, written as tensors arrive: one shard held at a time."""
+class ShardWriter:
+    """Safetensors shards of at most `max_bytes`, written as tensors arrive: one shard held at a time.
 
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out, self.max_bytes = out, max_bytes
+    `finish()` names them as transformers does (`<stem>.safetensors`, or numbered shards and an
+    index); the checkpointer writes its tensors the same way under its own stem.
+    """
+
+    def __init__(self, out: Path, max_bytes: int, *, stem: str = "model") -> None:
+        self.out, self.max_bytes, self.stem = out, max_bytes, stem
         self.files: list[tuple[str, list[str], int]] = []  # (file, names, bytes)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -87,7 +90,7 @@ class _ShardWriter:
 
         if not self.pending:
             return
-        file = f"part-{len(self.files):05d}.safetensors"
+        file = f"{self.stem}-part-{len(self.files):05d}.safetensors"
         save_file(self.pending, self.out / file, metadata={"format": "pt"})
         self.files.append((file, list(self.pending), self.pending_bytes))
         self.pending, self.pending_bytes = {}, 0
@@ -95,16 +98,23 @@ class _ShardWriter:
     def finish(self) -> None:
         """Name the shards as transformers does: `model.safetensors`, or numbered shards plus an index."""
         self.flush()
+        if not self.files:  # nothing to write: an empty file, so the reader finds one
+            from safetensors.torch import save_file
+
+            save_file({}, self.out / f"{self.stem}.safetensors", metadata={"format": "pt"})
+            return
         if len(self.files) == 1:
-            os.rename(self.out / self.files[0][0], self.out / "model.safetensors")
+            os.rename(self.out / self.files[0][0], self.out / f"{self.stem}.safetensors")
             return
         weight_map: dict[str, str] = {}
         for i, (file, names, _) in enumerate(self.files, start=1):
-            final = f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
+            final = f"{self.stem}-{i:05d}-of-{len(self.files):05d}.safetensors"
             os.rename(self.out / file, self.out / final)
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": sum(b for *_, b in self.files)}, "weight_map": weight_map}
-        (self.out / _INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (self.out / f"{self.stem}.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        )
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -162,7 +172,7 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        shards = _ShardWriter(tmp, max_shard_size_bytes)
+        shards = ShardWriter(tmp, max_shard_size_bytes)
         for name, t in weights:
             shards.add(name, _export_tensor(t, dtype))
         shards.finish()

@@ -1,0 +1,282 @@
+"""The runtime every trainer stands on: processes, the model, the engine, data parallelism, OOM retry.
+
+A trainer (`laden sft`, `laden rl`) is a loop over steps; everything around the loop that does
+not depend on what a step computes lives here, once:
+
+- `start_runtime`: join torchrun's process group when launched by it (NCCL + gloo on GPUs,
+  gloo on CPUs), else one plain process; `Runtime` knows the rank, the device, and runs a
+  piece of work on rank 0 with its outcome (an error included) shared with every rank;
+- `load_model`: per-rank loading (`actor.fsdp.memory_efficient_load`: rank 0 reads the
+  weights, the others build a meta skeleton), the model patches (`laden.model.patches`) for
+  the engine that will run it, and the model's head rules;
+- `build_engine`: the engine `actor.backend` names, with the same optimizer settings,
+  objective and patches whatever the engine;
+- `shard_for_rank` / `loss_tokens`: each data-parallel rank's token-balanced share of a global
+  batch, and the global normaliser every rank computes from host data;
+- `OOMRetry`: a training step that runs out of memory is re-split into smaller micro-batches
+  and retried with the same samples (`oom_policy: auto`), so no sample is dropped and the
+  retried step equals one that used the smaller budget from the start. Under torchrun the
+  ranks agree before the step's collectives: every rank packs and places its micro-batches,
+  then all ranks exchange whether that worked (one all-reduce on a gloo group), and all retry
+  together. An out-of-memory error inside an engine's collective part of the step cannot be
+  retried in the process (the other ranks wait inside a collective that the failed rank will
+  not join again): it is reported with the knob changes on the failing rank, that process
+  exits, torchrun stops the others, and a rerun resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from laden.config import AllocationMode, ConfigError, LadenConfig, validate_against_model
+from laden.engine.device import default_device
+from laden.engine.factory import launched_world_size
+from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
+
+log = logging.getLogger("laden.runtime")
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True, slots=True)
+class Runtime:
+    """Where this process runs: its rank under torchrun (0 of 1 otherwise) and its device."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    device: torch.device
+    """This process's device."""
+    host_group: Any = field(default=None)
+    """A gloo group over every rank for host-side agreement (None in one process)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier(group=self.host_group)
+
+    def on_main(self, fn: Callable[[], T]) -> T | None:
+        """Run `fn` on rank 0; an error it raises is raised on every rank (same type and message)."""
+        error: BaseException | None = None
+        result = None
+        if self.is_main:
+            try:
+                result = fn()
+            except (ValueError, OSError, RuntimeError) as exc:
+                error = exc
+        if self.world_size > 1:
+            box = [None if error is None else (type(error).__name__, str(error))]
+            torch.distributed.broadcast_object_list(box, src=0, group=self.host_group)
+            if box[0] is not None and error is None:
+                name, message = box[0]
+                error = RuntimeError(message) if name == "RuntimeError" else ValueError(message)
+        if error is not None:
+            raise error
+        return result
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (one all-reduce on the host group; every rank calls it)."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.host_group)
+        return bool(value.item())  # a host tensor: no device sync
+
+
+def start_runtime() -> Runtime:
+    """Join torchrun's process group when launched by it; otherwise a single process."""
+    if launched_world_size() == 1:
+        return Runtime(rank=0, world_size=1, device=default_device())
+    from laden.engine.fsdp.launch import init_distributed
+
+    rank, world_size, _, device = init_distributed()
+    host_group = torch.distributed.new_group(backend="gloo")
+    return Runtime(rank=rank, world_size=world_size, device=device, host_group=host_group)
+
+
+def check_world_size(cfg: LadenConfig, rt: Runtime, job: str) -> None:
+    """`actor.backend` names one process per data/tensor/context rank: the launch must match it."""
+    num_procs = AllocationMode.parse(cfg.actor.backend).num_gpus
+    if num_procs != rt.world_size:
+        fix = (
+            f"torchrun --nproc_per_node {num_procs} -m laden.cli {job} ..."
+            if num_procs > 1
+            else f"plain `laden {job}`"
+        )
+        raise ValueError(
+            f"actor.backend={cfg.actor.backend!r} needs {num_procs} process(es) but {rt.world_size} were "
+            f"launched; start it with {fix}, or change actor.backend to match the launch"
+        )
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def engine_kind(cfg: LadenConfig) -> str:
+    """`fsdp` or `roundpipe`: the engine `actor.backend` runs."""
+    return AllocationMode.parse(cfg.actor.backend).backend
+
+
+def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
+    """The model this rank hands its engine, patched for that engine (a meta skeleton on ranks > 0
+    with `actor.fsdp.memory_efficient_load`)."""
+    from laden.model.dtypes import torch_dtype
+
+    dtype = torch_dtype(cfg.actor.optimizer_dtype)
+    kwargs: dict[str, Any] = dict(dtype=dtype, init_from_config=cfg.actor.init_from_config, seed=cfg.seed,
+                                  attn_impl=cfg.actor.attn_impl)  # fmt: skip
+    if rt.world_size > 1 and engine_kind(cfg) == "fsdp":
+        from laden.engine.fsdp.load import load_model_for_rank
+
+        model = load_model_for_rank(
+            cfg.actor.path, memory_efficient_load=cfg.actor.fsdp.memory_efficient_load, **kwargs
+        )
+    else:
+        from laden.model.hf.loading import load_causal_lm
+
+        model = load_causal_lm(cfg.actor.path, **kwargs)
+    check_model(cfg, model)
+    patch_model(cfg, model)
+    return model
+
+
+def check_model(cfg: LadenConfig, model: nn.Module) -> None:
+    """The model's head rules for `actor.backend` (checked at config load too, from config.json; here
+    again for models that have none, GGUF files). The rollout engine checks its own when it starts."""
+    mc: Any = model.config
+    num_heads = int(mc.num_attention_heads)
+    num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or num_heads)
+    errors = validate_against_model(
+        cfg, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, rollout=False
+    )
+    if errors:
+        raise ConfigError(errors)
+
+
+def patch_model(cfg: LadenConfig, model: nn.Module) -> None:
+    """`actor.lean_activations`, `actor.fused_elementwise` and `actor.tiled_mlp_tokens` on this model,
+    before an engine wraps it, logged as they apply to the engine that will run it."""
+    from laden.model.patches.apply import apply_patches, resolve_fused_elementwise
+
+    actor = cfg.actor
+    report = apply_patches(
+        model,
+        lean_activations=actor.lean_activations,
+        fused_elementwise=resolve_fused_elementwise(actor.fused_elementwise, actor.lean_activations),
+        tiled_mlp_tokens=actor.tiled_mlp_tokens,
+        tensor_parallel=AllocationMode.parse(actor.backend).tp > 1,
+    )
+    for line in report.describe(engine_kind(cfg)):
+        log.info("%s", line)
+
+
+def build_engine(cfg: LadenConfig, model: nn.Module, rt: Runtime, *, total_steps: int) -> Any:
+    """The engine `actor.backend` names (`laden.engine.factory`)."""
+    from laden.engine.factory import build_engine as build
+
+    return build(cfg, model, total_steps=total_steps, device=rt.device)
+
+
+# ------------------------------------------------------------------------- data parallel
+
+
+def loss_tokens(samples: Sequence[tuple[Sequence[int], Sequence[int]]], indices: Sequence[int]) -> int:
+    """Tokens that carry a loss (a label) in these samples: the global normaliser of a step."""
+    return sum(sum(samples[i][1][1:]) for i in indices)
+
+
+def shard_for_rank(samples: Sequence[tuple[Sequence[int], Any]], indices: Sequence[int], dp_rank: int,
+                   dp_size: int) -> list[int]:  # fmt: skip
+    """This data-parallel rank's share of a global batch, balanced by tokens (longest first, to the lightest rank)."""
+    if dp_size == 1:
+        return list(indices)
+    loads = [0] * dp_size
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(indices, key=lambda i: (-len(samples[i][0]), i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        loads[r] += len(samples[i][0])
+        shares[r].append(i)
+    return sorted(shares[dp_rank])
+
+
+# ------------------------------------------------------------------------------ OOM retry
+
+
+@dataclass(kw_only=True, slots=True)
+class OOMRetry:
+    """Runs one step's preparation and work, re-splitting on out-of-memory (see the module docstring).
+
+    `prepare(tokens_per_mb)` packs and places this rank's micro-batches (no collectives);
+    `run(prepared)` is the engine's part of the step. Under `oom_policy: raise`, or once the
+    budget cannot shrink (the longest sequence alone), the error is raised with the knob changes.
+    """
+
+    cfg: LadenConfig
+    """The run's config (`oom_policy`, and the knobs the advice names)."""
+    rt: Runtime
+    """This process; under torchrun the ranks agree on every retry."""
+
+    def __call__(
+        self,
+        prepare: Callable[[int], T],
+        run: Callable[[T], Any],
+        *,
+        step: int,
+        tokens_per_mb: int,
+        longest: int,
+    ) -> tuple[Any, T]:
+        while True:
+            failure: BaseException | None = None
+            prepared: T | None = None
+            try:
+                prepared = prepare(tokens_per_mb)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failure = exc
+            if self.rt.any_rank(failure is not None):  # every rank: the ranks retry together or not at all
+                prepared = None
+                release_cached_memory()
+                tokens_per_mb = self._smaller(tokens_per_mb, longest, step, failure)
+                continue
+            assert prepared is not None
+            try:
+                return run(prepared), prepared
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                prepared = None
+                release_cached_memory()
+                if self.rt.world_size > 1:  # the other ranks are inside the step's collectives
+                    raise self._error(step, tokens_per_mb, longest, exc, in_collectives=True) from exc
+                tokens_per_mb = self._smaller(tokens_per_mb, longest, step, exc)
+
+    def _smaller(self, tokens_per_mb: int, longest: int, step: int, exc: BaseException | None) -> int:
+        """The halved budget for the retry, or the error when there is none."""
+        if self.cfg.oom_policy != "auto" or tokens_per_mb <= longest:
+            if exc is None:  # another rank failed; it raises the full report
+                raise RuntimeError(
+                    f"training step {step}: another rank ran out of memory and cannot retry (oom_policy="
+                    f"{self.cfg.oom_policy}, {tokens_per_mb} tokens per micro-batch); see that rank's error"
+                )
+            raise self._error(step, tokens_per_mb, longest, exc) from exc
+        smaller = max(longest, tokens_per_mb // 2)
+        who = "" if exc is not None else " (on another rank)"
+        log.warning(
+            "step %d ran out of memory%s; retrying with %d tokens per micro-batch", step, who, smaller
+        )
+        return smaller
+
+    def _error(self, step: int, tokens_per_mb: int, longest: int, exc: BaseException, *,
+               in_collectives: bool = False) -> TrainingOOMError:  # fmt: skip
+        return TrainingOOMError(self.cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc,
+                                in_collectives=in_collectives)  # fmt: skip
