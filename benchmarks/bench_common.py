@@ -1,15 +1,28 @@
-"""What every benchmark script records the same way: the model shapes it names and the commit it ran.
+"""What every benchmark script records the same way: the model shapes it names, the commit it
+ran, and the model and hardware FLOP utilisation of a run.
 
 Standard library only: `roundpipe_ref.py` imports it in a process that must not load laden or
 transformers 5.
+
+FLOP counts (BENCHMARKS.md): MFU counts 6 N per token (N = parameters, tied embeddings once)
+plus, in `mfu_attn`, causal attention (forward 2 S q per token and layer: QK^T and PV over on
+average S/2 earlier tokens, 2 FLOPs per multiply-add; backward twice that). HFU adds the forward
+recomputed in backward, layer by layer from the plan that ran: 2 x the layer's parameters
+(and 2 S q of attention for a decoder layer) for each recomputed layer. The embedding lookup
+costs no FLOPs, the head its matmul, so a run that recomputes every decoder layer (Hugging
+Face gradient checkpointing) lands a little below 8 N; `hfu_8n` keeps the old count, 8 N for
+every run, for comparison with earlier results.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+PEAK_FLOPS = 989e12  # H200 dense bf16
 
 # Qwen3 shapes, random init (BENCHMARKS.md's reference workloads).
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {
@@ -38,3 +51,78 @@ def git_commit() -> str:
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def layer_forward_params(model: Any) -> list[int]:
+    """Per pipeline layer of a Hugging Face causal LM, the parameters its forward multiplies each
+    token by (2 FLOPs each): [embedding (a lookup: 0), decoder layers..., final norm + head].
+
+    The head counts its weight even when it is tied to the embedding: the lookup costs nothing,
+    the head's matmul does. Works on meta-device models (only sizes are read).
+    """
+    inner = model.model
+    decoders = [sum(p.numel() for p in layer.parameters()) for layer in inner.layers]
+    return [0, *decoders, model.lm_head.weight.numel() + inner.norm.weight.numel()]
+
+
+def recomputed_layers(
+    bwd_plan: Sequence[Sequence[int]], *, fused_stage_recomputes: bool = False
+) -> list[int]:
+    """Pipeline layers whose forward runs again in backward under a fused plan: every backward
+    stage after the first; the first (fused: forward, loss and backward in one residency) only
+    when it recomputes too (laden's engine with `recompute_grain="layer"`)."""
+    stages = bwd_plan if fused_stage_recomputes else bwd_plan[1:]
+    return sorted(i for stage in stages for i in stage)
+
+
+def attention_forward_flops(config: Any, seq_len: int) -> float:
+    """Causal attention forward FLOPs per token and decoder layer: 2 S q (q = heads x head_dim)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2.0 * seq_len * heads * head_dim
+
+
+def utilisation(
+    *,
+    tokens_per_s: float,
+    num_params: int,
+    layer_params: Sequence[int],
+    recomputed: Sequence[Sequence[int]] | None,
+    attn_fwd_flops: float,
+) -> dict[str, Any]:
+    """MFU and HFU fields of a result (see the module docstring).
+
+    `layer_params`: `layer_forward_params(model)`; `recomputed`: the recomputed pipeline layers
+    of each timed step (plans may change between steps: their mean counts), None if unknown
+    (then HFU is None); `attn_fwd_flops`: `attention_forward_flops(config, seq_len)`.
+    """
+    num_decoders = len(layer_params) - 2
+    model_flops = 6.0 * num_params
+    model_attn = 3.0 * attn_fwd_flops * num_decoders
+    out: dict[str, Any] = {
+        "mfu": round(model_flops * tokens_per_s / PEAK_FLOPS, 4),
+        "mfu_attn": round((model_flops + model_attn) * tokens_per_s / PEAK_FLOPS, 4),
+        "hfu_8n": round(8.0 * num_params * tokens_per_s / PEAK_FLOPS, 4),
+        "hfu": None,
+        "hfu_attn": None,
+        "recomputed_layers": None,
+        "recomputed_params": None,
+    }
+    if recomputed is None or not recomputed:
+        return out
+    for layers in recomputed:
+        bad = [i for i in layers if not 0 <= i < len(layer_params)]
+        if bad:
+            raise ValueError(f"recomputed layers {bad} are outside the {len(layer_params)} pipeline layers")
+    steps = len(recomputed)
+    extra_params = sum(sum(layer_params[i] for i in layers) for layers in recomputed) / steps
+    extra_decoders = sum(sum(1 for i in layers if 1 <= i <= num_decoders) for layers in recomputed) / steps
+    hw_flops = model_flops + 2.0 * extra_params
+    hw_attn = model_attn + attn_fwd_flops * extra_decoders
+    out.update(
+        hfu=round(hw_flops * tokens_per_s / PEAK_FLOPS, 4),
+        hfu_attn=round((hw_flops + hw_attn) * tokens_per_s / PEAK_FLOPS, 4),
+        recomputed_layers=round(sum(len(layers) for layers in recomputed) / steps, 2),
+        recomputed_params=round(extra_params),
+    )
+    return out

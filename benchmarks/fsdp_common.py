@@ -88,7 +88,7 @@ def benchmark_engine(model_dir: Path, *, world_size: int, device: torch.device, 
     masters, gradient checkpointing; `options` are the `actor.fsdp.*` knobs under test."""
     from laden.engine.fsdp import FSDPEngine
     from laden.engine.fsdp.load import load_model_for_rank
-    from laden.engine.local import OptimSettings
+    from laden.optim import OptimSettings
 
     model = load_model_for_rank(
         str(model_dir), dtype=torch.float32, memory_efficient_load=options.get("memory_efficient_load", False)

@@ -65,7 +65,7 @@ def run_variant(name: str, args, model_dir: Path, world_size: int, device: torch
     total = sum(mb.num_loss_tokens for mb in mbs) * world_size
     times, step_peaks = [], []
     for _ in range(args.steps + 1):
-        engine.forward_backward(mbs, global_num_loss_tokens=total)
+        engine.forward_backward(mbs, engine.objective, normalizer=float(total))
         sync(device)  # deliberate: time the optimizer step alone
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":

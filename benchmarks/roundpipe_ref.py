@@ -1,8 +1,9 @@
 """RoundPipe 0.1.1 (PyPI) on the reference workload: the outside baseline for laden's roundpipe engine.
 
 Prints ONE JSON object with the keys of `train_throughput.py` (name, model, shape, tokens_per_s,
-mfu = 6N, hfu = 8N, GPU and host peaks, device, versions, valid/problems) plus `roundpipe`, and on
-failure `error` and `error_kind` (gpu_oom, host_oom, timeout, terminated, no_gpu, bad_env, error).
+mfu = 6N, hfu with the recompute of the plans that ran, hfu_8n, GPU and host peaks, device,
+versions, valid/problems) plus `roundpipe`, and on failure `error` and `error_kind` (gpu_oom,
+host_oom, timeout, terminated, no_gpu, bad_env, error).
 
 RoundPipe 0.1.1 runs only under transformers 4.x, so this script runs in an interpreter whose
 `PYTHONPATH` points at the RoundPipe wheels (roundpipe, beartype, transformers 4.57.1,
@@ -17,8 +18,16 @@ decay, a C++ kernel compiled at first use; set TORCH_EXTENSIONS_DIR to share the
 chunked loss (`return_logits=False`), the one-step-stale async step, no gradient clipping,
 torch.compile on (`--no-compile` sets RPP_DISABLE_TORCH_COMPILE=1). Each step re-runs RoundPipe's
 own planner, as it does itself, but with the model memory limit it would compute on a card of
-`--gpu-mem-cap-gib` (0.6 x its memory) instead of the whole H200's; `--model-memory-limit 0` keeps
-its own default. Sequences are not packed: `--num-seqs` rows of `--seq-len` tokens, split into
+`--gpu-mem-cap-gib` (0.6 x its memory: 14.4 GB under the 24 GiB cap) instead of the whole H200's;
+`--model-memory-limit-gib 22` gives it laden's budget (the cap less 2 GiB), and
+`--model-memory-limit 0` keeps RoundPipe's own default (0.6 x the free memory of the whole GPU when
+it was imported). RoundPipe counts a layer's bytes in GB (10^9) against that limit, while laden's
+limit is GiB: `--model-memory-limit-gib X` hands it X x 2^30 / 10^9, so both plan against the same
+bytes (`--model-memory-limit` takes RoundPipe's own number as is). HFU counts the layers each timed
+step's plan recomputed: RoundPipe's fused stage (`bwd_plan[0]`) runs forward and backward in one
+residency, every other backward stage recomputes its forward.
+
+Sequences are not packed: `--num-seqs` rows of `--seq-len` tokens, split into
 `--num-microbatch` micro-batches, causal SDPA attention (an all-ones attention mask is passed, as
 RoundPipe's benchmark does: without one, transformers 4.57 materialises a dense T x T mask).
 
@@ -46,10 +55,16 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, shapes  # noqa: E402
+from bench_common import (  # noqa: E402
+    attention_forward_flops,
+    git_commit,
+    layer_forward_params,
+    recomputed_layers,
+    shapes,
+    utilisation,
+)
 
 NAME = "train_throughput/roundpipe"
-PEAK_FLOPS = 989e12
 GIB = 1 << 30
 SHAPES = shapes(  # `tiny` is a CPU smoke shape
     "qwen3-1.7b", "qwen3-8b",
@@ -77,8 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gpu-mem-cap-gib", type=float, default=24.0)
-    p.add_argument("--model-memory-limit", type=float, default=None,
-                   help="GB for RoundPipe's planner; default 0.6 x the cap, 0 = RoundPipe's own default")  # fmt: skip
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--model-memory-limit", type=float, default=None,
+                        help="RoundPipe's planner limit as it takes it (it counts layer bytes in GB); default "
+                             "0.6 x the cap, 0 = RoundPipe's own default")  # fmt: skip
+    budget.add_argument("--model-memory-limit-gib", type=float, default=None,
+                        help="the same bytes as laden's model_memory_limit of this many GiB")  # fmt: skip
     p.add_argument("--pin-model", choices=["alloc", "register", "off"], default="alloc")
     p.add_argument("--optim-step", choices=["async", "sync"], default="async")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -101,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def memory_limit_gb(args: argparse.Namespace) -> float | None:
-    """The model memory limit handed to RoundPipe's planner (None: its own default)."""
+    """The model memory limit handed to RoundPipe's planner, in its units (None: its own default)."""
+    if getattr(args, "model_memory_limit_gib", None) is not None:
+        return round(args.model_memory_limit_gib * (1 << 30) / 1e9, 3)
     if args.model_memory_limit is None:
         return round(0.6 * args.gpu_mem_cap_gib, 3)
     return args.model_memory_limit or None
@@ -113,8 +134,14 @@ def shape(args: argparse.Namespace) -> dict:
         "recompute_grain": args.recompute_grain, "optim_step": args.optim_step, "pin_model": args.pin_model,
         "optimizer": "roundpipe.optim.Adam", "optimizer_dtype": "float32", "attn": "sdpa",
         "loss_chunk_size": 4096, "clip": 0.0, "torch_compile": not args.no_compile,
-        "model_memory_limit_gb": memory_limit_gb(args),
+        "model_memory_limit_gb": memory_limit_gb(args), "model_memory_limit_gib": args.model_memory_limit_gib,
     }  # fmt: skip
+
+
+def run_facts(args: argparse.Namespace) -> dict:
+    """What every result records about how it ran (also a failed run's)."""
+    step = "async (one-step-stale)" if args.optim_step == "async" else "sync"
+    return {"mode": f"{step} step, no clip", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 def versions() -> dict:
@@ -130,7 +157,7 @@ def versions() -> dict:
 
 def error_result(args: argparse.Namespace, progress: dict, kind: str, message: str) -> dict:
     """The JSON object of a failed run: what was known when it failed, the error and its kind."""
-    result = {"name": NAME, "model": args.model, "shape": shape(args), **versions(), "device": None,
+    result = {"name": NAME, "model": args.model, "shape": shape(args), **run_facts(args), **versions(), "device": None,
               "gpu_mem_cap_gib": args.gpu_mem_cap_gib, "git_commit": git_commit(), **progress}  # fmt: skip
     result.update(valid=False, problems=[f"{kind}: {message}"], error=message, error_kind=kind,
                   tokens_per_s=None, mfu=None, hfu=None)  # fmt: skip
@@ -221,11 +248,14 @@ def train_step(args: argparse.Namespace, rp, optim, input_ids):
     import torch
     from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
-    plan = None
     limit = memory_limit_gb(args)
-    if limit is not None:  # RoundPipe's planner on fresh timings, as it runs itself, with the card's limit
-        rp.model_timer.update_times()
+    # RoundPipe's planner on fresh timings, as it runs itself (`forward_backward` without a plan does
+    # this), with the card's limit or its own default: either way the plan that runs is known here.
+    rp.model_timer.update_times()
+    if limit is not None:
         plan = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit)
+    else:
+        plan = ModelExecutePlan.auto("fused", rp)
     cfg = RoundPipeRunConfig(num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain,
                              execute_plan=plan)  # fmt: skip
     # An explicit all-ones mask: with none, transformers 4.57 sees position_ids, checks for packed
@@ -255,13 +285,16 @@ def measure(args: argparse.Namespace, progress: dict) -> dict:
     where = check_packages()
     model = build_model(args, device)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    layer_params = layer_forward_params(
+        model
+    )  # RoundPipe's sequential preset: prefix, decoder layers, postfix
     note(progress, num_params=num_params)
     if device is None:
         raise RunError("no_gpu", f"RoundPipe needs a CUDA GPU (it reads the free GPU memory when imported; "
                        f"found {where}); the {args.model} model was built under transformers 4.x")  # fmt: skip
     rp, optim = wrap(args, model)
     gen = torch.Generator().manual_seed(args.seed)
-    losses, plan, start = [], None, time.perf_counter()
+    losses, plans, start = [], [], time.perf_counter()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             finish()
@@ -269,16 +302,21 @@ def measure(args: argparse.Namespace, progress: dict) -> dict:
             start = time.perf_counter()
         ids = torch.randint(0, model.config.vocab_size, (args.num_seqs, args.seq_len), generator=gen)
         loss, plan = train_step(args, rp, optim, ids)
+        plans.append(plan)
         losses.append(float(loss))  # host tensor, already waited for by forward_backward
         note(progress, steps_done=step + 1, losses=losses)
     finish()
     seconds = time.perf_counter() - start
     tok_s = args.steps * args.num_seqs * args.seq_len / seconds
     pinned = all(p.is_pinned() for p in model.parameters())
+    timed = plans[args.warmup :]
+    recomputed = [recomputed_layers(p.bwd_plan) for p in timed]
     return {
-        "name": NAME, "model": args.model, "shape": shape(args), "plan": repr(plan),
+        "name": NAME, "model": args.model, "shape": shape(args), **run_facts(args), "plan": repr(plans[-1]),
+        "plans_timed": sorted({repr(p) for p in timed}), "fused_layers": len(plans[-1].bwd_plan[0]),
         "tokens_per_s": round(tok_s, 1), "step_s": round(seconds / args.steps, 4), "num_params": num_params,
-        "mfu": round(6 * num_params * tok_s / PEAK_FLOPS, 4), "hfu": round(8 * num_params * tok_s / PEAK_FLOPS, 4),
+        **utilisation(tokens_per_s=tok_s, num_params=num_params, layer_params=layer_params, recomputed=recomputed,
+                      attn_fwd_flops=attention_forward_flops(model.config, args.seq_len)),
         "last_loss": losses[-1], "losses": losses, "grad_norms": [], "uploads_pinned": pinned,
         **problems(losses, pinned, args.pin_model), **memory_peaks(), "git_commit": git_commit(),
         "device": progress["device"], "gpu_mem_cap_gib": args.gpu_mem_cap_gib, **versions(),

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # laden's roundpipe engine vs RoundPipe 0.1.1 (PyPI) vs plain PyTorch on one H200, in ONE device command
+# (plain: stock Hugging Face, `train_throughput.py --system plain`; laden's former LocalEngine before issue 5;
+# the fair comparison of issue 5, same allocator and planner budget for both, is run_core_h200.sh)
 # (the run carries .rp/, the RoundPipe wheels; see benchmarks/roundpipe_ref.py):
 #   bash benchmarks/run_roundpipe_h200.sh "$OUT"
 # Writes to OUTDIR: results.jsonl (one JSON line per run: train_throughput's keys plus run, cmd, rc,
@@ -64,80 +66,8 @@ rp=("${rp_env[@]}" python3 benchmarks/roundpipe_ref.py --optim-step async)
 ref=(--model "$m17" --seq-len "$ref_seq" --num-seqs 16 --num-microbatch 4 --recompute-grain stage --steps 5 --warmup 1)
 sweep=(--model "$m17" --num-seqs 1 --num-microbatch 1 --recompute-grain layer --steps 1 --warmup 1)
 
-# record NAME RC LIMIT_S WALL_S LOG CMD...: append one JSON line to $results (the run's own result, or an
-# error line built from its output); print a summary; status 0 iff the result is valid.
-record() {
-  python3 - "$@" >>"$results" <<'PY'
-import json, sys
-name, rc, limit_s, wall_s, log, *cmd = sys.argv[1:]
-def read(path):
-    try:
-        return open(path, errors="replace").read()
-    except OSError:
-        return ""
-out, err = read(log + ".out"), read(log + ".err")
-result = None
-for line in out.splitlines():
-    if line.startswith("{"):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "valid" in obj:
-            result = obj
-timed_out = rc == "124" or (rc == "137" and int(wall_s) >= int(limit_s))
-if rc == "skipped":
-    kind, message = "skipped", f"not run: {limit_s} s left before the deadline"
-elif timed_out:
-    kind, message = "timeout", f"no result within {limit_s} s"
-else:
-    low = (out + err).lower()
-    if "out of memory" in low or "out of gpu memory" in low or "outofmemoryerror" in low:
-        kind = "gpu_oom"
-    elif rc == "137" or "memoryerror" in low or "cannot allocate memory" in low or "out of host memory" in low:
-        kind = "host_oom"  # SIGKILL without a timeout: the kernel's OOM killer
-    else:
-        kind = "error"
-    tail = [ln.strip() for ln in (err + out).splitlines() if ln.strip()][-3:]
-    message = f"exit status {rc}: " + " | ".join(tail)
-if result is None:
-    result = {"valid": False, "error": message[:2000], "error_kind": kind, "tokens_per_s": None}
-elif not result.get("valid") and (timed_out or "error_kind" not in result):
-    result.update(error_kind=kind, error=result.get("error") or message[:2000])
-result.update(run=name, cmd=" ".join(cmd), rc=None if rc == "skipped" else int(rc),
-              wall_s=int(wall_s), limit_s=int(limit_s))
-print(json.dumps(result), flush=True)
-if result["valid"]:
-    peaks = f"gpu {result.get('peak_gpu_allocated_gib')}/{result.get('peak_gpu_reserved_gib')} GiB host {result.get('peak_host_gib')} GiB"
-    speed = (f"upload {result['upload_gb_s']} GB/s build {result.get('build_s')} s" if "upload_gb_s" in result
-             else f"{result.get('tokens_per_s')} tok/s mfu {result.get('mfu')} hfu {result.get('hfu')}")
-    summary = f"{speed} {peaks}"
-else:
-    summary = f"INVALID {result.get('error_kind')}: {str(result.get('error') or result.get('problems'))[:300]}"
-print(f"[{name}] rc={rc} {wall_s}s/{limit_s}s {summary}", file=sys.stderr)
-sys.exit(0 if result["valid"] else 1)
-PY
-}
-
-# run NAME NOMINAL_S CMD...: one run under its own timeout, cut to the time left before the deadline.
-run() {
-  local name=$1 limit=$2 log=$logs/$1 t0 rc
-  shift 2
-  local left=$((deadline_s - SECONDS))
-  ((limit > left)) && limit=$left
-  : >"$log.out"
-  : >"$log.err"
-  if ((limit < min_run_s)); then
-    record "$name" skipped "$((limit < 0 ? 0 : limit))" 0 "$log" "$@"
-    return
-  fi
-  echo "== $name (t=${SECONDS}s, limit ${limit}s): $*" >&2
-  t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$log.out" 2>"$log.err"
-  rc=$?
-  { echo "== $name rc=$rc $((SECONDS - t0))s: $*"; tail -n 30 "$log.err"; tail -n 5 "$log.out"; } >>"$out/runs.log"
-  record "$name" "$rc" "$limit" "$((SECONDS - t0))" "$log" "$@"
-}
+# record and run (benchmarks/bench_lib.sh): one run under its own timeout cut to the deadline, one JSON line.
+source benchmarks/bench_lib.sh
 
 # (a) RoundPipe's wheels into their own directory; its Adam kernel compiles while the GPU tests run.
 timeout 40 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -2,23 +2,37 @@
 
 One JSON object per result on stdout. Systems:
 - `laden`: `RoundPipeEngine` (CPU-resident model, stages streamed through the GPU), under
-  `--gpu-mem-cap-gib` (default 24, as if on a 24 GB card);
-- `plain`: laden's `LocalEngine` (model resident on the GPU, fp32 master + bf16 autocast,
-  per-layer gradient checkpointing, fused AdamW), not capped unless `--cap-plain`.
+  `--gpu-mem-cap-gib` (default 24, as if on a 24 GB card); `--optim-step sync` with `--clip 1`
+  is the `laden sft` default (exact synchronous step with clipping), `--optim-step async --clip
+  0` the one-step-stale step without clipping;
+- `fsdp`: `actor.backend: fsdp:d1` in one process, built the way `laden sft` builds it: a
+  `LadenConfig`, the runtime's model patches (lean activations, fused elementwise kernels) and
+  `laden.engine.factory.build_engine`; the model resident on the uncapped GPU, fp32 masters +
+  bf16 autocast, the exact synchronous step with clipping (the only step it has);
+  `--gradient-checkpointing` per decoder layer (off by default, as in `laden sft`);
+- `plain`: plain PyTorch as BENCHMARKS.md defines it (`plain_hf.py`): stock Hugging Face
+  transformers, no laden code, fp32 masters + bf16 autocast, `torch.optim.AdamW(fused=True)`,
+  unpacked rows of `--seq-len` tokens, causal SDPA, on the uncapped GPU;
+  `--gradient-checkpointing` is Hugging Face's own (off by default). (Up to RESULTS' seventh
+  round `plain` was laden's former `LocalEngine` with checkpointing forced on.)
 
-Both train on the same random packed micro-batches: `--num-seqs` sequences of `--seq-len`
-tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per row.
-MFU = 6 N tokens/s / 989e12 and HFU = 8 N tokens/s / 989e12 (H200 dense bf16 peak, N =
-parameters, embeddings included, tied ones once). `mfu_attn` and `hfu_attn` add causal
-attention as BENCHMARKS.md defines MFU: per token and layer 6 S q (forward 2 S q: QK^T and
-PV over on average S/2 earlier tokens, 2 FLOPs per multiply-add; backward twice that), 8 S q
-with the recomputed forward, for sequences of S tokens and q = heads x head_dim. HFU assumes
-every layer is recomputed; laden's fused stage is not (`fused_layers` of the pipeline's layers:
-all of them when the model fits the limit whole, and then HFU = MFU).
+The resident systems (`fsdp`, `plain`) are not capped unless `--cap-plain`. `laden` and
+`fsdp` train on the same random packed micro-batches: `--num-seqs` sequences of `--seq-len`
+tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per row; `plain`
+on the same tokens as `--num-microbatch` batches of unpacked rows.
+MFU = 6 N tokens/s / 989e12 (H200 dense bf16 peak, N = parameters, embeddings included, tied
+ones once); `mfu_attn` adds causal attention as BENCHMARKS.md defines MFU. HFU counts the
+forward recomputed in backward by the plan that ran (bench_common.utilisation): laden's
+roundpipe engine recomputes the layers of every backward stage but the fused one (`fused_layers`
+of the pipeline's layers skip it: all of them when the model fits the limit whole, and then
+HFU = MFU); gradient checkpointing recomputes every decoder layer; `hfu_8n` is the former count
+(8 N for every run).
 
 A result is only valid if every step's loss and gradient norm are finite (and, for laden on
-a GPU with `--pin-model alloc|register`, the upload copies are page-locked): otherwise the
-JSON is still printed, with `"valid": false` and the reason, and the script exits non-zero.
+a GPU with `--pin-model alloc|register`, the upload copies are page-locked; for `plain`, no
+laden module was imported): otherwise the JSON is still printed, with `"valid": false` and the
+reason, and the script exits non-zero. A GPU out-of-memory error is caught and printed the same
+way, with `"error_kind": "gpu_oom"` (gradient checkpointing off may not fit).
 
 Host memory (laden): before anything is allocated the script prints one JSON line
 `{"predicted_host_gib": ...}` (model state by kind, exact; parked activations, estimated;
@@ -30,6 +44,8 @@ the engine's host store (`--build`), so building never holds a second copy of th
 
     python benchmarks/train_throughput.py --system laden --model qwen3-1.7b --steps 6 --warmup 2
     python benchmarks/train_throughput.py --system laden --model qwen3-8b --optimizer adam_bf16 --optim-step sync
+    python benchmarks/train_throughput.py --system fsdp --model qwen3-1.7b --gradient-checkpointing
+    python benchmarks/train_throughput.py --system plain --model qwen3-1.7b --no-gradient-checkpointing
     python benchmarks/train_throughput.py --system laden --model tiny --steps 2   # CPU smoke run
 """
 
@@ -40,6 +56,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,25 +66,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
-from bench_common import git_commit, shapes  # noqa: E402
+from bench_common import (  # noqa: E402
+    attention_forward_flops,
+    git_commit,
+    layer_forward_params,
+    recomputed_layers,
+    shapes,
+    utilisation,
+)
 
-PEAK_FLOPS = 989e12
 GIB = 1 << 30
 HEADROOM_GIB = 2.0  # GPU memory the default plan leaves to CUDA workspaces and allocator slack
 SHAPES = shapes("qwen3-1.7b", "qwen3-8b")  # random init
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+SYSTEMS = ("laden", "fsdp", "plain")
+RESIDENT = ("fsdp", "plain")  # the model on the GPU, not capped unless --cap-plain
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--system", choices=["laden", "plain"], default="laden")
+    p.add_argument("--system", choices=SYSTEMS, default="laden")
     p.add_argument("--model", choices=[*SHAPES, "tiny"], default="qwen3-1.7b")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--num-seqs", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gpu-mem-cap-gib", type=float, default=24.0)
-    p.add_argument("--cap-plain", action="store_true", help="apply the GPU cap to the plain system too")
+    p.add_argument("--cap-plain", action="store_true",
+                   help="apply the GPU cap to the resident systems (fsdp, plain) too")  # fmt: skip
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsdp, plain: recompute every decoder layer in backward (fsdp: "
+                        "actor.gradient_checkpointing; plain: Hugging Face's; default off; laden: its plan "
+                        "decides)")  # fmt: skip
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
     p.add_argument("--model-memory-limit", type=float, default=None,
@@ -104,8 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(laden.model.patches.stacked; off by default, under measurement)")  # fmt: skip
     p.add_argument("--static-last-dims", action=argparse.BooleanOptionalAction, default=True,
                    help="laden: compile the fused elementwise functions with static last dimensions "
-                        "(laden.model.patches.fused.use_static_last_dims, the default; --no-static-last-dims: "
-                        "fully dynamic shapes)")  # fmt: skip
+                        "(PatchOptions.static_last_dims in laden.model.patches.options, the default; "
+                        "--no-static-last-dims: fully dynamic shapes)")  # fmt: skip
     p.add_argument("--tiny-layers", type=int, default=None,
                    help="--model tiny with this many decoder layers: with the reference plan's shape "
                         "(--fwd-stage-layers, --stage-layers 1, --fused-layers), a CPU measure of the host "
@@ -142,12 +172,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(auto: for the Qwen3 shapes), or build it whole first (eager)")  # fmt: skip
     args = p.parse_args(argv)
     args.profile = args.profile or args.profile_cpu
+    if args.gradient_checkpointing is not None and args.system == "laden":
+        p.error("--gradient-checkpointing: the laden (roundpipe) engine recomputes what its plan says "
+                "(--recompute-grain, --fused-layers); drop the flag")  # fmt: skip
+    laden_only = args.lean_activations or args.fused_elementwise or args.tiled_mlp_tokens or args.compile
+    if args.system == "plain" and (
+        laden_only or args.optimizer != "adam" or args.optimizer_dtype != "float32"
+    ):
+        p.error("--system plain runs stock Hugging Face modules with fp32 torch.optim.AdamW: no --lean-activations, "
+                "--fused-elementwise, --tiled-mlp-tokens, --compile, --optimizer or --optimizer-dtype")  # fmt: skip
     return args
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The model, random init; on the meta device (real buffers) when `on_meta(args)`: the laden
-    engine then initialises it layer by layer straight into its host store."""
+    engine then initialises it layer by layer straight into its host store. `plain`: the stock
+    Hugging Face model (`build_hf_model`, no laden module imported)."""
+    if args.system == "plain":
+        return build_hf_model(args)
     from tiny import tiny_qwen3_config
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -160,58 +202,98 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         config = tiny_qwen3_config(vocab_size=128, **layers)
     else:
         config = Qwen3Config(**SHAPES[args.model])
-    dtype = torch.bfloat16 if args.model != "tiny" else torch.float32
+    # fsdp: fp32 from the start, as `laden sft` loads a model (in actor.optimizer_dtype)
+    dtype = torch.float32 if args.model == "tiny" or args.system == "fsdp" else torch.bfloat16
     if on_meta(args):
         where: Any = meta_params()
-    elif args.system == "plain" and torch.cuda.is_available():
+    elif args.system in RESIDENT and torch.cuda.is_available():
         where = torch.device("cuda", torch.cuda.current_device())  # random init on the CPU is one core
     else:
         where = contextlib.nullcontext()
     with where:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     set_attention(model, args.attn)
-    from laden.model.patches.fused import use_static_last_dims
-    from laden.model.patches.stacked import use_joint_projections
+    if args.system == "fsdp":  # as the runtime patches it
+        args.patches_api = apply_runtime_patches(model, args)
+        return model
+    from laden.model.patches.options import PatchOptions
 
-    use_joint_projections(args.joint_projections)  # before enable_sink_linears reads it
-    use_static_last_dims(args.static_last_dims)
+    options = PatchOptions(  # this model's: actor.fused_elementwise and the two compile/GEMM choices
+        fused=fused_elementwise(args),
+        static_last_dims=args.static_last_dims,
+        joint_projections=args.joint_projections,
+    )
     if lean_activations(args):
         from laden.model.patches.lean_mlp import enable_lean_mlp
         from laden.model.patches.lean_norm import enable_lean_rmsnorm
         from laden.model.patches.sink_linear import enable_sink_linears
 
-        enable_lean_rmsnorm(model)  # actor.lean_activations, as in `laden sft`
-        enable_lean_mlp(model)
-        enable_sink_linears(model)
-    from laden.model.patches.fused import use_fused_kernels
-
-    use_fused_kernels(fused_elementwise(args))  # actor.fused_elementwise
-    if fused_elementwise(args):
+        enable_lean_rmsnorm(model, options=options)  # actor.lean_activations, as in `laden sft`
+        enable_lean_mlp(model, options=options)
+        enable_sink_linears(model, options=options)
+    if fused_elementwise(args):  # actor.fused_elementwise
         from laden.model.patches.fused_rotary import enable_fused_rotary
 
         if not lean_activations(args):
             raise SystemExit(
                 "train_throughput: --fused-elementwise needs the lean modules (drop --no-lean-activations)"
             )
-        enable_fused_rotary(model)
+        enable_fused_rotary(model, options=options)
     if args.tiled_mlp_tokens:
         from laden.model.patches.lean_norm import enable_lean_rmsnorm
         from laden.model.patches.tiled import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=args.tiled_mlp_tokens)  # actor.tiled_mlp_tokens:
-        enable_lean_rmsnorm(model)  # both, as in `laden sft`
+        enable_lean_rmsnorm(model, options=options)  # both, as in `laden sft`
     return model
 
 
+def apply_runtime_patches(model: torch.nn.Module, args: argparse.Namespace) -> str:
+    """The model patches `laden sft`'s runtime applies (actor.lean_activations, actor.fused_elementwise,
+    actor.tiled_mlp_tokens), through its own entry point; returns which one ran.
+
+    `laden.model.patches.apply.apply_patches` where it exists (with this run's static last dims
+    and joint projections where it takes them), else the trainer's former `apply_activation_knobs`
+    (the same patches, then process-wide switches).
+    """
+    import importlib.util
+    import inspect
+
+    knobs: dict[str, Any] = dict(lean_activations=lean_activations(args), fused_elementwise=fused_elementwise(args),
+                                 tiled_mlp_tokens=args.tiled_mlp_tokens or None)  # fmt: skip
+    if importlib.util.find_spec("laden.model.patches.apply") is not None:
+        from laden.model.patches.apply import apply_patches
+
+        taken = inspect.signature(apply_patches).parameters
+        extra = {"static_last_dims": args.static_last_dims, "joint_projections": args.joint_projections}
+        apply_patches(model, **knobs, **{k: v for k, v in extra.items() if k in taken})
+        return "laden.model.patches.apply.apply_patches"
+    from types import SimpleNamespace
+
+    from laden.sft.trainer import apply_activation_knobs  # the layout before laden.model.patches.apply
+
+    apply_activation_knobs(model, SimpleNamespace(**knobs))
+    return "laden.sft.trainer.apply_activation_knobs"
+
+
 def lean_activations(args: argparse.Namespace) -> bool:
-    return args.lean_activations if args.lean_activations is not None else args.system == "laden"
+    """As `actor.lean_activations` resolves: on for laden's engines (roundpipe, fsdp), off for plain."""
+    if args.lean_activations is not None:
+        return args.lean_activations
+    return args.system in ("laden", "fsdp")
 
 
 def fused_elementwise(args: argparse.Namespace) -> bool:
     """As `actor.fused_elementwise` resolves: unset means on for laden's lean modules with a GPU."""
     if args.fused_elementwise is not None:
         return args.fused_elementwise
-    return args.system == "laden" and lean_activations(args) and torch.cuda.is_available()
+    return args.system in ("laden", "fsdp") and lean_activations(args) and torch.cuda.is_available()
+
+
+def gradient_checkpointing(args: argparse.Namespace) -> bool | None:
+    """Whether every decoder layer is recomputed (fsdp, plain: as asked, default off); None for laden,
+    whose plan decides."""
+    return None if args.system == "laden" else bool(args.gradient_checkpointing)
 
 
 def on_meta(args: argparse.Namespace) -> bool:
@@ -240,7 +322,7 @@ def make_steps(args: argparse.Namespace, vocab_size: int, num_steps: int) -> lis
 
 
 def optim_settings(args: argparse.Namespace):
-    from laden.engine.local import OptimSettings
+    from laden.optim import OptimSettings
 
     return OptimSettings(type=args.optimizer, lr=args.lr, weight_decay=0.01, gradient_clipping=args.clip,
                          total_steps=args.steps + args.warmup)  # fmt: skip
@@ -272,15 +354,35 @@ def laden_settings(args: argparse.Namespace, model: torch.nn.Module, device: tor
     )  # fmt: skip
 
 
-def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
-    from laden.engine.local import LocalEngine, packed_loss_fn
+def fsdp_config(args: argparse.Namespace, device: torch.device):
+    """The `LadenConfig` of an `actor.backend: fsdp:d1` run with this run's knobs (the rest: defaults)."""
+    from laden.config import config_from_dict
 
+    dtype = {v: k for k, v in DTYPES.items()}[compute_dtype(args, device)]
+    actor = {
+        "backend": "fsdp:d1", "dtype": dtype, "optimizer_dtype": args.optimizer_dtype,
+        "gradient_checkpointing": bool(args.gradient_checkpointing), "attn_impl": args.attn,
+        "chunked_loss": True, "loss_chunk_size": args.loss_chunk_size,
+        "lean_activations": lean_activations(args), "fused_elementwise": fused_elementwise(args),
+        "tiled_mlp_tokens": args.tiled_mlp_tokens or None,
+        "optimizer": {"type": args.optimizer, "lr": args.lr, "weight_decay": 0.01, "gradient_clipping": args.clip},
+    }  # fmt: skip
+    return config_from_dict({"seed": args.seed, "actor": actor})
+
+
+def build_engine(args: argparse.Namespace, model: torch.nn.Module, device: torch.device):
     if args.system == "plain":
-        return LocalEngine(
-            model, device=device, dtype=compute_dtype(args, device), optimizer_dtype=DTYPES[args.optimizer_dtype],
-            optim=optim_settings(args), gradient_checkpointing=True,
-            loss_fn=packed_loss_fn(chunked=True, chunk_size=args.loss_chunk_size),
+        from plain_hf import PlainHF
+
+        return PlainHF(
+            model, device=device, compute_dtype=compute_dtype(args, device), lr=args.lr, weight_decay=0.01,
+            clip=args.clip, gradient_checkpointing=bool(args.gradient_checkpointing),
         )  # fmt: skip
+    if args.system == "fsdp":  # as `laden sft` builds it
+        from laden.engine.factory import build_engine as build_laden_engine
+
+        total_steps = args.warmup + args.steps + args.profile
+        return build_laden_engine(fsdp_config(args, device), model, total_steps=total_steps, device=device)
     from laden.engine.roundpipe import RoundPipeEngine
 
     return RoundPipeEngine(
@@ -365,8 +467,13 @@ def mem_available_gib() -> float | None:
     return None
 
 
+def is_capped(args: argparse.Namespace) -> bool:
+    """Whether the GPU cap applies: always to laden's offloading engine, to resident ones with --cap-plain."""
+    return args.system not in RESIDENT or args.cap_plain
+
+
 def cap_gpu(args: argparse.Namespace, device: torch.device) -> None:
-    if device.type != "cuda" or (args.system == "plain" and not args.cap_plain):
+    if device.type != "cuda" or not is_capped(args):
         return
     for i in range(torch.cuda.device_count()):
         total = torch.cuda.get_device_properties(i).total_memory
@@ -388,8 +495,6 @@ def progress(t0: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from laden.model.patches import fused_rotary, lean_mlp, lean_norm, sink_linear, tiled
-
     t0 = time.perf_counter()
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -399,14 +504,17 @@ def run(args: argparse.Namespace) -> dict:
     cap_gpu(args, device)
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    layer_params = layer_forward_params(model)  # before an engine takes the parameters over
     progress(t0, f"model built ({num_params / 1e9:.2f}B parameters)")
     prediction = check_host_memory(args, model, device) if args.system == "laden" else None
-    steps = make_steps(args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps + args.profile)
-    if args.system == "plain":  # LocalEngine takes batches on its device (laden sft moves them too)
+    steps = make_all_steps(
+        args, int(cast(Any, model).config.vocab_size), args.warmup + args.steps + args.profile
+    )
+    if args.system in RESIDENT:  # resident engines take batches on their device (laden sft moves them too)
         steps = [[mb.to(device) for mb in mbs] for mbs in steps]
     engine = build_engine(args, model, device)
-    progress(t0, f"engine built: {getattr(engine, 'plan', 'resident')}")
-    history = []  # every step's metrics, read after the timing (device tensors for `plain`)
+    progress(t0, f"engine built: {type(engine).__name__}, {getattr(engine, 'plan', 'resident')}")
+    history = []  # every step's metrics, read after the timing (device tensors for resident engines)
     for i, mbs in enumerate(steps[: args.warmup]):
         history.append(engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs)))
         progress(t0, f"warm-up step {i + 1}/{args.warmup} queued")
@@ -441,20 +549,27 @@ def run(args: argparse.Namespace) -> dict:
     grad_norms = [float(m["grad_norm"]) for m in history if "grad_norm" in m]
     uploads_pinned = _uploads_pinned(engine)
     problems = _problems(losses, grad_norms, uploads_pinned, args.pin_model)
+    recomputed, checkpointing_problem = recompute_of(args, engine, model)
+    problems += [checkpointing_problem] if checkpointing_problem else []
     return {
         "name": f"train_throughput/{args.system}",
         "model": args.model,
+        "system": args.system,
+        "engine": type(engine).__name__,
+        "mode": step_mode(args),
         "shape": {
             "seq_len": args.seq_len,
             "num_seqs": args.num_seqs,
             "num_microbatch": args.num_microbatch,
-            "recompute_grain": args.recompute_grain,
-            "optim_step": args.optim_step,
+            "recompute_grain": args.recompute_grain if args.system == "laden" else None,
+            "gradient_checkpointing": gradient_checkpointing(args),
+            "optim_step": args.optim_step if args.system == "laden" else "sync",
+            "clip": args.clip,
             "pin_model": args.pin_model,
-            "optimizer": args.optimizer,
-            "optimizer_dtype": args.optimizer_dtype,
-            "attn": args.attn,
-            "loss_chunk_size": args.loss_chunk_size,
+            "optimizer": args.optimizer if args.system != "plain" else "torch.optim.AdamW(fused=True)",
+            "optimizer_dtype": args.optimizer_dtype if args.system != "plain" else "float32",
+            "attn": args.attn if args.system != "plain" else "sdpa",
+            "loss_chunk_size": args.loss_chunk_size if args.system != "plain" else None,
             "compile": args.compile,
             "lean_activations": lean_activations(args),
             "fused_elementwise": fused_elementwise(args),
@@ -462,14 +577,13 @@ def run(args: argparse.Namespace) -> dict:
             "joint_projections": args.joint_projections,
             "static_last_dims": args.static_last_dims,
             "switch_interval": sys.getswitchinterval(),
-            "model_memory_limit": laden_settings(args, model, device)["model_memory_limit"],
+            "model_memory_limit": (
+                laden_settings(args, model, device)["model_memory_limit"] if args.system == "laden" else None
+            ),
         },  # fmt: skip
         "plan": repr(getattr(engine, "plan", None)),
-        "tiled_mlps": sum(tiled.class_swap().applied(m) for m in model.modules()),
-        "lean_rmsnorms": sum(lean_norm.class_swap().applied(m) for m in model.modules()),
-        "lean_mlps": sum(lean_mlp.is_lean_mlp(m) for m in model.modules()),
-        "sink_linears": sum(sink_linear.is_sink_linear(m) for m in model.modules()),
-        "fused_rotary_attentions": sum(fused_rotary.is_fused_rotary(m) for m in model.modules()),
+        "patches_api": getattr(args, "patches_api", None),
+        **patch_counts(args, model),
         "fused_layers": _fused_layers(engine),
         "step_call_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
         "valid": not problems,
@@ -477,16 +591,8 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_s": round(tok_s, 1),
         "step_s": round(seconds / args.steps, 4),
         "num_params": num_params,
-        "mfu": round(6 * num_params * tok_s / PEAK_FLOPS, 4),
-        "hfu": round(8 * num_params * tok_s / PEAK_FLOPS, 4),
-        "mfu_attn": round(
-            (6 * num_params + attention_flops_per_token(model.config, args.seq_len, 6)) * tok_s / PEAK_FLOPS,
-            4,
-        ),
-        "hfu_attn": round(
-            (8 * num_params + attention_flops_per_token(model.config, args.seq_len, 8)) * tok_s / PEAK_FLOPS,
-            4,
-        ),  # fmt: skip
+        **utilisation(tokens_per_s=tok_s, num_params=num_params, layer_params=layer_params,
+                      recomputed=[recomputed], attn_fwd_flops=attention_forward_flops(model.config, args.seq_len)),
         "last_loss": losses[-1],
         "losses": losses,
         "grad_norms": grad_norms,
@@ -496,12 +602,97 @@ def run(args: argparse.Namespace) -> dict:
         "predicted_host_gib": prediction["predicted_host_gib"] if prediction else None,
         "host_bytes_by_kind": _host_bytes_by_kind(engine),
         **memory_peaks(engine),
+        **run_facts(args, device),
+    }  # fmt: skip
+
+
+def run_facts(args: argparse.Namespace, device: torch.device) -> dict:
+    """What every result records about where it ran (also a failed run's)."""
+    return {
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "gpu_mem_cap_gib": args.gpu_mem_cap_gib if device.type == "cuda" else None,
+        "gpu_mem_cap_gib": args.gpu_mem_cap_gib if device.type == "cuda" and is_capped(args) else None,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "torch": torch.__version__,
         "transformers": _transformers_version(),
     }
+
+
+def build_hf_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The stock Hugging Face model of `--system plain` (no laden module involved)."""
+    from plain_hf import build_model as build_stock
+    from tiny import tiny_qwen3_config
+    from transformers import Qwen3Config
+
+    if args.model == "tiny":
+        layers = {} if args.tiny_layers is None else {"num_hidden_layers": args.tiny_layers}
+        config = tiny_qwen3_config(vocab_size=128, **layers)
+    else:
+        config = Qwen3Config(**SHAPES[args.model])
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return build_stock(config, device=device, seed=args.seed)
+
+
+def make_all_steps(args: argparse.Namespace, vocab_size: int, num_steps: int) -> list[list]:
+    """The micro-batches of every step: unpacked rows for plain, packed rows for laden's engines."""
+    if args.system != "plain":
+        return make_steps(args, vocab_size, num_steps)
+    from plain_hf import make_steps as make_rows
+
+    return make_rows(vocab_size=vocab_size, seq_len=args.seq_len, num_seqs=args.num_seqs,
+                     num_microbatch=args.num_microbatch, num_steps=num_steps, seed=args.seed)  # fmt: skip
+
+
+def step_mode(args: argparse.Namespace) -> str:
+    """The optimizer step of this run, in words (RESULTS names it next to every figure)."""
+    step = "sync"
+    if args.system == "laden" and args.optim_step == "async":
+        step = "async (one-step-stale)"
+    return f"{step} step, " + (f"clip {args.clip:g}" if args.clip > 0 else "no clip")
+
+
+def recompute_of(args: argparse.Namespace, engine, model: torch.nn.Module) -> tuple[list[int], str | None]:
+    """Pipeline layers recomputed in backward (0 = embedding, 1..L decoder layers, L + 1 = head), and
+    a problem when the model's own checkpointing state contradicts what the run asked for.
+
+    laden's roundpipe engine: from its plan. Otherwise every decoder layer when gradient
+    checkpointing is on (Hugging Face's `is_gradient_checkpointing`, where the model reports it).
+    """
+    plan = getattr(engine, "plan", None)
+    if plan is not None:
+        return recomputed_layers(plan.bwd_plan, fused_stage_recomputes=args.recompute_grain == "layer"), None
+    asked = bool(gradient_checkpointing(args))
+    on = asked
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5.2x, before
+        if hasattr(type(model), name):
+            on = bool(getattr(model, name))
+            break
+    problem = None
+    if on != asked:
+        problem = f"gradient checkpointing asked {asked} but the model reports is_gradient_checkpointing={on}"
+    num_layers = int(cast(Any, model).config.num_hidden_layers)
+    return (list(range(1, num_layers + 1)) if on else []), problem
+
+
+def patch_counts(args: argparse.Namespace, model: torch.nn.Module) -> dict:
+    """How many modules each laden patch changed (None for plain, which must not import laden)."""
+    keys = ("tiled_mlps", "lean_rmsnorms", "lean_mlps", "sink_linears", "fused_rotary_attentions")
+    if args.system == "plain":
+        return dict.fromkeys(keys)
+    from laden.model.patches import fused_rotary, lean_mlp, lean_norm, sink_linear, tiled
+
+    modules = list(model.modules())
+    return dict(zip(keys, (
+        sum(tiled.class_swap().applied(m) for m in modules),
+        sum(lean_norm.class_swap().applied(m) for m in modules),
+        sum(lean_mlp.is_lean_mlp(m) for m in modules),
+        sum(sink_linear.is_sink_linear(m) for m in modules),
+        sum(fused_rotary.is_fused_rotary(m) for m in modules),
+    )))  # fmt: skip
 
 
 def _fused_layers(engine) -> int | None:
@@ -792,11 +983,61 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    result = run(args)
+    laden_preloaded = _laden_modules() > 0
+    try:
+        result = run(args)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        kind = oom_kind(error)
+        if kind is None:
+            raise
+        result = failed_result(args, kind, error)
+    if args.system == "plain":  # plain PyTorch must not run laden code; unknown if laden was loaded before
+        result["laden_imported"] = None if laden_preloaded else _laden_modules() > 0
+        if result["laden_imported"]:
+            result["problems"].append("--system plain imported laden modules: not plain PyTorch")
+            result["valid"] = False
     print(json.dumps(result), flush=True)
     if not result["valid"]:
         raise SystemExit("train_throughput: INVALID RESULT: " + "; ".join(result["problems"]))
     return result
+
+
+def _laden_modules() -> int:
+    return sum(1 for name in sys.modules if name == "laden" or name.startswith("laden."))
+
+
+def oom_kind(error: BaseException) -> str | None:
+    """'gpu_oom' or 'host_oom' for an allocator's out-of-memory error, None for anything else."""
+    text = f"{type(error).__name__}: {error}".lower()
+    if (
+        isinstance(error, torch.OutOfMemoryError)
+        or "cuda out of memory" in text
+        or "cuda error: out of memory" in text
+    ):
+        return "gpu_oom"
+    if "defaultcpuallocator" in text or "can't allocate memory" in text:
+        return "host_oom"
+    return None
+
+
+def failed_result(args: argparse.Namespace, kind: str, error: BaseException) -> dict:
+    """The JSON object of a run that stopped on an out-of-memory error: what ran, where, and the peaks."""
+    message = f"{type(error).__name__}: {error}"[:2000]
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return {
+        "name": f"train_throughput/{args.system}", "model": args.model, "system": args.system,
+        "mode": step_mode(args),
+        "shape": {"seq_len": args.seq_len, "num_seqs": args.num_seqs, "num_microbatch": args.num_microbatch,
+                  "gradient_checkpointing": gradient_checkpointing(args),
+                  "recompute_grain": args.recompute_grain if args.system == "laden" else None},
+        "valid": False, "problems": [f"{kind}: {message}"], "error": message, "error_kind": kind,
+        "tokens_per_s": None, "mfu": None, "hfu": None,
+        **memory_peaks(), **run_facts(args, device),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
