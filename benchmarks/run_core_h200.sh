@@ -4,7 +4,9 @@
 #   PARTS=old_new  bash benchmarks/run_core_h200.sh "$OUT"   # (a) no regression: 9c79c2e against this tree
 #   PARTS=resident bash benchmarks/run_core_h200.sh "$OUT"   # (b) fsdp:d1 and plain PyTorch, uncapped GPU
 #   PARTS=capped   bash benchmarks/run_core_h200.sh "$OUT"   # (c) RoundPipe sweep + laden's two modes (carry .rp)
-# Parts combine (PARTS="old_new resident" REF_REPEATS=1 fits one command, about 480 s); SMOKE=1 runs the same
+# Parts combine (PARTS="old_new resident" REF_REPEATS=1 fits one command, about 480 s); without .git on the
+# machine, archive the old tree first (`git archive 9c79c2e | tar -x -C .old`, an ignored folder, carried)
+# and pass OLD_DIR=.old; CAPPED_LADEN=0 leaves the laden runs out of `capped` (when `resident` had them); SMOKE=1 runs the same
 # plumbing on the CPU with the tiny model (RoundPipe needs a GPU: one point runs and reports no_gpu when its
 # wheels are in .rp/, the others are recorded as skipped).
 #
@@ -97,10 +99,15 @@ run_or_retry() {
 if want old_new; then
   results=$out/old_new.jsonl
   : >"$results"
-  old_commit=$(git rev-parse --verify "${OLD_COMMIT:-9c79c2e}^{commit}") || exit 3
-  old_dir=/tmp/laden_old_${old_commit:0:12}
-  rm -rf "$old_dir" && mkdir -p "$old_dir"
-  git archive "$old_commit" | tar -x -C "$old_dir" || { echo "!! git archive $old_commit failed" >&2; exit 3; }
+  if [[ -n ${OLD_DIR:-} ]]; then  # the old tree, archived on a machine with the repository (no .git here)
+    old_commit=${OLD_COMMIT:-9c79c2e}
+    old_dir=$(cd "$OLD_DIR" && pwd)
+  else
+    old_commit=$(git rev-parse --verify "${OLD_COMMIT:-9c79c2e}^{commit}") || exit 3
+    old_dir=/tmp/laden_old_${old_commit:0:12}
+    rm -rf "$old_dir" && mkdir -p "$old_dir"
+    git archive "$old_commit" | tar -x -C "$old_dir" || { echo "!! git archive $old_commit failed" >&2; exit 3; }
+  fi
   old_laden=$(env -C "$old_dir" PYTHONPATH="$old_dir" python3 -c 'import laden; print(laden.__file__)')
   new_laden=$(python3 -c 'import laden; print(laden.__file__)')
   echo "== old tree $old_dir ($old_commit): laden from $old_laden; new: laden from $new_laden" | tee -a "$out/runs.log" >&2
@@ -145,8 +152,10 @@ if want capped; then
     timeout -k 5 150 "${rp_env[@]}" python3 -c 'from roundpipe.optim.optim_builder import load_optim_function as f; f("adam")' \
       >>"$out/runs.log" 2>&1 || echo "!! RoundPipe's Adam kernel did not build" >&2
   fi
-  run laden_sync 130 "${laden_sync[@]}" "${ref[@]}"
-  run laden_async 130 "${laden_async[@]}" "${ref[@]}"
+  if [[ ${CAPPED_LADEN:-1} == 1 ]]; then  # CAPPED_LADEN=0: the laden runs came with another part's command
+    run laden_sync 130 "${laden_sync[@]}" "${ref[@]}"
+    run laden_async 130 "${laden_async[@]}" "${ref[@]}"
+  fi
   first=1
   for p in ${RP_POINTS:-4:22gib 4:14.4 8:22gib 2:22gib 8:14.4 2:14.4}; do
     nmb=${p%%:*} limit=${p#*:} budget=(--model-memory-limit "${p#*:}")

@@ -253,3 +253,23 @@ def test_parallel_named_weights_gather_one_tensor_at_a_time(parallel_results):
 def test_parallel_offload_onload_equals_never_offloaded(parallel_results):
     for result in parallel_results:
         check_offload(*result["offload"])
+
+
+def test_objective_sees_compute_dtype_under_autocast():
+    """fp32 masters with bf16 compute in one process: the objective gets bf16 hidden states and head
+    weight (as under FSDP's mixed precision and the roundpipe engine), not the fp32 master, so its own
+    GEMMs run in the compute dtype; gradients still reach the fp32 master."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def objective(hidden, head_weight, batch):
+        seen.append((hidden.dtype, head_weight.dtype))
+        return WeightedTokenLoss()(hidden, head_weight, batch)
+
+    torch.manual_seed(0)
+    engine = FSDPEngine(tiny_model(), device=torch.device("cpu"), dtype=torch.bfloat16,
+                        optimizer_dtype=torch.float32, optim=SGD)  # fmt: skip
+    batches = packed_batches(VOCAB)
+    engine.forward_backward(batches, objective, normalizer=10.0)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * len(batches)
+    head = engine.model.get_output_embeddings().weight
+    assert head.dtype == torch.float32 and head.grad is not None and head.grad.abs().sum() > 0

@@ -554,3 +554,33 @@ def test_failed_async_step_is_reraised_at_the_next_call():
         with pytest.raises(RuntimeError, match="host job failed") as info:
             rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
         assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_an_async_step_that_fails_while_the_next_call_runs_is_reraised_by_that_call():
+    """The failure happens only once the next call is under way (its loss function has run) and
+    late in it: the call reads the other upload buffer and never waits for the failed update's
+    weights, yet it reports the failure, because a call waits for the result of the optimizer
+    jobs queued before it. (The pause only widens the window in which a call that merely
+    looked for failures would return without one; the outcome does not depend on it.)"""
+    import threading
+    import time
+
+    rp = RoundPipe(mlp())
+    rp.optim_parameters()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
+    running = threading.Event()
+
+    def late_broken_step():
+        assert running.wait(timeout=60), "the next call never ran its loss function"
+        time.sleep(0.2)
+        raise ZeroDivisionError("optimizer bug")
+
+    def loss_seen_by_the_step(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        running.set()
+        return mse_sum(out, labels)
+
+    rp.step(late_broken_step)
+    with pytest.raises(RuntimeError, match="host job failed") as info:
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_seen_by_the_step)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)

@@ -507,3 +507,58 @@ def test_failed_step_leaves_no_gradients_so_a_retry_is_exact(monkeypatch):
         a = clean.train_batch(mbs, global_num_loss_tokens=n)
         assert_same_step(retried.train_batch(mbs, global_num_loss_tokens=n), a)
     assert_same_masters(retried, clean)
+
+
+def test_config_knobs_of_the_loss_and_recompute_reach_the_engine(recwarn):
+    """`actor.chunked_loss` / `loss_chunk_size` make the default objective (full-logit cross-entropy
+    trains to the reference loss too); `actor.gradient_checkpointing` warns once, naming the knob
+    that roundpipe has instead."""
+    from laden.config import config_from_dict
+    from laden.engine.factory import build_engine
+    from laden.engine.roundpipe.engine import GRADIENT_CHECKPOINTING_IGNORED
+    from laden.model.objective import CrossEntropy
+
+    cfg = config_from_dict(
+        {"actor": {"backend": "roundpipe:d1", "dtype": "float32", "chunked_loss": False, "loss_chunk_size": 16,
+                   "gradient_checkpointing": True, "roundpipe": {"pin_model": "off"}}}
+    )  # fmt: skip
+    engine = build_engine(cfg, tied_model(), total_steps=4, device=torch.device("cpu"))
+    ignored = [w for w in recwarn.list if str(w.message) == GRADIENT_CHECKPOINTING_IGNORED]
+    assert len(ignored) == 1 and "actor.roundpipe.recompute_grain=layer" in GRADIENT_CHECKPOINTING_IGNORED
+    assert isinstance(engine, RoundPipeEngine)
+    assert engine.objective == CrossEntropy(chunked=False, chunk_size=16) and engine.loss_chunk_size == 16
+    mbs = make_steps(1)[0]
+    n = sum(mb.num_loss_tokens for mb in mbs)
+    torch.testing.assert_close(
+        engine.train_batch(mbs, global_num_loss_tokens=n)["loss"], reference_loss(tied_model(), mbs, n)
+    )
+    cfg.actor.gradient_checkpointing = False
+    recwarn.clear()
+    build_engine(cfg, tied_model(), total_steps=4, device=torch.device("cpu"))
+    assert not [w for w in recwarn.list if str(w.message) == GRADIENT_CHECKPOINTING_IGNORED]
+
+
+def test_adam_on_bf16_masters_is_torch_adamw_as_in_every_engine():
+    """`adam` with `optimizer_dtype=bfloat16`: the builder's `torch.optim.AdamW` on the bf16 masters
+    (warned), stepped group by group, equals torch's AdamW stepping the resident bf16 model (both on
+    the CPU, so that the bf16 kernels round alike)."""
+    o = settings(lr=1e-3)
+    ref = tied_model(torch.bfloat16)
+    groups = param_groups_with_decay(ref.named_parameters(), o.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=o.lr, eps=o.eps, foreach=True)
+    with pytest.warns(UserWarning, match="adam_bf16"):
+        engine = RoundPipeEngine(tied_model(torch.bfloat16), optim=o, compute_dtype=torch.bfloat16,
+                                 optimizer_dtype=torch.bfloat16, devices=[torch.device("cpu")])  # fmt: skip
+    assert type(engine.optimizer) is torch.optim.AdamW
+    for mbs in make_steps(2, docs_per_row=1):
+        num_tokens = sum(mb.num_loss_tokens for mb in mbs)
+        ref_loss = reference_loss(ref, mbs, num_tokens)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(
+            engine.train_batch(mbs, global_num_loss_tokens=num_tokens)["loss"], ref_loss
+        )
+    masters = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        assert masters[name].dtype == torch.bfloat16
+        torch.testing.assert_close(masters[name], p.detach(), msg=name)

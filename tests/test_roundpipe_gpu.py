@@ -319,3 +319,72 @@ def test_cuda_long_context_knobs_equal_plain_layers():
     torch.testing.assert_close(loss_k, loss_p, rtol=1e-3, atol=1e-3)
     for name, g in grads_p.items():
         assert (grads_k[name] - g).norm() <= 2e-2 * g.norm() + 1e-6, name
+
+
+def test_cuda_protocol_forward_custom_objective_and_offload():
+    """The `TrainEngine` protocol with a CUDA device, fp32: `forward` and a custom per-token objective
+    (its `fields` travel to the GPU with the labels) against the plain CPU references; `offload`
+    returns every cached block to the driver and holds nothing on the device, and training after
+    `onload` equals never offloading."""
+    from protocol_reference import (
+        WeightedTokenLoss,
+        reference_token_outputs,
+        reference_weighted_grads,
+        sgd_step_reference,
+    )
+    from test_protocol_roundpipe import (
+        ADAM,
+        BATCHES,
+        NORMALIZER,
+        SGD,
+        STAGED,
+        TEMPERATURE,
+        tiny_model,
+        tokens,
+    )
+
+    from laden.engine.base import OffloadedError
+    from laden.engine.roundpipe import RoundPipeEngine
+
+    cuda = torch.device("cuda", 0)
+
+    def engine(optim):
+        return RoundPipeEngine(tiny_model(), optim=optim, compute_dtype=torch.float32, execute_plan=STAGED,
+                               devices=[cuda])  # fmt: skip
+
+    ref = tiny_model()
+    stepped = engine(SGD)
+    for out, batch in zip(stepped.forward(BATCHES, temperature=TEMPERATURE), BATCHES):
+        want = reference_token_outputs(ref, batch, temperature=TEMPERATURE)
+        for key in ("logprobs", "entropy"):
+            assert out[key].device.type == "cpu"
+            torch.testing.assert_close(out[key], want[key], rtol=1e-4, atol=1e-4, msg=key)
+    ref_loss, grads = reference_weighted_grads(ref, BATCHES, NORMALIZER)
+    loss = stepped.forward_backward(BATCHES, WeightedTokenLoss(), normalizer=NORMALIZER)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4)
+    stepped.optimizer_step()
+    want = sgd_step_reference(ref, grads, SGD.lr)
+    for name, t in stepped.named_weights(torch.float32):
+        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    torch.cuda.synchronize(cuda)
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated(cuda)  # what the process keeps (cuBLAS workspaces, ...)
+    runs = []
+    for offload in (True, False):
+        e = engine(ADAM)
+        e.train_batch(BATCHES, global_num_loss_tokens=tokens(BATCHES))
+        if offload:
+            reserved = torch.cuda.memory_reserved(cuda)
+            assert reserved > torch.cuda.memory_allocated(cuda)  # blocks cached for the next step
+            e.offload()
+            assert torch.cuda.memory_allocated(cuda) <= baseline  # the engine holds nothing there
+            assert torch.cuda.memory_reserved(cuda) < reserved  # and the cache went back to the driver
+            assert e.pipe.host_buffers.free_bytes() == 0
+            with pytest.raises(OffloadedError):
+                e.train_batch(BATCHES, global_num_loss_tokens=tokens(BATCHES))
+            e.onload()
+        e.train_batch(BATCHES[::-1], global_num_loss_tokens=tokens(BATCHES))
+        runs.append({name: t.clone() for name, t in e.named_weights(torch.float32)})
+    for name, t in runs[1].items():
+        torch.testing.assert_close(runs[0][name], t, rtol=0, atol=0, msg=name)

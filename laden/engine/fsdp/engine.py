@@ -105,7 +105,10 @@ class FSDPEngine:
         self.dp, self.tp, self.cp = dp, tp, cp
         self.mesh = build_device_mesh(dp, tp, cp, self.device.type) if self.distributed else None
         self._setup_model(model, gradient_checkpointing, memory_efficient_load, full_state_dict)
-        self.root = ObjectiveRoot(self.model, tp_group=self._group("tp"))
+        autocast = not self.distributed and self.storage_dtype != self.compute_dtype != torch.float32
+        self.root = ObjectiveRoot(
+            self.model, tp_group=self._group("tp"), head_dtype=self.compute_dtype if autocast else None
+        )
         self._shard(memory_efficient_load)
         self._build_optimizer(per_layer_optim_step, optim_step_prefetch_layers)
         self._version = 0

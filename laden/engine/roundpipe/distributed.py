@@ -4,7 +4,7 @@ Each node runs one replica (its GPUs form the replica's device pool); the gradie
 in host memory, so they are reduced with a gloo process group over CPU tensors, one flat
 buffer per parameter group. When the default group is NCCL (GPU tensors only), a gloo
 group over the same ranks is created once. The engine reduces group by group as soon as a
-group's gradient is complete (in a fixed order, see `step_state`), overlapping the
+group's gradient is complete (in a fixed order, see `step_grads`), overlapping the
 reduction with the rest of the backward; the library API reduces everything at `step`.
 """
 

@@ -1,20 +1,30 @@
 """`RoundPipeEngine`: the config-driven roundpipe backend (`actor.backend: roundpipe:...`).
 
-It implements `TrainEngine` over the same pipeline as the library API, with the optimizer
-driven internally, parameter group by parameter group, as soon as a group's gradient is
-complete:
+It implements `laden.engine.base.TrainEngine` over the same pipeline as the library API,
+with the optimizer driven internally, parameter group by parameter group, as soon as a
+group's gradient is complete:
 
 - the gradient norm is summed group by group on the landing thread while the device still
   runs the backward of earlier layers (and, data parallel, each group is all-reduced there,
   in a fixed order so every replica issues the same collectives);
-- without gradient clipping each group's AdamW update starts right away on the optimizer
-  thread, overlapping the rest of the backward; with clipping the updates wait for the
-  global norm and then run in forward order, so the next step's first stages can start
-  uploading as soon as their own weights are updated (per-group generation counters);
+- without gradient clipping each group's update starts right away on the optimizer thread,
+  during `forward_backward`, overlapping the rest of the backward; with clipping the updates
+  wait for the global norm, which `optimizer_step` applies, and then run in forward order, so
+  the next step's first stages can start uploading as soon as their own weights are updated
+  (per-group generation counters). `optimizer_step` also advances the LR schedule and
+  `version`; a step that `forward_backward` began must be finished by it before anything
+  else runs (the weights are half updated until then);
 - fp32 masters with bf16 compute: the update writes the bf16 upload copy in the same pass
-  (`HostAdamW.step_params(..., params_out_bf16=...)`), so there is no separate cast pass;
-  `adam_bf16` (and fp32 masters with fp32 compute): the master *is* the upload copy, the
-  Kahan update writes in place what the next residency uploads (no copy at all).
+  (`updates.update_group`), so there is no separate cast pass; `adam_bf16` (and fp32 masters
+  with fp32 compute): the master *is* the upload copy, the Kahan update writes in place what
+  the next residency uploads (no copy at all). The optimizer comes from the one builder,
+  `laden.optim.build_optimizer(..., where="host")`, so a config gives the same optimizer and
+  warnings here as under every engine (`adam` on bf16 masters: `torch.optim.AdamW`, warned).
+
+The head step hands the final hidden states, the head weight and the micro-batch on the
+device (labels and per-token `fields`) to the objective (`head_loss`): the constructor's
+`CrossEntropy` by default, any `Objective` per call. `forward` runs the same pipeline without
+gradients and returns the per-token log-probs and entropies of each micro-batch.
 
 `optim_step="sync"` is exact: step k+1 reads the weights of update k (it waits per group).
 `optim_step="async"` is one-step stale: step k+1 reads the upload buffer holding the
@@ -22,7 +32,8 @@ weights of update k-1 while update k writes the other one, so the whole optimize
 hides behind the next step's compute; it costs a second upload buffer and a second
 gradient inbox in host memory (and, for masters shared with the upload copy, one buffer
 copy per update). Host bytes per parameter of every mode: `host.memory`; what an engine
-holds: `host_bytes_by_kind()`.
+holds: `host_bytes_by_kind()`. Weights, checkpoints and exports read the masters, which
+always hold the newest weights (`host.hf_state`).
 
 A model with its parameters on the meta device (`host.memory.meta_params`) is materialised
 layer by layer into the host store and filled by `init_meta` (default: a Hugging Face
@@ -34,6 +45,9 @@ planner's hint to the trainer for how many rows to pack per step.
 Without an explicit `execute_plan` the stages are planned by `ModelExecutePlan.auto` for
 `max_tokens_per_mb` tokens per micro-batch (weights and activations); a step whose longest
 micro-batch is longer than planned for is re-planned first (deterministically, from sizes).
+
+The update jobs, the head's loss functions and the Hugging Face view of the host store live
+in `updates`, `head_loss` and `host.hf_state`.
 """
 
 from __future__ import annotations
@@ -41,8 +55,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,21 +66,31 @@ import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
+from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
+from laden.engine.roundpipe.call import Run
 from laden.engine.roundpipe.device import default_devices
 from laden.engine.roundpipe.distributed import host_grad_group
+from laden.engine.roundpipe.head_loss import ObjectiveLoss, TokenOutputsLoss, batch_tree, packed_kwargs
+from laden.engine.roundpipe.host import hf_state
 from laden.engine.roundpipe.host.store import ParamGroup, PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.step_grads import StepGrads
-from laden.model.split import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss, split_causal_lm
-from laden.optim import HostAdamW, OptimSettings, build_lr_scheduler
+from laden.engine.roundpipe.updates import clip_coef, scheduler_step, update_group
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from laden.model.objective import CrossEntropy
+from laden.model.split import split_causal_lm
+from laden.optim import OptimSettings, build_optimizer, is_no_decay, load_named_state, named_state
 
 OptimStep = Literal["sync", "async"]
 
 
-def no_weight_decay(name: str, p: torch.Tensor) -> bool:
-    """Biases and 1-D params (norm gains) get no weight decay: the engine groups them apart."""
-    return p.ndim < 2 or name.endswith("bias")
+@dataclass(slots=True)
+class _PendingStep:
+    """A `forward_backward` whose `optimizer_step` has not run yet: its gradients and inbox."""
+
+    grads: StepGrads
+    buf: int
 
 
 class RoundPipeEngine:
@@ -83,7 +109,8 @@ class RoundPipeEngine:
         pin_model: PinMode = "alloc",
         optim_step: OptimStep = "sync",
         devices: Sequence[torch.device] | None = None,
-        loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+        loss_chunk_size: int | None = None,
+        objective: Objective | None = None,
         process_group: Any = None,
         execute_plan: ModelExecutePlan | None = None,
         min_stages: int | None = None,
@@ -91,22 +118,17 @@ class RoundPipeEngine:
         init_meta: Callable[[nn.Module], None] | None = None,
         compile_backend: str | None = None,
     ) -> None:
-        if optim_step not in ("sync", "async"):
-            raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
-        if recompute_grain not in ("stage", "layer"):
-            raise ValueError(
-                f"actor.roundpipe.recompute_grain={recompute_grain!r} must be 'stage' or 'layer'"
-            )
-        if loss_chunk_size < 1:
-            raise ValueError(f"actor.loss_chunk_size={loss_chunk_size} must be >= 1 token, e.g. 1024")
+        """`objective`: the default of `train_batch` / `eval_batch` (default: chunked `CrossEntropy`
+        of `loss_chunk_size` tokens); `loss_chunk_size`: the token chunk of `forward`'s outputs
+        (default: the objective's chunk size) and of the planner's activation estimate."""
+        _check_choices(optim_step, recompute_grain, loss_chunk_size)
+        self.objective, self.loss_chunk_size = _objective_and_chunk(objective, loss_chunk_size)
         self.model = model.train()
         self.compute_dtype = compute_dtype
         self.optim_settings = optim
         self.num_microbatch = num_microbatch
         self.recompute_grain = recompute_grain
         self.optim_step = optim_step
-        self.loss_chunk_size = loss_chunk_size
-        master_dtype = master_dtype_for(optim.type, optimizer_dtype)
         if compile_backend is not None:  # actor.roundpipe.compile
             from laden.model.patches.compiled import enable_compiled_layers
 
@@ -115,9 +137,9 @@ class RoundPipeEngine:
         names = {id(p): n for n, p in model.named_parameters()}
         self.pipe = Pipeline(
             list(split.layers), param_names=names, devices=devices, pin_model=pin_model,
-            compute_dtype=compute_dtype, master_dtype=master_dtype, create_masters=True,
-            group_key=no_weight_decay, name="roundpipe-engine", loss_chunk_size=loss_chunk_size,
-            init_meta=init_meta or _default_init(model, devices),
+            compute_dtype=compute_dtype, master_dtype=optim.master_dtype(optimizer_dtype), create_masters=True,
+            group_key=is_no_decay, name="roundpipe-engine", init_meta=init_meta or _default_init(model, devices),
+            loss_chunk_size=_estimate_chunk(self.objective, self.loss_chunk_size),
         )  # fmt: skip
         self._auto_plan = execute_plan is None
         self._plan_limits = (model_memory_limit, min_stages)
@@ -126,14 +148,13 @@ class RoundPipeEngine:
             execute_plan = self._make_plan(max_tokens_per_mb)
         execute_plan.check_valid(self.pipe.num_layers, "fused")
         self.plan = execute_plan
-        self.optimizer = _build_optimizer(self.pipe, optim, any(lane.is_cuda for lane in self.pipe.lanes))
-        self.scheduler = build_lr_scheduler(
-            self.optimizer, type=optim.lr_scheduler_type, total_steps=optim.total_steps,
-            warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio,
-        )  # fmt: skip
+        self.optimizer = _build_optimizer(self.pipe, optim)
+        self.scheduler = optim.build_scheduler(self.optimizer)
         self.process_group = host_grad_group(process_group)
         self.preserve_rng = _has_dropout(model)  # recompute must replay dropout masks
-        self._num_steps = 0
+        self._version = 0
+        self._pending: _PendingStep | None = None
+        self._offloaded = False
         if optim_step == "async":
             self.pipe.store.add_upload_buffer()
             self.pipe.store.ensure_inboxes(2)
@@ -155,10 +176,17 @@ class RoundPipeEngine:
             self.plan = self._make_plan(longest)
             self._planned_tokens = longest
 
-    # ---- TrainEngine --------------------------------------------------------------------
-    def train_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
-    ) -> dict[str, torch.Tensor]:
+    # ---- training -------------------------------------------------------------------------
+    def forward_backward(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
+    ) -> torch.Tensor:
+        """Gradients of `sum(objective(mb)) / normalizer` into the host inboxes (see `TrainEngine`).
+
+        Without gradient clipping, the updates of groups whose gradients are complete start
+        during the call; `optimizer_step` must follow before any other call.
+        """
+        self._check_ready("forward_backward")
+        _check_step_args(micro_batches, normalizer)
         self._fit_plan(micro_batches)
         pipe = self.pipe
         buf = pipe.read_buf
@@ -172,87 +200,204 @@ class RoundPipeEngine:
         )  # fmt: skip
         try:
             run = pipe.run_call(
-                inputs=[((), _packed_kwargs(mb)) for mb in micro_batches],
-                labels=[mb.labels[None] for mb in micro_batches],
-                loss_fn=_ScaledLoss(global_num_loss_tokens, self.loss_chunk_size),
-                plan=self.plan, grain=self.recompute_grain, backward=True, preserve_rng=self.preserve_rng,
-                on_landing=grads.on_landing, carried=carried,
+                inputs=_inputs(micro_batches), labels=[batch_tree(mb) for mb in micro_batches],
+                loss_fn=ObjectiveLoss(objective, normalizer), plan=self.plan, grain=self.recompute_grain,
+                backward=True, preserve_rng=self.preserve_rng, on_landing=grads.on_landing, carried=carried,
             )  # fmt: skip
         except BaseException as error:
             self._abandon_step(grads, buf, error)
             raise
         grads.check_complete()
         pipe.store.mark_pending(pipe.trainable_groups(), buf)
-        norm = grads.norm()
-        coef = _clip_coef(norm, self.optim_settings.gradient_clipping) if clipping else 1.0
-        for group in grads.pending_updates():  # forward order: the next step's first stages first
-            self._submit_update(group, buf, coef)
-        lr = self.scheduler.base_lrs[0] * self.scheduler.lr_lambdas[0](self._num_steps)
-        pipe.jobs.submit_optim(_scheduler_step, self.scheduler)
-        self._num_steps += 1
+        self._pending = _PendingStep(grads, buf)
+        return self._global_loss(sum_losses(run))
+
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """Clip with the global norm, queue the remaining updates and the LR step; `version` += 1.
+
+        Returns `grad_norm` (before clipping, a host tensor) and `lr` (this step's). The updates
+        run on the host optimizer thread; the next call waits for the weights it reads.
+        """
+        self._check_ready("optimizer_step")
+        step = self._pending
+        if step is None:
+            raise RuntimeError(
+                "optimizer_step() called without a forward_backward() before it; nothing to apply"
+            )
+        self._pending = None
+        norm = step.grads.norm()
+        max_norm = self.optim_settings.gradient_clipping
+        coef = clip_coef(norm, max_norm) if max_norm > 0 else 1.0
+        for group in step.grads.pending_updates():  # forward order: the next step's first stages first
+            self._submit_update(group, step.buf, coef)
+        lr = self._scheduled_lrs()[0]
+        self.pipe.jobs.submit_optim(scheduler_step, self.scheduler)
+        self._version += 1
         if self.optim_step == "async":
-            pipe.read_buf = 1 - buf
-        return {"loss": self._global_loss(sum_losses(run)), "grad_norm": norm, "lr": torch.tensor(lr)}
+            self.pipe.read_buf = 1 - step.buf
+        return {"grad_norm": norm, "lr": torch.tensor(lr)}
+
+    def train_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """`forward_backward` over the global loss-token count, then `optimizer_step`."""
+        loss = self.forward_backward(
+            micro_batches, self.objective if objective is None else objective,
+            normalizer=max(global_num_loss_tokens, 1),
+        )  # fmt: skip
+        return {"loss": loss, **self.optimizer_step()}
 
     @torch.no_grad()
     def eval_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
     ) -> dict[str, torch.Tensor]:
+        """The objective's global mean without gradients (dropout off): `{"loss": ...}`."""
+        self._check_ready("eval_batch")
+        normalizer = max(global_num_loss_tokens, 1)
+        _check_step_args(micro_batches, normalizer)
+        loss_fn = ObjectiveLoss(self.objective if objective is None else objective, normalizer)
+        return {"loss": self._global_loss(sum_losses(self._run_without_grad(micro_batches, loss_fn)))}
+
+    @torch.no_grad()
+    def forward(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        outputs: Sequence[ForwardOutput] = FORWARD_OUTPUTS,
+        temperature: float = 1.0,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Per micro-batch, each requested output as a `[T]` fp32 host tensor (see `TrainEngine`).
+
+        Runs on the weights the next step would read: after an asynchronous step, those of one
+        update earlier. Dropout is off.
+        """
+        self._check_ready("forward")
+        head = TokenOutputsLoss(outputs, temperature=temperature, chunk_size=self.loss_chunk_size)
+        if not micro_batches or not head.outputs:
+            return [{} for _ in micro_batches]
+        run = self._run_without_grad(micro_batches, head)
+        return [dict(zip(head.outputs, _parked(h))) for h in run.losses]
+
+    def _run_without_grad(self, micro_batches: Sequence[PackedBatch], loss_fn: Callable[..., Any]) -> Run:
         self._fit_plan(micro_batches)
         self.model.eval()  # shells copy the mode: no dropout
         try:
-            run = self.pipe.run_call(
-                inputs=[((), _packed_kwargs(mb)) for mb in micro_batches],
-                labels=[mb.labels[None] for mb in micro_batches],
-                loss_fn=_ScaledLoss(global_num_loss_tokens, self.loss_chunk_size),
-                plan=self.plan, grain=self.recompute_grain, backward=False, preserve_rng=False,
+            return self.pipe.run_call(
+                inputs=_inputs(micro_batches), labels=[batch_tree(mb) for mb in micro_batches],
+                loss_fn=loss_fn, plan=self.plan, grain=self.recompute_grain, backward=False, preserve_rng=False,
             )  # fmt: skip
         finally:
             self.model.train()
-        return {"loss": self._global_loss(sum_losses(run))}
 
-    def state_dict(self) -> dict[str, Any]:
-        self.pipe.jobs.drain()
-        masters = {
-            hp.name: hp.master.detach().clone() for hp in self.pipe.store.params if hp.master is not None
-        }
-        return {
-            "model": masters,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "num_steps": self._num_steps,
-        }
+    def _check_ready(self, what: str, *, offloaded_ok: bool = False) -> None:
+        """Refuse a call while offloaded, or between `forward_backward` and `optimizer_step`."""
+        if self._offloaded and not offloaded_ok:
+            raise OffloadedError(what)
+        if self._pending is not None and what != "optimizer_step":
+            raise RuntimeError(
+                f"{what} called between forward_backward and optimizer_step: that step's gradients are "
+                "pending and its parameter updates may have begun; call engine.optimizer_step() first"
+            )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    # ---- weights, memory, state -------------------------------------------------------------
+    def named_weights(
+        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's Hugging Face state (`hf_state_names`), one tensor at a time, from the masters.
+
+        `dtype`: floating tensors' dtype (default: the compute dtype); `device`: default the host.
+        Drains the host jobs first, so the weights are those of every step applied; works while
+        offloaded. A tensor is the live master when nothing needs converting: copy it to keep it.
+        """
+        self._check_ready("named_weights", offloaded_ok=True)
         self.pipe.jobs.drain()
-        store = self.pipe.store
-        with torch.no_grad():
-            for hp in store.params:
-                if hp.master is not None:
-                    hp.master.copy_(state["model"][hp.name])
-        groups = self.pipe.trainable_groups()
-        for buf in range(store.num_upload_buffers):
-            self.pipe.refresh_uploads(groups, buf)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._num_steps = state.get("num_steps", 0)
+        return hf_state.named_weights(self.pipe.store, self.model, dtype or self.compute_dtype, device)
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
         """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes."""
         from laden.model.hf.export import export_hf
 
-        self.pipe.jobs.drain()
-        if self.dp_rank != 0:
+        write = self.dp_rank == 0
+        weights = self.named_weights(self.compute_dtype) if write else iter(())
+        export_hf(
+            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write
+        )
+
+    def offload(self) -> None:
+        """Release what the engine holds for its next step beside the host state; idempotent.
+
+        Waits for the host jobs (updates, landings) and the devices, then frees: on a GPU, the
+        device memory torch's caching allocator keeps from the last call (every stage's weights,
+        gradient accumulators, activations and a tied weight's carried gradient are freed when
+        their residency or call ends, but stay reserved; compiled kernels' caches aside); on
+        every machine, the pooled host buffers of parked activations (page-locked on a GPU
+        machine). Weights, masters, gradients and optimizer states are host state and stay.
+        Until `onload`, a step (`forward_backward`, `optimizer_step`, `train_batch`,
+        `eval_batch`, `forward`) raises `OffloadedError`; `named_weights` and checkpoints work.
+        """
+        if self._offloaded:
             return
-        masters = {id(hp.param): hp.master for hp in self.pipe.store.params if hp.master is not None}
-        state = dict(self.model.state_dict())
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) in masters:
-                state[name] = masters[id(p)]
-        export_hf(self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, state_dict=state)
+        self.pipe.release_device_memory()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Allow steps again; the next call re-allocates what it needs as it goes (idempotent)."""
+        self._offloaded = False
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied (queued: the updates finish on the host optimizer thread)."""
+        return self._version
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared checkpoint layout over the live host tensors (masters, optimizer states)."""
+        self._check_ready("state_dict", offloaded_ok=True)
+        self.pipe.jobs.drain()
+        return {
+            "model": hf_state.model_state(self.pipe.store, self.model),
+            "optimizer": named_state(self.optimizer, self._master_names()),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self._version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the shared layout (plain tensors or DTensors) and rewrite every upload buffer."""
+        self._check_ready("load_state_dict", offloaded_ok=True)
+        self.pipe.jobs.drain()
+        store = self.pipe.store
+        hf_state.load_model_state(store, self.model, state["model"])
+        for buf in range(store.num_upload_buffers):
+            self.pipe.refresh_uploads(store.groups, buf)
+        load_named_state(self.optimizer, self._master_names(), state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._version = int(state["version"])
+        # The next update applies the schedule's LR at `version` (what `optimizer_step` reports),
+        # whatever LR the loaded param groups carried.
+        for group, lr in zip(self.optimizer.param_groups, self._scheduled_lrs()):
+            group["lr"] = lr
+
+    def _scheduled_lrs(self) -> list[float]:
+        """Each param group's LR of step `version` under the schedule."""
+        scheduler = self.scheduler
+        return [float(base) * fn(self._version) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+
+    def _master_names(self) -> dict[int, str]:
+        return {id(hp.master): hp.name for hp in self.pipe.store.params if hp.master is not None}
 
     def _global_loss(self, loss: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        """Each replica's loss is its share of the global token mean: sum them over the replicas."""
+        """Each replica's loss is its share of the global mean: sum them over the replicas."""
         assert isinstance(loss, torch.Tensor), "the engine's loss function returns one tensor"
         if self.process_group is None:
             return loss
@@ -300,63 +445,59 @@ class RoundPipeEngine:
                 "exactly; set actor.optimizer.gradient_clipping > 0 to update only complete steps"
             ) from error
 
-    # ---- updates ------------------------------------------------------------------------
     def _submit_update(self, group: ParamGroup, buf: int, coef: float) -> None:
-        self.pipe.jobs.submit_optim(self._update_group, group, buf, coef)
-
-    @torch.no_grad()
-    def _update_group(self, group: ParamGroup, buf: int, coef: float) -> None:
-        """Optimizer thread: update one group's masters and write its upload copy `buf`.
-
-        Shared masters (optimizer dtype == compute dtype) are updated in place in buffer `buf`;
-        separate fp32 masters write the bf16 copy in the same pass.
-        """
-        members = group.members
-        grads = [hp.grad(buf) for hp in members]
-        if coef < 1.0:
-            group.grad_flats[buf].mul_(coef)
-        self.pipe.store.move_masters_to(group, buf)
-        masters = [hp.master for hp in members if hp.master is not None]
-        opt = self.optimizer
-        if isinstance(opt, HostAdamW):
-            fused_out = (
-                not group.shares_master
-                and opt.state_dtype == torch.float32
-                and group.compute_dtype == torch.bfloat16
-            )
-            outs = [hp.uploads[buf] for hp in members] if fused_out else None
-            opt.step_params(masters, grads=grads, params_out_bf16=outs)
-        else:
-            fused_out = False
-            _subset_step(opt, masters, grads)
-        if not fused_out:
-            self.pipe.refresh_uploads([group], buf)
-        for hp in members:
-            hp.filled[buf] = False
-        self.pipe.store.mark_done([group], buf)
+        self.pipe.jobs.submit_optim(update_group, self.pipe.store, self.optimizer, group, buf, coef)
 
 
-class _ScaledLoss:
-    """Summed token cross-entropy of a micro-batch over the step's global loss-token count."""
-
-    def __init__(self, global_num_loss_tokens: int, chunk_size: int) -> None:
-        self.denom = float(max(global_num_loss_tokens, 1))
-        self.chunk_size = chunk_size
-
-    def __call__(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(outputs, labels, chunk_size=self.chunk_size) / self.denom
+def _check_choices(optim_step: str, recompute_grain: str, loss_chunk_size: int | None) -> None:
+    if optim_step not in ("sync", "async"):
+        raise ValueError(f"actor.roundpipe.optim_step={optim_step!r} must be 'sync' or 'async'")
+    if recompute_grain not in ("stage", "layer"):
+        raise ValueError(f"actor.roundpipe.recompute_grain={recompute_grain!r} must be 'stage' or 'layer'")
+    if loss_chunk_size is not None and loss_chunk_size < 1:
+        raise ValueError(f"actor.loss_chunk_size={loss_chunk_size} must be >= 1 token, e.g. 1024")
 
 
-def _packed_kwargs(mb: PackedBatch) -> dict[str, Any]:
-    """One packed row as the split model's inputs (labels are already shifted per document)."""
-    return {
-        "input_ids": mb.input_ids[None],  # [1, T]
-        "position_ids": mb.position_ids[None],  # [1, T]
-        "cu_seq_lens_q": mb.cu_seqlens,
-        "cu_seq_lens_k": mb.cu_seqlens,
-        "max_length_q": mb.max_seqlen,
-        "max_length_k": mb.max_seqlen,
-    }
+def _check_step_args(micro_batches: Sequence[PackedBatch], normalizer: float) -> None:
+    if not micro_batches:
+        raise ValueError("got no micro-batches; pass this rank's packed micro-batches of the step")
+    if not normalizer > 0:
+        raise ValueError(f"normalizer={normalizer} must be > 0, e.g. the global batch's loss-token count")
+
+
+def _inputs(micro_batches: Sequence[PackedBatch]) -> list[tuple[tuple, dict[str, Any]]]:
+    return [((), packed_kwargs(mb)) for mb in micro_batches]
+
+
+def _parked(handoff: Any) -> list[torch.Tensor]:
+    """A micro-batch's parked head outputs (host tensors: the call synchronised)."""
+    assert handoff is not None, "every micro-batch of a call parks its head outputs"
+    return handoff.host_tree()
+
+
+def _objective_and_chunk(objective: Objective | None, loss_chunk_size: int | None) -> tuple[Objective, int]:
+    """The default objective (chunked cross-entropy) and the chunk of `forward`'s outputs."""
+    if objective is None:
+        objective = CrossEntropy(chunk_size=loss_chunk_size or DEFAULT_LOSS_CHUNK_SIZE)  # validated >= 1
+    if loss_chunk_size is None:
+        loss_chunk_size = getattr(objective, "chunk_size", DEFAULT_LOSS_CHUNK_SIZE)
+    return objective, loss_chunk_size
+
+
+def _estimate_chunk(objective: Objective, loss_chunk_size: int) -> int:
+    """The token chunk the planner counts the head's logits for: every token for full-logit cross-entropy."""
+    if isinstance(objective, CrossEntropy) and not objective.chunked:
+        return sys.maxsize
+    return loss_chunk_size
+
+
+def _build_optimizer(pipe: Pipeline, settings: OptimSettings) -> torch.optim.Optimizer:
+    """The one builder over the masters by name (it groups biases and 1-D params without decay)."""
+    masters = [(hp.name, hp.master) for hp in pipe.store.params if hp.master is not None]
+    # Leave four cores: the thread feeding the GPU, autograd's device thread, gradient landings, uploads.
+    on_gpu = any(lane.is_cuda for lane in pipe.lanes)
+    threads = max(1, torch.get_num_threads() - 4) if on_gpu else None
+    return build_optimizer(masters, settings, where="host", num_threads=threads)
 
 
 def _has_dropout(model: nn.Module) -> bool:
@@ -400,64 +541,6 @@ def _init_on_device(init: Callable[[nn.Module], None], device: torch.device, mod
         module._parameters.update(originals)
 
 
-def master_dtype_for(optimizer_type: str, optimizer_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the host master weights (and gradients) for `actor.optimizer.type`."""
-    if optimizer_type == "adam_bf16":
-        return torch.bfloat16
-    if optimizer_type == "adam" and optimizer_dtype == torch.bfloat16:
-        warnings.warn(
-            "actor.optimizer.type=adam with actor.optimizer_dtype=bfloat16: the roundpipe engine uses the "
-            "Kahan-compensated bf16 update (adam_bf16) for it; set type=adam_bf16 to say so",
-            stacklevel=3,
-        )
-    return optimizer_dtype
-
-
-def _build_optimizer(pipe: Pipeline, o: OptimSettings, on_gpu: bool) -> torch.optim.Optimizer:
-    masters = [hp for hp in pipe.store.params if hp.master is not None]
-    decay = [hp.master for hp in masters if not hp.group.key]  # type: ignore[union-attr]
-    no_decay = [hp.master for hp in masters if hp.group.key]  # type: ignore[union-attr]
-    groups: list[dict[str, Any]] = [
-        {"params": params, "weight_decay": wd}
-        for params, wd in ((decay, o.weight_decay), (no_decay, 0.0))
-        if params
-    ]
-    if o.type == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.type not in ("adam", "adam_bf16"):
-        raise ValueError(f"actor.optimizer.type={o.type!r} is not supported; use adam, adam_bf16 or sgd")
-    state_dtype = groups[0]["params"][0].dtype
-    # Leave four cores: the thread feeding the GPU, autograd's device thread, gradient landings, uploads.
-    threads = max(1, torch.get_num_threads() - 4) if on_gpu else None
-    return HostAdamW(
-        groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, state_dtype=state_dtype,
-        num_threads=threads,
-    )  # fmt: skip
-
-
-def _subset_step(
-    optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], grads: list[torch.Tensor]
-) -> None:
-    """A torch optimizer steps only params with a gradient: give one only to this group's masters."""
-    for p, g in zip(masters, grads):
-        p.grad = g
-    optimizer.step()
-    for p in masters:
-        p.grad = None
-
-
-def _scheduler_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Advance the LR schedule after this step's updates (optimizer thread, after them in order)."""
-    # The updates call step_params, not step(); tell the scheduler the optimizer did step.
-    scheduler.optimizer._opt_called = True  # type: ignore[attr-defined]
-    scheduler.step()
-
-
-def _clip_coef(norm: torch.Tensor, max_norm: float) -> float:
-    """The factor torch's clip_grad_norm_ applies: max_norm / (norm + 1e-6), at most 1."""
-    return min(1.0, max_norm / (float(norm) + 1e-6))  # host tensor: no device sync
-
-
 def build_roundpipe_engine(
     cfg: Any, model: nn.Module, *, mode: Any, optim: OptimSettings, device: Any
 ) -> RoundPipeEngine:
@@ -465,20 +548,38 @@ def build_roundpipe_engine(
 
     Devices: the CPU when `device` is the CPU; one process per node (the `roundpipe:dN` layout:
     N data-parallel replicas) pools every visible GPU; several processes per node each keep
-    to their own `device`.
+    to their own `device`. `actor.chunked_loss` and `actor.loss_chunk_size` make the default
+    objective; `actor.gradient_checkpointing` is ignored with a warning (see `_warn_ignored`).
     """
-    from laden.engine.factory import DTYPES
+    from laden.model.dtypes import torch_dtype
 
     actor, rp = cfg.actor, cfg.actor.roundpipe
+    _warn_ignored(actor)
     devices = None
     if device is not None and torch.device(device).type == "cpu":
         devices = [torch.device("cpu")]
     elif device is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         devices = [torch.device(device)]
     return RoundPipeEngine(
-        model, optim=optim, compute_dtype=DTYPES[actor.dtype], optimizer_dtype=DTYPES[actor.optimizer_dtype],
+        model, optim=optim, compute_dtype=torch_dtype(actor.dtype), optimizer_dtype=torch_dtype(actor.optimizer_dtype),
         num_microbatch=rp.num_microbatch, recompute_grain=rp.recompute_grain,
         model_memory_limit=rp.model_memory_limit, pin_model=rp.pin_model, optim_step=rp.optim_step,
-        devices=devices, loss_chunk_size=actor.loss_chunk_size, max_tokens_per_mb=actor.mb_spec.max_tokens_per_mb,
-        compile_backend="inductor" if rp.compile else None,
+        devices=devices, loss_chunk_size=actor.loss_chunk_size,
+        objective=CrossEntropy(chunked=actor.chunked_loss, chunk_size=actor.loss_chunk_size),
+        max_tokens_per_mb=actor.mb_spec.max_tokens_per_mb, compile_backend="inductor" if rp.compile else None,
     )  # fmt: skip
+
+
+GRADIENT_CHECKPOINTING_IGNORED = (
+    "actor.gradient_checkpointing=true has no effect with actor.backend=roundpipe: the engine recomputes "
+    "every backward stage from its saved input by design, at the grain of actor.roundpipe.recompute_grain "
+    "(stage: one stage's activations of a micro-batch alive at once; layer: one layer's). For the least "
+    "activation memory set actor.roundpipe.recompute_grain=layer; set actor.gradient_checkpointing=false "
+    "to silence this"
+)
+
+
+def _warn_ignored(actor: Any) -> None:
+    """Warn once per engine about `actor.*` knobs that roundpipe does not use."""
+    if actor.gradient_checkpointing:
+        warnings.warn(GRADIENT_CHECKPOINTING_IGNORED, UserWarning, stacklevel=3)

@@ -3,9 +3,11 @@
 `Pipeline` owns the host store (weights, masters, gradients), the device lanes and the
 host threads, and runs one call (`run_call`): tasks over the pool, then one deliberate
 device synchronisation (the caller reads losses on the host, and the host may rewrite
-upload buffers afterwards), then it waits for the call's gradient landings. The library
-API (`RoundPipe`) and the config-driven engine (`RoundPipeEngine`) differ only in what
-happens to the gradients afterwards: a user `step(fn)`, or per-group updates.
+upload buffers afterwards), then it waits for the call's gradient landings and for the
+optimizer jobs queued before the call (so a failed update is reported by the next call,
+deterministically; `host.jobs`). The library API (`RoundPipe`) and the config-driven
+engine (`RoundPipeEngine`) differ only in what happens to the gradients afterwards: a user
+`step(fn)`, or per-group updates.
 
 Upload-buffer and inbox indices: a call reads upload buffer `read_buf` and writes gradient
 inbox `read_buf`. The synchronous step keeps both at 0. The asynchronous step writes the
@@ -138,6 +140,7 @@ class Pipeline:
         stages that use it (`carried_params`; the caller counts their landings accordingly).
         """
         self.jobs.raise_errors()
+        before = self.jobs.last_optim()  # the call reports this job's failure, whenever it happens
         if loss_fn is None and not backward:  # inference: a fused plan's last stage runs forward too
             plan = ModelExecutePlan(fwd_plan=plan.forward_stages(self.num_layers))
         plan.check_valid(self.num_layers, "infer" if loss_fn is None and not backward else "fused")
@@ -174,6 +177,7 @@ class Pipeline:
             gc.collect()
             _collected = True
         self.jobs.drain_landing()
+        self.jobs.wait_for(before)
         return run
 
     def carried_params(self, plan: ModelExecutePlan) -> frozenset[int]:
@@ -192,6 +196,24 @@ class Pipeline:
     def refresh_uploads(self, groups: Sequence[ParamGroup], buf: int) -> None:
         """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype)."""
         self.store.write_uploads(groups, buf)
+
+    def release_device_memory(self) -> None:
+        """Between calls: hand back what the pipeline keeps for the next one (see `RoundPipeEngine.offload`).
+
+        Waits for the host jobs and the devices, drops the pooled host buffers of parked
+        activations (page-locked on a GPU machine; they go back to torch's host allocator, for
+        anyone in the process), and returns the device memory that torch's caching allocator
+        still reserves to the driver. Nothing else of a call outlives it on a device: weights,
+        gradient accumulators and a tied weight's carried gradient live for one residency or one
+        call, and the host state is untouched. The next call refills the pool as it goes.
+        """
+        self.jobs.drain()
+        for lane in self.lanes:
+            lane.synchronize()  # deliberate: nothing queued may still use what is released
+        self.host_buffers.clear()
+        if any(lane.is_cuda for lane in self.lanes):
+            gc.collect()  # a call's cyclic garbage (see gc_paused) may still hold device tensors
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.jobs.drain()

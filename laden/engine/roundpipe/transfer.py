@@ -98,6 +98,11 @@ class HostBuffers:
                     del self._free[size]
             self._call += 1
 
+    def clear(self) -> None:
+        """Drop every free buffer (back to torch's host allocator); the next call allocates anew."""
+        with self._lock:
+            self._free.clear()
+
     def free_bytes(self) -> int:
         with self._lock:
             return sum(size * len(free) for size, free in self._free.items())

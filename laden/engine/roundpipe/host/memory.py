@@ -12,12 +12,17 @@ model state; tests compare the two):
 | adam (fp32 master)   | async | 2 + 2   | 4      | 8      | 4 + 4 | 24    |
 | adam_bf16 (Kahan)    | sync  | 2       | shared | 6      | 2     | 10    |
 | adam_bf16 (Kahan)    | async | 2 + 2   | shared | 6      | 2 + 2 | 14    |
+| adam (bf16 master)   | sync  | 2       | shared | 4      | 2     | 8     |
+| adam (bf16 master)   | async | 2 + 2   | shared | 4      | 2 + 2 | 12    |
 
 `adam_bf16` keeps its bf16 master in the upload copy (`host.layout`: shared masters), so the
 Kahan update writes what the GPU uploads next; its states are bf16 `exp_avg`, `exp_avg_sq`
-and the Kahan compensation. The asynchronous step adds a second upload buffer (the one-step
-stale weights the next step reads while the update writes the other) and a second gradient
-inbox (the next step's gradients land while the update reads this step's).
+and the Kahan compensation. `adam` with `actor.optimizer_dtype: bfloat16` is what it says,
+as under every engine: `torch.optim.AdamW` on the bf16 masters, bf16 moments and no
+compensation (the builder warns: updates below bf16 resolution are lost). The asynchronous
+step adds a second upload buffer (the one-step stale weights the next step reads while the
+update writes the other) and a second gradient inbox (the next step's gradients land while
+the update reads this step's).
 
 Why fp32 masters take 18, not 16: their gradient inbox is fp32 (4 B). The device sums the
 micro-batch gradients in fp32, and the host adds more into the inbox (a tied embedding's
@@ -188,18 +193,18 @@ def predict_engine_host_bytes(
     engine's `OptimSettings`. With `num_microbatches` and `max_tokens_per_mb`, the stage plan
     the engine would make (or `execute_plan`) gives an `activations` estimate too.
     """
-    from laden.engine.roundpipe.engine import master_dtype_for, no_weight_decay
     from laden.model.split import split_causal_lm
+    from laden.optim import is_no_decay
 
     layers = list(split_causal_lm(model).layers)
     layout = HostLayout(
         layers, param_names={id(p): n for n, p in model.named_parameters()}, compute_dtype=compute_dtype,
-        master_dtype=master_dtype_for(optim.type, optimizer_dtype), group_key=no_weight_decay,
+        master_dtype=optim.master_dtype(optimizer_dtype), group_key=is_no_decay,
     )  # fmt: skip
     states = optimizer_state_keys(optim.type, getattr(optim, "momentum", 0.0))
     out = planned_host_bytes(
         layout, pin_mode=pin_model, pinned=pinned, optim_step=optim_step, optimizer_states=states,
-        tied_staging=num_devices > 1 or execute_plan is not None,  # see `RoundPipeEngine.train_batch`
+        tied_staging=num_devices > 1 or execute_plan is not None,  # see `RoundPipeEngine.forward_backward`
     )  # fmt: skip
     if num_microbatches and max_tokens_per_mb:
         plan = execute_plan or ModelExecutePlan.auto(

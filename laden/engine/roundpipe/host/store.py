@@ -286,9 +286,15 @@ class HostStore:
         group.master_buf = buf
 
     def write_uploads(self, groups: Sequence[ParamGroup], buf: int) -> None:
-        """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype)."""
+        """Write the masters of `groups` into upload buffer `buf` (cast to the compute dtype).
+
+        A frozen group has no master: buffer 0 (the model's own parameters) is copied instead."""
         with torch.no_grad():
             for group in groups:
+                if not group.trainable:
+                    if buf != 0:
+                        self._copy_upload(group, 0, buf)
+                    continue
                 if group.shares_master:
                     if group.master_buf != buf:
                         self._copy_upload(group, group.master_buf, buf)

@@ -1,0 +1,85 @@
+"""The host store under Hugging Face names: weights one tensor at a time, checkpoint tensors, loading.
+
+The newest weights of a trainable parameter are its master (in the asynchronous step the
+upload buffer a step reads holds the weights of one update earlier, and with fp32 masters
+the upload copies are rounded to the compute dtype), so everything here reads and writes
+masters; a frozen parameter has none and is read from the model itself (upload buffer 0).
+Callers drain the host jobs first: an update in flight would be read half written.
+
+`named_weights` hands out the live master when it already has the dtype and device asked
+for (no copy at all), else one converted tensor per name, made when the consumer asks for
+it and not kept by the iterator: a consumer that drops each tensor before taking the next
+holds one tensor beyond the model, never a second copy of it. `model_state` and
+`load_model_state` are the `"model"` part of the engine's checkpoint layout (one entry per
+`model.named_parameters()` name, tied weights once), holding the live tensors so that a
+checkpointer loads into them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from laden.engine.roundpipe.host.store import HostParam, HostStore
+from laden.model.hf.export import hf_state_names
+
+
+def _by_param(store: HostStore) -> dict[int, HostParam]:
+    return {id(hp.param): hp for hp in store.params}
+
+
+def _live(t: torch.Tensor, by_param: Mapping[int, HostParam]) -> torch.Tensor:
+    """The tensor holding `t`'s newest value: its master when it has one, else `t` itself."""
+    hp = by_param.get(id(t))
+    master = hp.master if hp is not None else None
+    return master if master is not None else t
+
+
+def named_weights(
+    store: HostStore, model: nn.Module, dtype: torch.dtype, device: torch.device | str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` for every name of `hf_state_names(model)`, floating tensors in `dtype`."""
+    state = model.state_dict(keep_vars=True)  # the live parameters and buffers, no copies
+    by_param = _by_param(store)
+    for name in hf_state_names(model):
+        # Converted inside the yield expression: the iterator keeps no reference to a tensor it
+        # handed out while it makes the next one.
+        yield name, _handout(_live(state[name], by_param), dtype, device)
+
+
+def _handout(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    target = dtype if t.is_floating_point() else t.dtype
+    return t.detach().to(device=device, dtype=target)  # the tensor itself when nothing changes
+
+
+def model_state(store: HostStore, model: nn.Module) -> dict[str, torch.Tensor]:
+    """`{name: live master}` for each `model.named_parameters()` name (a frozen one: the parameter).
+
+    The master parameters themselves: in the asynchronous step an update may re-point a shared
+    master at the other upload buffer, and the parameter object follows it."""
+    by_param = _by_param(store)
+    return {name: _live(p, by_param) for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_model_state(store: HostStore, model: nn.Module, saved: Mapping[str, Any]) -> None:
+    """Write `saved` (plain tensors or DTensors, by `model.named_parameters()` name) into the masters
+    and frozen parameters; tensors that already are the live ones are left alone. The caller
+    refreshes the upload copies afterwards."""
+    by_param = _by_param(store)
+    missing = [name for name, _ in model.named_parameters() if name not in saved]
+    if missing:
+        raise KeyError(f"the checkpoint holds no weights for {missing}; it was written for another model")
+    for name, p in model.named_parameters():
+        target = _live(p, by_param)
+        value = saved[name]
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor: gathered
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"weight {name!r} is {tuple(value.shape)} in the checkpoint but {tuple(target.shape)} in this model"
+            )
+        if value.data_ptr() != target.data_ptr():
+            target.copy_(value)
