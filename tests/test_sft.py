@@ -236,10 +236,12 @@ def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):
     cmd = [  # --standalone: torchrun picks a free local rendezvous port itself
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "laden.cli", "sft", "--config", "examples/sft_tiny.yaml", "--no-progress",
         f"cluster.fileroot={tmp_path}", f"trial_name={trial}", "total_train_steps=4",
-        "train_dataset.batch_size=8", "checkpoint.save_freq_steps=2", "cluster.n_gpus_per_node=2", *extra,
+        "train_dataset.batch_size=8", "checkpoint.save_freq_steps=2", *extra,  # cluster.*: from torchrun
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-12000:]
+    assert proc.stdout.count("done: ") == 1  # rank 0 speaks for both ranks
+    assert proc.stderr.count("laden.sft INFO model: ") == 1  # and logs for them
     return tmp_path / "sft-tiny" / trial
 
 

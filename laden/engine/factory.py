@@ -14,10 +14,9 @@ from torch import nn
 
 from laden.config import AllocationMode, LadenConfig
 from laden.engine.base import TrainEngine
-from laden.model.dtypes import DTYPES
 from laden.optim import OptimSettings
 
-__all__ = ["DTYPES", "build_engine", "launched_world_size"]  # DTYPES: laden.model.dtypes's, re-exported
+__all__ = ["build_engine", "launched_world_size"]
 
 
 def build_engine(

@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_linear_cross_entropy, linear_cross_entropy
+from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -415,10 +415,8 @@ def packed_causal_lm_loss(
     input_ids[t]; ignore_index at document ends and where no loss) as in
     `laden.data.batch.PackedBatch`; `shift_packed_labels` builds them from input-aligned labels.
     """
+    from laden.model.objective import CrossEntropy  # the one cross-entropy path of every engine
+
     hidden = packed_forward_hidden(model, input_ids, position_ids, cu_seqlens, max_seqlen)  # [T, H]
-    weight = lm_head_weight(model)
-    if chunked:
-        return chunked_linear_cross_entropy(
-            hidden, weight, labels, chunk_size=chunk_size, ignore_index=ignore_index
-        )
-    return linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index)
+    objective = CrossEntropy(chunked=chunked, chunk_size=chunk_size)
+    return objective.on_labels(hidden, lm_head_weight(model), labels, ignore_index=ignore_index)

@@ -42,11 +42,19 @@ class CrossEntropy:
             raise ValueError(f"actor.loss_chunk_size={self.chunk_size} must be >= 1 token, e.g. 1024")
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        labels = batch.labels.reshape(-1)  # [T]
+        return self.on_labels(hidden, head_weight, batch.labels)
+
+    def on_labels(
+        self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """The summed loss of `hidden [..., H]` against next-token `labels [...]` (already shifted)."""
+        labels = labels.reshape(-1)  # [T]
         hidden = hidden.reshape(-1, hidden.shape[-1])  # [T, H]
         if self.chunked:
-            return chunked_linear_cross_entropy(hidden, head_weight, labels, chunk_size=self.chunk_size)
-        return linear_cross_entropy(hidden, head_weight, labels)
+            return chunked_linear_cross_entropy(
+                hidden, head_weight, labels, chunk_size=self.chunk_size, ignore_index=ignore_index
+            )
+        return linear_cross_entropy(hidden, head_weight, labels, ignore_index=ignore_index)
 
 
 def token_outputs(
