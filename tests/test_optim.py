@@ -12,11 +12,17 @@ from torch.testing import assert_close
 
 from laden.optim import (
     AdamWBF16,
+    OptimSettings,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_,
     param_groups_with_decay,
 )
+
+
+def build(params, **settings):
+    """The one builder with `OptimSettings(**settings)`; no weight decay unless asked for."""
+    return build_optimizer(params, OptimSettings(**{"weight_decay": 0.0, **settings}))
 
 
 def _weights_away_from_zero(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -256,7 +262,7 @@ def test_named_params_skip_decay_on_biases_and_norms(type):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer(model.named_parameters(), type=type, lr=0.1, weight_decay=0.5)
+    opt = build(model.named_parameters(), type=type, lr=0.1, weight_decay=0.5)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # zero grads: only weight decay moves a param
     opt.step()
@@ -270,7 +276,7 @@ def test_named_params_skip_decay_on_biases_and_norms(type):
 
 def test_build_optimizer_kinds():
     p = torch.zeros(3, requires_grad=True)
-    adam = build_optimizer([p], type="adam", lr=1e-3, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6)
+    adam = build([p], type="adam", lr=1e-3, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6)
     assert isinstance(adam, torch.optim.AdamW)
     assert adam.defaults["foreach"] and not adam.defaults["fused"]  # CPU params: foreach
     assert (adam.defaults["betas"], adam.defaults["eps"], adam.param_groups[0]["weight_decay"]) == (
@@ -278,28 +284,28 @@ def test_build_optimizer_kinds():
         1e-6,
         0.01,
     )
-    sgd = build_optimizer([p], type="sgd", lr=1e-2, momentum=0.9)
+    sgd = build([p], type="sgd", lr=1e-2, momentum=0.9)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
-    assert isinstance(build_optimizer([p], type="adam_bf16", lr=1e-3), AdamWBF16)
+    assert isinstance(build([p], type="adam_bf16", lr=1e-3), AdamWBF16)
     with pytest.raises(ValueError, match="adam_bf16"):
-        build_optimizer([p], type="lion", lr=1e-3)  # type: ignore[arg-type]
+        build([p], type="lion", lr=1e-3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty"):
-        build_optimizer([], type="adam", lr=1e-3)
+        build([], type="adam", lr=1e-3)
 
 
 def test_adam_on_bf16_params_warns():
     p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
     with pytest.warns(UserWarning, match="adam_bf16"):
-        build_optimizer([p], type="adam", lr=1e-3)
+        build([p], type="adam", lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        build_optimizer([p], type="adam_bf16", lr=1e-3)
+        build([p], type="adam_bf16", lr=1e-3)
 
 
 @pytest.mark.gpu
 def test_adam_on_cuda_is_fused():
     p = torch.zeros(3, device="cuda", requires_grad=True)
-    assert build_optimizer([p], type="adam", lr=1e-3).defaults["fused"]
+    assert build([p], type="adam", lr=1e-3).defaults["fused"]
 
 
 @pytest.mark.parametrize("type", ["adam", "adam_bf16", "sgd"])
@@ -310,9 +316,7 @@ def test_optimizer_and_scheduler_resume_equals_uninterrupted(type):
 
     def make(weights):
         p = weights.clone().requires_grad_(True)
-        opt = build_optimizer(
-            [("w", p)], type=type, lr=0.1, weight_decay=0.1, momentum=0.9 if type == "sgd" else 0.0
-        )
+        opt = build([("w", p)], type=type, lr=0.1, weight_decay=0.1, momentum=0.9 if type == "sgd" else 0.0)
         sched = build_lr_scheduler(opt, type="cosine", total_steps=8, warmup_steps=2, min_lr_ratio=0.1)
         return p, opt, sched
 
@@ -403,3 +407,36 @@ def test_clip_grad_norm(max_norm):
     for p, g in zip(params, grads):
         assert_close(p.grad, g * scale)
     assert params[2].grad is None
+
+
+@pytest.mark.parametrize(
+    ("type", "dtype"), [("adam", torch.float32), ("adam_bf16", torch.bfloat16), ("sgd", torch.float32)]
+)
+def test_one_builder_same_update_on_device_and_host(type, dtype):
+    """What the fsdp engine builds ("device") and what the roundpipe engine builds for its host masters
+    ("host") take the same step from the same state, for each `actor.optimizer.type`."""
+    torch.manual_seed(0)
+    init, grads = torch.randn(8, 4).to(dtype), [torch.randn(8, 4).to(dtype) for _ in range(3)]
+    settings = OptimSettings(type=type, lr=0.05, weight_decay=0.1, momentum=0.0)
+    results = []
+    for where in ("device", "host"):
+        p = init.clone().requires_grad_(True)
+        opt = build_optimizer([("w", p)], settings, where=where)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append(p.detach().float())
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    assert_close(results[1], results[0], **tol)
+
+
+def test_adam_on_bf16_masters_warns_the_same_everywhere():
+    settings = OptimSettings(type="adam", lr=1e-3)
+    messages = []
+    for where in ("device", "host"):
+        p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+        with pytest.warns(UserWarning) as record:
+            opt = build_optimizer([p], settings, where=where)
+        assert isinstance(opt, torch.optim.AdamW)
+        messages.append([str(w.message) for w in record])
+    assert messages[0] == messages[1] and "adam_bf16" in messages[0][0]
