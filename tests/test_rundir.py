@@ -260,3 +260,24 @@ def test_resume_at_another_data_parallel_size_equals_uninterrupted(tmp_path, mon
         (tmp_path / "sft-tiny" / "resharded" / "checkpoints" / "step_4" / "meta.json").read_text()
     )
     assert meta["dp_size"] == 2
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_over_cleanly(tmp_path, monkeypatch):
+    """A crash before any checkpoint (not Ctrl-C: nothing was written) leaves metrics to drop, not to mix."""
+    import laden.sft.trainer as trainer
+
+    original = trainer.train_step
+
+    def crash_at_three(cfg, rt, engine, samples, indices, *, step: int):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return original(cfg, rt, engine, samples, indices, step=step)
+
+    monkeypatch.setattr(trainer, "train_step", crash_at_three)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_sft(_cfg(tmp_path, "crash"), progress=False)
+    run = tmp_path / "sft-tiny" / "crash"
+    assert [r["step"] for r in _rows(run)] == [1, 2] and not (run / "checkpoints").exists()
+    monkeypatch.undo()
+    run_sft(_cfg(tmp_path, "crash"), progress=False)
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]

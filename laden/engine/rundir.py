@@ -16,7 +16,8 @@ what happens instead:
   take effect on resume and are listed in the log; fields that change what the history means
   (data, seed, model, optimizer type or master dtype) are refused with the field and the fix.
 - `checkpoint.resume=never` on a directory that holds a history is refused (a fresh start
-  there would mix two histories); choose a new `trial_name`.
+  there would mix two histories); choose a new `trial_name`. A run that stopped before its
+  first checkpoint left nothing to continue: the rerun starts over with a clean `metrics.jsonl`.
 - After a resume, `metrics.jsonl` keeps only the steps up to the checkpoint (the steps run after
   it, before the interruption, are run again and logged again).
 - A rerun of a finished run (its final checkpoint is at `total_steps`) trains nothing: it says
@@ -174,12 +175,10 @@ class RunDirectory:
                     "the directory to discard that run"
                 )
             return []
-        if history.checkpoint is None:
+        if history.checkpoint is None:  # a run that stopped before its first checkpoint: nothing to continue
             if history.logged_steps:
-                raise RunDirectoryError(
-                    f"run directory {self.path} holds {history.logged_steps} logged steps but no checkpoint to "
-                    "resume from; set trial_name to a new name, or delete the directory to discard that run"
-                )
+                return [f"run directory {self.path} holds {history.logged_steps} logged steps but no checkpoint; "
+                        "starting over with a clean metrics.jsonl"]  # fmt: skip
             return []
         meta = read_meta(history.checkpoint)
         if meta.get("format") != FORMAT:

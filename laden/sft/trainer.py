@@ -247,6 +247,9 @@ def _already_finished(cfg: LadenConfig, run: RunDirectory, history: History, tot
 def _resume(cfg, rt: Runtime, run: RunDirectory, engine, batches, history: History, settings, changes) -> int:
     """Load the newest checkpoint (keeping the new config's schedule and hyper-parameters); its step."""
     if history.checkpoint is None or cfg.checkpoint.resume == "never":
+        for line in changes:  # only "starting over" can be said without a checkpoint
+            log.warning("%s", line)
+        run.keep_metrics_through(0)
         return 0
     step = history.checkpoint_step
     trainer_state = load_checkpoint(
