@@ -380,3 +380,23 @@ def test_every_top_level_section_documented_and_typed():
 def _strip_optional(tp):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if len(args) == 1 else tp
+
+
+def test_fields_a_job_does_not_read_are_named_with_where_they_act():
+    from laden.config.usage import fields_without_effect
+
+    cfg = load_config(
+        "examples/sft_tiny.yaml",
+        ["rollout.max_concurrent_rollouts=64", "actor.weight_update_mode=disk", "actor.roundpipe.num_microbatch=8",
+         "actor.fsdp.offload_params=true"],
+    )  # fmt: skip
+    fsdp = fields_without_effect(cfg, job="sft", engine="fsdp")
+    assert any(
+        line.startswith("rollout.max_concurrent_rollouts=64 has no effect in `laden sft`") for line in fsdp
+    )
+    assert any(line.startswith("actor.weight_update_mode='disk'") and "`laden rl`" in line for line in fsdp)
+    assert any(line.startswith("actor.roundpipe.num_microbatch=8") and "roundpipe:" in line for line in fsdp)
+    assert not any(line.startswith("actor.fsdp.") for line in fsdp)  # read by this engine
+    roundpipe = fields_without_effect(cfg, job="sft", engine="roundpipe")
+    assert any(line.startswith("actor.fsdp.offload_params=True") for line in roundpipe)
+    assert fields_without_effect(load_config("examples/sft_tiny.yaml", []), job="sft", engine="fsdp") == []

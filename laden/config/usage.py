@@ -10,9 +10,9 @@ being ignored in silence.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+from laden.config.loader import config_to_dict
 from laden.config.schema import LadenConfig
 
 # (field or section prefix, the jobs that read it, where it takes effect)
@@ -31,13 +31,14 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe"}
 
 
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config as plain nested dicts (`config_to_dict`, or YAML read back) -> `{dotted.name: value}`."""
+    if isinstance(tree, dict):
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(obj):
-            out.update(_flat(getattr(obj, f.name), f"{prefix}{f.name}."))
-        return out
-    return {prefix[:-1]: obj}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
 
 
 def _default_of(field_name: str, defaults: dict[str, Any]) -> Any:
@@ -51,9 +52,9 @@ def _default_of(field_name: str, defaults: dict[str, Any]) -> Any:
 
 def fields_without_effect(cfg: LadenConfig, *, job: str, engine: str) -> list[str]:
     """One line per field set away from its default that `job` on `engine` does not read."""
-    defaults = _flat(LadenConfig())
+    defaults = flatten(config_to_dict(LadenConfig()))
     lines = []
-    for name, value in _flat(cfg).items():
+    for name, value in flatten(config_to_dict(cfg)).items():
         if value == _default_of(name, defaults):
             continue
         where = _where(name, job, engine)

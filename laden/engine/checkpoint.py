@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from laden.model.hf.export import ShardWriter
+from laden.model.hf.export import ShardWriter, host_copy
 
 FORMAT = 2
 """The checkpoint layout version in `meta.json`; older layouts (format 1: pickled engine state) are refused."""
@@ -87,14 +87,6 @@ def _flat_tensors(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tenso
             yield "optimizer", f"{name}/{key}", t
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a collective for DTensors
-    full = full.detach().cpu()
-    if not full.is_contiguous() or full.untyped_storage().nbytes() != full.nbytes:
-        full = full.contiguous().clone()  # a view into a larger buffer: safetensors needs an owning tensor
-    return full
-
-
 def save_engine(
     engine: Any, path: Path, *, rank: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> None:
@@ -102,7 +94,7 @@ def save_engine(
     state = engine.state_dict()
     writers = {stem: ShardWriter(path, max_shard_bytes, stem=stem) for stem in ("model", "optimizer")}
     for stem, key, t in _flat_tensors(state):
-        full = _full(t)  # every rank joins the gather
+        full = host_copy(t)  # every rank joins the gather
         if rank == 0:
             writers[stem].add(key, full)
     if rank != 0:

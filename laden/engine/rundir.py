@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from laden.config.usage import flatten
 from laden.engine.checkpoint import FORMAT, list_checkpoints, read_meta
 
 # Fields that may differ between a checkpoint and the config resuming from it: they change how
@@ -74,16 +75,6 @@ class History:
     @property
     def empty(self) -> bool:
         return self.checkpoint is None and self.logged_steps == 0
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A config as `{dotted.name: value}`."""
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: tree}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:

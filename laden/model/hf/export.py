@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ShardWriter", "export_hf", "hf_state_names"]
+__all__ = ["ShardWriter", "export_hf", "hf_state_names", "host_copy"]
 
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5 * 2**30
 
@@ -58,9 +58,12 @@ def hf_state_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _export_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor is gathered (a collective)
-    out = full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype).contiguous()
+def host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` whole, on the host, owning its storage (what safetensors writes), floats cast to `dtype`
+    (default: kept). A DTensor is gathered with `full_tensor()`: a collective every rank joins."""
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+    out = full.detach().to("cpu", dtype=cast).contiguous()
     if out.untyped_storage().nbytes() != out.numel() * out.element_size():
         out = out.clone()  # a view into a larger buffer: safetensors needs an owning tensor
     return out
@@ -174,7 +177,7 @@ def export_hf(
     try:
         shards = ShardWriter(tmp, max_shard_size_bytes)
         for name, t in weights:
-            shards.add(name, _export_tensor(t, dtype))
+            shards.add(name, host_copy(t, dtype))
         shards.finish()
         config = copy.deepcopy(model.config)
         config.dtype = dtype
