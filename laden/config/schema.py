@@ -61,6 +61,10 @@ class GenerationConfig:
     """Pick the most likely token instead of sampling."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a completion (the tokenizer's EOS always does)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends at the first token whose text completes one of them."""
+    ignore_eos: bool = False
+    """Generate exactly `max_new_tokens` per completion, ignoring EOS and stop tokens (benchmarks)."""
 
 
 @dataclass(kw_only=True, slots=True)

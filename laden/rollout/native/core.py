@@ -1,0 +1,447 @@
+"""The native engine's synchronous core: scheduling, prefill, windows of decode steps, stops, OOM.
+
+`GenerationCore.step()` runs one *window*: it admits queued sequences (up to
+`max_concurrent` in flight, as many as the free KV blocks and the prefill token budget allow)
+and prefills them, then runs `decode_steps` decode steps for every running sequence on the
+device with no host sync in between (the sampled tokens feed the next step on the device; the
+host reads the window's tokens once at its end), then checks stops and returns the completions
+that finished. A sequence that stops inside a window keeps decoding until the window ends; its
+extra tokens are dropped. Continuous batching is this loop: finished sequences leave at a
+window's end, queued ones join at the next window's start.
+
+Invariants: a running sequence's cache holds every token but its last output token, which the
+next decode step feeds. Prefill always starts at position 0: a sequence that left the cache
+(preempted when the blocks ran out, or re-queued after an out-of-memory error) is prefilled
+again with its prompt and the tokens it has, and continues where it was. The completions of one
+request (`n_samples`) are prefilled once and share the prompt's full blocks.
+
+On an out-of-memory error in a window the core frees the window's work, halves
+`max_concurrent`, puts the affected sequences back at the head of the queue and goes on; at
+one sequence it raises `GenerationOOMError` with the knobs to change (nothing is lost: the
+sequences keep their tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from laden.rollout.base import GenerationRequest, GenerationResult, SamplingParams, StopReason
+from laden.rollout.native.kv_cache import KVCache
+from laden.rollout.native.model import DecodeMeta, PagedModel, PrefillMeta
+from laden.rollout.native.sampler import SamplingTensors, build_sampling_tensors, sample
+
+log = logging.getLogger(__name__)
+
+
+class GenerationOOMError(RuntimeError):
+    """Out of GPU memory in generation with one sequence in flight: nothing left to lower."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: GenerationRequest
+    sample_index: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    done: StopReason | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.input_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def result(self) -> GenerationResult:
+        assert self.done is not None
+        return GenerationResult(
+            rid=self.request.rid, sample_index=self.sample_index, input_ids=self.prompt,
+            output_ids=list(self.output), output_logprobs=list(self.logprobs),
+            output_versions=list(self.versions), stop_reason=self.done,
+        )  # fmt: skip
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """Queued work: the fresh completions of one request (prefilled together) or one re-queued sequence."""
+
+    seqs: list[Sequence]
+
+    @property
+    def fresh(self) -> bool:
+        return not self.seqs[0].output
+
+    def prefill_tokens(self) -> int:
+        return self.seqs[0].num_tokens if self.fresh else sum(s.num_tokens for s in self.seqs)
+
+
+class GenerationCore:
+    """See the module docstring. `model` runs on its device; `cache` is sized by the caller."""
+
+    def __init__(
+        self,
+        model: PagedModel,
+        cache: KVCache,
+        *,
+        max_concurrent: int,
+        decode_steps: int,
+        max_prefill_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer=None,
+        seed: int = 0,
+        oom_hook: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.max_concurrent = max_concurrent
+        self.decode_steps = decode_steps
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.version = 0
+        self.waiting: deque[_Group] = deque()
+        self.running: list[Sequence] = []
+        self.device = model.device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.oom_hook = oom_hook  # tests: called as (phase, batch size) before each device phase
+        self.graphs: Any = None  # set by the engine on CUDA (`laden.rollout.native.graphs.DecodeGraphs`)
+        self.stats = {"windows": 0, "prefill_tokens": 0, "decode_steps": 0, "preempted": 0, "oom_retries": 0}
+
+    # ----------------------------------------------------------------- queue
+
+    def add(self, request: GenerationRequest) -> None:
+        params = request.sampling
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request.rid!r} has stop strings {params.stop!r} but the engine has no tokenizer; "
+                "give the engine the model's tokenizer, or use stop_token_ids"
+            )
+        if len(request.input_ids) >= self.model.max_model_len:
+            raise ValueError(
+                f"request {request.rid!r}: the prompt has {len(request.input_ids)} tokens, the engine's context "
+                f"is {self.model.max_model_len} (max_model_len); shorten the prompt or raise max_model_len"
+            )
+        stop = frozenset() if params.ignore_eos else frozenset((*self.eos_token_ids, *params.stop_token_ids))
+        seqs = [Sequence(request=request, sample_index=i, stop_ids=stop) for i in range(request.n_samples)]
+        self.waiting.append(_Group(seqs))
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(g.seqs) for g in self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- one window
+
+    def step(self) -> list[GenerationResult]:
+        """Admit, prefill, decode one window; the completions that finished in it."""
+        finished: list[Sequence] = []
+        admitted: list[_Group] = []
+        try:
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted, finished)
+            if self.running:
+                self._decode_window(finished)
+        except torch.OutOfMemoryError as e:
+            self._recover_from_oom(e, admitted)
+        self.stats["windows"] += 1
+        return [s.result() for s in finished]
+
+    def _admit(self) -> list[_Group]:
+        admitted: list[_Group] = []
+        budget = self.max_prefill_tokens
+        in_flight = len(self.running)
+        while self.waiting:
+            group = self.waiting[0]
+            n = len(group.seqs)
+            tokens = group.prefill_tokens()
+            if in_flight + n > self.max_concurrent and in_flight > 0:
+                break
+            if admitted and tokens > budget:
+                break
+            if not self._reserve(group):
+                if in_flight == 0 and not admitted:
+                    raise RuntimeError(
+                        f"request {group.seqs[0].request.rid!r} needs more KV cache than the engine has "
+                        f"({self.cache.allocator.capacity} blocks of {self.cache.block_size} tokens); raise "
+                        "native.mem_fraction_static or lower gconfig.max_new_tokens / n_samples"
+                    )
+                break
+            self.waiting.popleft()
+            admitted.append(group)
+            in_flight += n
+            budget -= tokens
+        return admitted
+
+    def _reserve(self, group: _Group) -> bool:
+        """Blocks for the group's prefill plus one decode window (shared prompt blocks counted once)."""
+        alloc, bs = self.cache.allocator, self.cache.block_size
+        ahead = self.decode_steps + 1
+        if group.fresh:
+            plen = group.seqs[0].num_tokens
+            full = plen // bs
+            per_seq = self.cache.blocks_for(plen + ahead) - full
+            need = full + per_seq * len(group.seqs)
+            if need > alloc.num_free:
+                return False
+            shared = alloc.allocate(full)
+            for i, s in enumerate(group.seqs):
+                s.blocks = (shared if i == 0 else alloc.share(shared)) + alloc.allocate(per_seq)
+            return True
+        need = sum(self.cache.blocks_for(s.num_tokens + ahead) for s in group.seqs)
+        if need > alloc.num_free:
+            return False
+        for s in group.seqs:
+            s.blocks = alloc.allocate(self.cache.blocks_for(s.num_tokens + ahead))
+        return True
+
+    def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
+        bs = self.cache.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prefill(self, groups: list[_Group], finished: list[Sequence]) -> None:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bounds = [0]
+        rows: list[list[Sequence]] = []  # the sequences that sample from each prefilled row
+        for g in groups:
+            lead = g.seqs[0]
+            for s in [lead] if g.fresh else g.seqs:
+                tokens = [*s.prompt, *s.output]
+                ids += tokens
+                positions += range(len(tokens))
+                slots += self._slots(s.blocks, 0, len(tokens))
+                bounds.append(len(ids))
+                rows.append(g.seqs if g.fresh else [s])
+        if self.oom_hook is not None:
+            self.oom_hook("prefill", len(bounds) - 1)
+        dev = self.device
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        meta = PrefillMeta(
+            positions=torch.tensor(positions, device=dev),
+            slots=torch.tensor(slots, device=dev),
+            cu_seqlens=torch.tensor(bounds, device=dev, dtype=torch.int32),
+            bounds=bounds,
+            max_len=max(lengths),
+            last=torch.tensor([b - 1 for b in bounds[1:]], device=dev),
+        )
+        logits = self.model.prefill(torch.tensor(ids, device=dev), meta, self.cache.k, self.cache.v)
+        self.stats["prefill_tokens"] += len(ids)
+        # Completions that share a prompt copy its partial last block, then sample from the same row.
+        expanded = []
+        for r, seqs in enumerate(rows):
+            lead = seqs[0]
+            plen = lead.num_tokens
+            if len(seqs) > 1 and plen % self.cache.block_size:
+                partial = plen // self.cache.block_size
+                for s in seqs[1:]:
+                    self.cache.copy_block(lead.blocks[partial], s.blocks[partial])
+            expanded += [r] * len(seqs)
+        flat = [s for seqs in rows for s in seqs]
+        st = build_sampling_tensors([(s.params, s.stop_ids) for s in flat], dev)
+        generated = torch.tensor([len(s.output) for s in flat], device=dev)
+        row_logits = logits[torch.tensor(expanded, device=dev)]
+        sampled, sampled_lp = sample(row_logits, st, generated, self.generator)
+        tokens_h, logprobs_h = sampled.tolist(), sampled_lp.tolist()
+        for s, t, lp in zip(flat, tokens_h, logprobs_h):
+            self.running.append(s)
+            self._append(s, t, lp)
+        self._retire(finished)
+
+    def _append(self, s: Sequence, token: int, logprob: float) -> None:
+        s.output.append(token)
+        s.logprobs.append(logprob)
+        s.versions.append(self.version)
+        n = len(s.output)
+        if (
+            token in s.stop_ids
+            and n >= s.params.min_new_tokens
+            or (
+                s.params.stop
+                and not s.params.ignore_eos
+                and n >= s.params.min_new_tokens
+                and self._stop_string(s)
+            )
+        ):
+            s.done = "stop"
+        elif n >= s.params.max_new_tokens or s.num_tokens >= self.model.max_model_len:
+            s.done = "length"
+
+    def _stop_string(self, s: Sequence) -> bool:
+        """Whether the text of the output ends a stop string at its last token (decoded tail only)."""
+        longest = max(len(x) for x in s.params.stop)
+        tail = self.tokenizer.decode(s.output[-(longest + 8) :])
+        before = self.tokenizer.decode(s.output[-(longest + 8) : -1])
+        return any(x in tail and x not in before for x in s.params.stop)
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        keep = []
+        for s in self.running:
+            if s.done is None:
+                keep.append(s)
+            else:
+                self.cache.allocator.free(s.blocks)
+                s.blocks = []
+                finished.append(s)
+        self.running = keep
+
+    def _ensure_blocks(self, steps: int) -> None:
+        """Every running sequence gets blocks for `steps` more tokens; the newest ones are preempted
+        (back to the head of the queue, to be prefilled again) while blocks are short."""
+        alloc = self.cache.allocator
+        while True:
+            need = [max(0, self.cache.blocks_for(s.num_tokens + steps) - len(s.blocks)) for s in self.running]
+            if sum(need) <= alloc.num_free or len(self.running) == 1:
+                break
+            victim = self.running.pop()
+            self._requeue([victim])
+            self.stats["preempted"] += 1
+        for s, n in zip(self.running, need):
+            if n:
+                s.blocks += alloc.allocate(min(n, alloc.num_free))
+
+    def requeue_running(self) -> None:
+        """Every running sequence leaves the cache, keeping its tokens (weights changed, or sleep)."""
+        running, self.running = self.running, []
+        self._requeue(running)
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        for s in reversed(seqs):
+            self.cache.allocator.free(s.blocks)
+            s.blocks = []
+            self.waiting.appendleft(_Group([s]))
+
+    def _decode_window(self, finished: list[Sequence]) -> None:
+        remaining = max(
+            min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens)
+            for s in self.running
+        )
+        steps = max(1, min(self.decode_steps, remaining))
+        self._ensure_blocks(steps)
+        if self.oom_hook is not None:
+            self.oom_hook("decode", len(self.running))
+        seqs = self.running
+        b = len(seqs)
+        max_blocks = self.cache.blocks_for(self.model.max_model_len)
+        table = torch.zeros(b, max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:max_blocks], dtype=torch.int32)
+        last = torch.tensor([s.output[-1] for s in seqs])
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs])
+        generated = torch.tensor([len(s.output) for s in seqs])
+        st = build_sampling_tensors([(s.params, s.stop_ids) for s in seqs], torch.device("cpu"))
+        out = None
+        if self.graphs is not None and self.graphs.fits(b):
+            out = self.graphs.run(table, last, positions, generated, st, steps, self.generator)
+        tokens, logprobs = (
+            out if out is not None else self._eager_window(table, last, positions, generated, st, steps)
+        )
+        self.stats["decode_steps"] += steps
+        tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host sync
+        for j in range(steps):
+            for i, s in enumerate(seqs):
+                if s.done is None:
+                    self._append(s, tokens_h[j][i], logprobs_h[j][i])
+        self._retire(finished)
+
+    def _eager_window(self, table, last, positions, generated, st_host: SamplingTensors, steps: int):
+        dev = self.device
+        table = table.to(dev)
+        tokens = last.to(dev)
+        positions = positions.to(dev)
+        generated = generated.to(dev)
+        st = _to_device(st_host, dev)
+        out_t, out_lp = [], []
+        bs = self.cache.block_size
+        limit = self.model.max_model_len - 1
+        rows = torch.arange(table.shape[0], device=dev)
+        for _ in range(steps):
+            pos = positions.clamp(max=limit)
+            slots = table[rows, pos // bs].long() * bs + pos % bs
+            meta = DecodeMeta(
+                positions=pos, slots=slots, block_tables=table, context_lens=(pos + 1).to(torch.int32)
+            )
+            logits = self.model.decode(tokens, meta, self.cache.k, self.cache.v)
+            tokens, lp = sample(logits, st, generated, self.generator)
+            out_t.append(tokens)
+            out_lp.append(lp)
+            positions = positions + 1
+            generated = generated + 1
+        return torch.stack(out_t), torch.stack(out_lp)
+
+    # ----------------------------------------------------------------- out of memory
+
+    def _recover_from_oom(self, error: BaseException, admitted: list[_Group]) -> None:
+        """Free the window's sequences, lower concurrency, re-queue them (their tokens kept).
+
+        Affected: the running sequences and those admitted in this window (a failed prefill had not
+        made them running yet); sequences that finished before the error are returned as usual."""
+        affected = list(self.running)
+        seen = {id(s) for s in affected}
+        affected += [s for g in admitted for s in g.seqs if id(s) not in seen and s.done is None]
+        self.running = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        fresh_groups = [g for g in admitted if g.fresh and g.seqs[0] in affected]
+        if len(affected) <= 1 and self.max_concurrent <= 1:
+            self._requeue(affected)
+            raise GenerationOOMError(
+                "out of GPU memory in generation with one sequence in flight "
+                f"({affected[0].num_tokens if affected else 0} tokens). {self.oom_advice(1)}"
+            ) from error
+        new_limit = max(1, min(self.max_concurrent, len(affected)) // 2)
+        log.warning(
+            "out of GPU memory in generation with %d sequences in flight: lowered the concurrency from %d to %d "
+            "and re-queued them (nothing is lost). %s",
+            len(affected), self.max_concurrent, new_limit, self.oom_advice(len(affected)),
+        )  # fmt: skip
+        self.max_concurrent = new_limit
+        self.stats["oom_retries"] += 1
+        fresh = {id(s) for g in fresh_groups for s in g.seqs}
+        self._requeue([s for s in affected if id(s) not in fresh])
+        for g in reversed(fresh_groups):  # never prefilled: back as one group, prompt shared again
+            for s in g.seqs:
+                self.cache.allocator.free(s.blocks)
+                s.blocks = []
+            self.waiting.appendleft(g)
+
+    def oom_advice(self, in_flight: int) -> str:
+        fraction = getattr(self, "mem_fraction_static", None)
+        lower = (
+            f"native.mem_fraction_static={max(0.1, fraction - 0.1):.2f} (now {fraction:.2f})"
+            if fraction
+            else ("a lower native.mem_fraction_static")
+        )
+        return (
+            f"Fixes: rollout.max_concurrent_rollouts={max(1, in_flight // 2)} (now {self.max_concurrent}); "
+            f"more tensor parallel (rollout.backend: native:d1t2); {lower}; or shorter "
+            "gconfig.max_new_tokens"
+        )
+
+
+def _to_device(st: SamplingTensors, dev: torch.device) -> SamplingTensors:
+    if st.temperature.device == dev:
+        return st
+    return SamplingTensors(
+        temperature=st.temperature.to(dev), greedy=st.greedy.to(dev), top_k=st.top_k.to(dev),
+        top_p=st.top_p.to(dev), min_tokens=st.min_tokens.to(dev), stop_ids=st.stop_ids.to(dev),
+        truncate=st.truncate, any_min_tokens=st.any_min_tokens,
+    )  # fmt: skip

@@ -1,0 +1,420 @@
+"""`NativeEngine`: the embedded rollout engine (`rollout.backend: native:d1`), needing only PyTorch.
+
+It wraps `GenerationCore` (scheduling, paged KV cache, decode windows) in the async
+`RolloutEngine` protocol. All device work runs in one worker thread, one window at a time, so
+the event loop stays free for the caller (an RL trainer's rollout workflows) while the GPU
+decodes; `pause()` waits for the window in progress to end (a token boundary), and weight
+updates, `sleep` and `wake` run between windows in the same thread.
+
+Memory: on CUDA the engine reserves `mem_fraction_static` of the GPU's memory for its weights
+plus the KV cache (SGLang's meaning of the knob); what a profiling pass at the largest prefill
+and decode batch needs for activations is kept out of the cache. On the CPU the cache holds
+`max_concurrent` sequences of `max_model_len` tokens unless `kv_cache_tokens` says otherwise.
+
+Weights: the engine's model is a `transformers` causal LM whose parameters it owns; an update
+copies the new tensors into them in place, by Hugging Face name (`laden.weights`), so there is
+never a second copy of the model on the device. The sequences in flight at an update keep their
+tokens and leave the KV cache: their keys and values are recomputed under the new weights (one
+prefill of prompt plus tokens so far) when they continue, so a resumed completion is exactly
+what the new weights produce from its prefix. `sleep(weights=True)` frees them too (a
+colocated trainer holds the same weights) and the next update after `wake()` refills them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from laden.rollout.base import GenerationRequest, GenerationResult
+from laden.rollout.native.attention import pick_decode_backend
+from laden.rollout.native.core import GenerationCore
+from laden.rollout.native.kv_cache import KVCache
+from laden.rollout.native.model import PagedModel
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids += list(value) if isinstance(value, (list, tuple)) else [int(value)]
+    return tuple(dict.fromkeys(ids))
+
+
+class NativeEngine:
+    """The embedded rollout engine (see the module docstring).
+
+    model: a Qwen3 / Qwen2 / Llama / Mistral `*ForCausalLM`, already on its device and in its
+        dtype; the engine uses (and updates) its parameters.
+    tokenizer: for stop strings and EOS ids (optional).
+    max_concurrent: sequences in flight (`rollout.max_concurrent_rollouts`); the rest queue.
+    max_model_len: longest prompt + completion; sizes the block tables and rotary table.
+    decode_steps: decode steps per window between host reads (1 = check stops every token).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        max_concurrent: int = 256,
+        max_model_len: int = 4096,
+        block_size: int = 16,
+        mem_fraction_static: float = 0.8,
+        kv_cache_tokens: int | None = None,
+        decode_steps: int | None = None,
+        max_prefill_tokens: int | None = None,
+        cuda_graphs: bool | None = None,
+        decode_backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if max_concurrent < 1:
+            raise ValueError(
+                f"max_concurrent={max_concurrent} must be >= 1 (rollout.max_concurrent_rollouts)"
+            )
+        if not 0 < mem_fraction_static <= 1:
+            raise ValueError(f"native.mem_fraction_static={mem_fraction_static} must be in (0, 1]")
+        model.eval()
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.paged = PagedModel(
+            model,
+            max_model_len=max_model_len,
+            decode_backend=pick_decode_backend(device, dtype, decode_backend),
+        )
+        cfg = model.config
+        self.block_size = block_size
+        self.mem_fraction_static = mem_fraction_static
+        self.max_concurrent = max_concurrent
+        on_cuda = device.type == "cuda"
+        self.decode_steps = decode_steps or (8 if on_cuda else 4)
+        self.max_prefill_tokens = max_prefill_tokens or (16384 if on_cuda else 2048)
+        self._cache_kwargs = dict(
+            num_layers=cfg.num_hidden_layers, block_size=block_size, kv_heads=self.paged.num_kv_heads,
+            head_dim=self.paged.head_dim, dtype=dtype, device=device,
+        )  # fmt: skip
+        num_blocks = self._plan_blocks(kv_cache_tokens)
+        cache = KVCache(num_blocks=num_blocks, **self._cache_kwargs)  # type: ignore[arg-type]
+        self.core = GenerationCore(
+            self.paged, cache, max_concurrent=max_concurrent, decode_steps=self.decode_steps,
+            max_prefill_tokens=self.max_prefill_tokens, eos_token_ids=_eos_ids(model, tokenizer),
+            tokenizer=tokenizer, seed=seed,
+        )  # fmt: skip
+        self.core.mem_fraction_static = mem_fraction_static  # type: ignore[attr-defined]
+        self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs:
+            from laden.rollout.native.graphs import DecodeGraphs
+
+            self.core.graphs = DecodeGraphs.capture(self.core, max_batch=max_concurrent)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laden-native")
+        self._lock: asyncio.Lock | None = None
+        self._resumed: asyncio.Event | None = None
+        self._work: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._paused = False
+        self._sleeping = False
+        self._weights_released = False
+        self._closed = False
+        log.info(
+            "native engine: %d KV blocks of %d tokens (%.2f GiB, %d tokens), up to %d sequences, decode %s%s",
+            num_blocks - 1, block_size, cache.nbytes / 2**30, (num_blocks - 1) * block_size, max_concurrent,
+            self.paged.decode_backend, ", CUDA graphs" if self.cuda_graphs else "",
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- sizing
+
+    def _plan_blocks(self, kv_cache_tokens: int | None) -> int:
+        bs = self.block_size
+        if kv_cache_tokens is not None:
+            return math.ceil(kv_cache_tokens / bs) + 1
+        if self.device.type != "cuda":
+            per_seq = math.ceil(self.paged.max_model_len / bs) + 1
+            return self.max_concurrent * per_seq + 1
+        return self._profile_blocks()
+
+    def _profile_blocks(self) -> int:
+        """Blocks that fit in `mem_fraction_static` of the GPU after weights and the activations of a
+        profiling pass at the largest prefill and decode batch."""
+        from laden.rollout.native.model import DecodeMeta, PrefillMeta
+
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        probe = KVCache(num_blocks=2, **self._cache_kwargs)  # type: ignore[arg-type]
+        n = self.max_prefill_tokens
+        pos = torch.arange(n, device=dev) % self.paged.max_model_len
+        chunk = min(n, self.paged.max_model_len)
+        bounds = list(range(0, n, chunk)) + [n]
+        meta = PrefillMeta(
+            positions=pos, slots=torch.zeros(n, dtype=torch.long, device=dev),
+            cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev), bounds=bounds, max_len=chunk,
+            last=torch.tensor(bounds[1:], device=dev) - 1,
+        )  # fmt: skip
+        self.paged.prefill(torch.zeros(n, dtype=torch.long, device=dev), meta, probe.k, probe.v)
+        b = self.max_concurrent
+        mb = probe.blocks_for(self.paged.max_model_len)
+        dmeta = DecodeMeta(
+            positions=torch.zeros(b, dtype=torch.long, device=dev), slots=torch.zeros(b, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(b, mb, dtype=torch.int32, device=dev),
+            context_lens=torch.ones(b, dtype=torch.int32, device=dev),
+        )  # fmt: skip
+        logits = self.paged.decode(torch.zeros(b, dtype=torch.long, device=dev), dmeta, probe.k, probe.v)
+        # the sampler's [B, V] fp32 temporaries (log-probs, probabilities, the race, a sort)
+        extra = 6 * logits.numel() * 4
+        del logits, probe
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) + extra
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = self.mem_fraction_static * total - peak
+        others = total - free - torch.cuda.memory_reserved(dev)  # other processes on this GPU
+        budget = min(
+            budget, free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev) - extra - 2**30
+        )
+        per_block = KVCache.bytes_per_block(**{k: v for k, v in self._cache_kwargs.items() if k != "device"})  # type: ignore[arg-type]
+        blocks = int(budget // per_block)
+        need = self.paged.max_model_len // self.block_size + 2
+        if blocks < need:
+            raise RuntimeError(
+                f"the native engine's KV cache does not fit: native.mem_fraction_static={self.mem_fraction_static} of "
+                f"{total / 2**30:.1f} GiB leaves {max(budget, 0) / 2**30:.2f} GiB after the weights and activations "
+                f"({peak / 2**30:.2f} GiB; {others / 2**30:.1f} GiB used by other processes), under one sequence of "
+                f"{self.paged.max_model_len} tokens; raise native.mem_fraction_static, lower rollout.max_concurrent_rollouts "
+                "or the context length, or use more tensor parallel"
+            )
+        return blocks
+
+    # ----------------------------------------------------------------- the protocol
+
+    @property
+    def version(self) -> int:
+        return self.core.version
+
+    def _ensure_loop_state(self) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+            self._resumed = asyncio.Event()
+            self._resumed.set()
+            self._work = asyncio.Event()
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        """Results as they finish (see `RolloutEngine.generate`)."""
+        if self._closed:
+            raise RuntimeError("the native engine is closed")
+        self._ensure_loop_state()
+        assert self._work is not None
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids) or any(rid in self._queues for rid in rids):
+            raise ValueError("request ids must be unique among the requests in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        expected = 0
+        for r in requests:
+            self._queues[r.rid] = queue
+            expected += r.n_samples
+        async with self._lock:  # type: ignore[union-attr]
+            for r in requests:
+                self.core.add(r)
+        self._work.set()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        try:
+            for _ in range(expected):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for rid in rids:
+                self._queues.pop(rid, None)
+
+    async def generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Every result, ordered by request then sample index."""
+        order = {r.rid: i for i, r in enumerate(requests)}
+        out = [r async for r in self.generate(requests)]
+        return sorted(out, key=lambda r: (order[r.rid], r.sample_index))
+
+    def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """`generate_all` from synchronous code (its own event loop)."""
+        return asyncio.run(self._generate_and_stop(requests))
+
+    async def _generate_and_stop(self, requests):
+        try:
+            return await self.generate_all(requests)
+        finally:
+            if self._driver is not None:
+                await self._driver
+            self._lock = self._resumed = self._work = None
+            self._driver = None
+
+    async def _drive(self) -> None:
+        assert self._lock is not None and self._resumed is not None
+        while not self._closed:
+            await self._resumed.wait()
+            async with self._lock:
+                if self._paused or self._sleeping:
+                    continue
+                if self.core.idle:
+                    return
+                try:
+                    results = await self._run(self.core.step)
+                except BaseException as e:  # noqa: BLE001 - reach every waiting caller
+                    for q in set(self._queues.values()):
+                        q.put_nowait(e)
+                    return
+            for r in results:
+                waiting = self._queues.get(r.rid)
+                if waiting is not None:
+                    waiting.put_nowait(r)
+
+    async def pause(self) -> None:
+        self._ensure_loop_state()
+        assert self._lock is not None and self._resumed is not None
+        self._paused = True
+        self._resumed.clear()
+        async with self._lock:  # the window in progress ends first
+            pass
+
+    async def resume(self) -> None:
+        self._ensure_loop_state()
+        assert self._resumed is not None
+        self._paused = False
+        if not self._sleeping:
+            self._resumed.set()
+        if not self.core.idle and (self._driver is None or self._driver.done()):
+            self._driver = asyncio.ensure_future(self._drive())
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """New weights between windows (pause first for a token-exact boundary under load)."""
+        self._ensure_loop_state()
+        async with self._lock:  # type: ignore[union-attr]
+            await self._run(self._load_weights, source, version)
+
+    def _load_weights(self, source: Any, version: int) -> None:
+        if self._weights_released:
+            self._restore_weight_storage()
+        self._apply_source(source, self.named_parameters(), version)
+        # The cached keys and values of the sequences in flight came from the old weights: they are
+        # prefilled again (prompt and tokens so far) under the new ones when they next run.
+        self.core.requeue_running()
+        if self._weights_released:
+            self.paged.rebuild_rope()
+            self._weights_released = False
+            if self.core.graphs is not None and self.core.cache.allocated:
+                self.core.graphs.recapture()  # the graphs held the released weights' addresses
+        self.core.version = version
+
+    def _apply_source(self, source: Any, params: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `source`'s tensors into `params` by name: a `WeightUpdateMeta` (disk: the directory of
+        `version`; xccl: a broadcast from the trainer, received bucket by bucket straight into the
+        parameters), a path (a disk root), or `(name, tensor)` pairs / a mapping (in place)."""
+        from pathlib import Path
+
+        from laden.weights import WeightUpdateMeta, fill_in_place, read_weights, receive_into
+
+        if isinstance(source, WeightUpdateMeta):
+            if source.type == "disk":
+                assert source.path is not None
+                fill_in_place(read_weights(source.path, version, device=self.device), params)
+            elif source.type == "xccl":
+                receive_into(self._weight_group(source), params)
+            else:
+                raise ValueError(
+                    "an inplace WeightUpdateMeta carries no tensors: pass the trainer's "
+                    "named_weights(...) to update_weights in the same process"
+                )
+        elif isinstance(source, (str, Path)):
+            fill_in_place(read_weights(source, version, device=self.device), params)
+        else:
+            fill_in_place(source, params)
+
+    def _weight_group(self, meta: Any):
+        """The xccl group of `meta`, joined once as rank `weight_group_rank` (default 1)."""
+        from laden.weights import init_weight_group
+
+        key = (meta.master_addr, meta.master_port, meta.group_name)
+        groups = self.__dict__.setdefault("_weight_groups", {})
+        if key not in groups:
+            groups[key] = init_weight_group(meta, getattr(self, "weight_group_rank", 1), device=self.device)
+        return groups[key]
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by Hugging Face name (what updates are copied into)."""
+        from laden.model.hf.export import hf_state_names
+
+        state = self.model.state_dict(keep_vars=True)
+        return {name: state[name].data for name in hf_state_names(self.model)}
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Synchronous in-place update (the engine idle or paused)."""
+        self._load_weights(named, self.core.version if version is None else version)
+
+    async def sleep(self, *, weights: bool = False) -> None:
+        self._ensure_loop_state()
+        async with self._lock:  # type: ignore[union-attr]
+            self._sleeping = True
+            assert self._resumed is not None
+            self._resumed.clear()
+            await self._run(self._release, weights)
+
+    def _release(self, weights: bool) -> None:
+        # Sequences in flight leave the cache (they keep their tokens and are prefilled again on wake).
+        self.core.requeue_running()
+        if self.core.graphs is not None:
+            self.core.graphs.release()
+        self.core.cache.release_tensors()
+        if weights:
+            self._shapes = {}
+            for name, p in self.model.named_parameters():
+                self._shapes[name] = (p.shape, p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._weights_released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore_weight_storage(self) -> None:
+        for name, p in self.model.named_parameters():
+            shape, dtype = self._shapes[name]
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+
+    async def wake(self) -> None:
+        self._ensure_loop_state()
+        async with self._lock:  # type: ignore[union-attr]
+            await self._run(self._restore)
+            self._sleeping = False
+            if not self._paused:
+                assert self._resumed is not None
+                self._resumed.set()
+        if not self.core.idle and (self._driver is None or self._driver.done()):
+            self._driver = asyncio.ensure_future(self._drive())
+
+    def _restore(self) -> None:
+        self.core.cache.allocate_tensors()
+        if self.core.graphs is not None and not self._weights_released:
+            self.core.graphs.recapture()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._resumed is not None:
+            self._resumed.set()
+        if self._driver is not None:
+            await asyncio.wait([self._driver])
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,335 @@
+"""The native rollout engine on the CPU, fp32, against plain reference loops written here."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from tiny import tiny_qwen3_config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from laden.rollout import GenerationRequest, SamplingParams
+from laden.rollout.native import NativeEngine
+from laden.rollout.native.core import GenerationOOMError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EOS = 3
+VOCAB = 96
+
+
+def _model(kind: str = "qwen3", seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "qwen3":
+        cfg = tiny_qwen3_config(vocab_size=VOCAB)
+    elif kind == "llama":
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, max_position_embeddings=512, eos_token_id=EOS, tie_word_embeddings=True,
+        )  # fmt: skip
+    else:
+        cfg = Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS, tie_word_embeddings=False,
+        )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # a visible bias so Qwen2's q/k/v biases are exercised
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _prompts(n: int, seed: int = 1) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3 + (7 * i) % 23 for i in range(n)]  # uneven: 3 .. 25
+    return [tuple(int(t) for t in torch.randint(4, VOCAB, (n_,), generator=g)) for n_ in lengths]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, max_new: int, stop: set[int]) -> list[int]:
+    """Plain loop: the whole sequence through the model each step, argmax of the last logits."""
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop:
+            break
+    return out
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt, output, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([[*prompt, *output]])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _engine(model, **kw) -> NativeEngine:
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_concurrent", 8)
+    return NativeEngine(model, **kw)
+
+
+def _requests(prompts, **sampling) -> list[GenerationRequest]:
+    n = sampling.pop("n_samples", 1)
+    return [
+        GenerationRequest(rid=f"r{i}", input_ids=p, sampling=SamplingParams(**sampling), n_samples=n)
+        for i, p in enumerate(prompts)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_greedy_equals_reference_loop(kind, batch):
+    model = _model(kind)
+    prompts = _prompts(batch)
+    # a stop token the reference meets for some prompts: the most common greedy first token
+    firsts = [reference_greedy(model, p, 1, set())[0] for p in prompts]
+    stop = max(set(firsts), key=firsts.count)
+    engine = _engine(model, decode_steps=3)
+    results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=12, stop_token_ids=(stop,)))
+    assert [r.rid for r in results] == [f"r{i}" for i in range(batch)]
+    for p, r in zip(prompts, results):
+        expected = reference_greedy(model, p, 12, {stop, EOS})
+        assert r.output_ids == expected
+        assert r.stop_reason == ("stop" if expected[-1] in (stop, EOS) else "length")
+        assert r.output_versions == [0] * len(expected)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_forward(temperature):
+    model = _model("qwen3")
+    prompts = _prompts(5)
+    engine = _engine(model, seed=3)
+    results = engine.generate_sync(
+        _requests(prompts, temperature=temperature, max_new_tokens=10, ignore_eos=True)
+    )
+    for p, r in zip(prompts, results):
+        assert len(r.output_ids) == 10 and r.stop_reason == "length"
+        ref = teacher_forced_logprobs(model, p, r.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_logprobs_equal_the_train_engines_forward():
+    """The trainer's own teacher-forced `forward` (fsdp engine, one process) gives the same numbers."""
+    from laden.data.batch import pack_samples
+    from laden.engine.fsdp import FSDPEngine
+    from laden.optim import OptimSettings
+
+    model = _model("qwen3")
+    prompts = _prompts(3)
+    engine = _engine(copy.deepcopy(model), seed=5)
+    results = engine.generate_sync(_requests(prompts, temperature=0.8, max_new_tokens=6, ignore_eos=True))
+    samples = [
+        ([*p, *r.output_ids], [0] * len(p) + [1] * len(r.output_ids)) for p, r in zip(prompts, results)
+    ]
+    train = FSDPEngine(
+        model, dtype=torch.float32, optimizer_dtype=torch.float32, optim=OptimSettings(lr=1e-3)
+    )
+    batch = pack_samples(samples)
+    out = train.forward([batch], outputs=("logprobs",), temperature=0.8)[0]["logprobs"]
+    mask = batch.labels != -100
+    got = torch.cat([torch.tensor(r.output_logprobs) for r in results])
+    torch.testing.assert_close(out[mask], got, atol=1e-5, rtol=1e-5)
+
+
+def test_more_requests_than_max_concurrent_each_returned_once():
+    model = _model("qwen3")
+    prompts = _prompts(11)
+    seen_batches: list[int] = []
+    engine = _engine(model, max_concurrent=3, decode_steps=2)
+    engine.core.oom_hook = lambda phase, b: seen_batches.append(b) if phase == "decode" else None
+    reqs = _requests(prompts, temperature=1.0, max_new_tokens=5)
+    reqs[4] = GenerationRequest(
+        rid="r4", input_ids=prompts[4], sampling=SamplingParams(max_new_tokens=5), n_samples=2
+    )
+
+    async def collect():
+        return [r async for r in engine.generate(reqs)]
+
+    results = asyncio.run(collect())
+    keys = sorted((r.rid, r.sample_index) for r in results)
+    expected = sorted([(f"r{i}", 0) for i in range(11)] + [("r4", 1)])
+    assert keys == expected
+    assert max(seen_batches) == 3  # never more in flight than allowed ...
+    assert engine.core.stats["windows"] > 4  # ... so the queue was drained over several windows
+    assert engine.core.cache.allocator.used() == 0  # every block came back
+
+
+def test_samples_of_one_prompt_share_its_prefill():
+    model = _model("qwen3")
+    prompt = _prompts(1)[0] + _prompts(1, seed=9)[0]  # 6 + 16 tokens: two full blocks of 8 and a partial one
+    engine = _engine(model, block_size=8)
+    out = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=8, n_samples=4))
+    assert engine.core.stats["prefill_tokens"] == len(prompt)  # prefilled once for four completions
+    expected = reference_greedy(model, prompt, 8, {EOS})
+    assert [r.output_ids for r in out] == [expected] * 4
+    sampled = _engine(model, block_size=8, seed=1).generate_sync(
+        _requests([prompt], temperature=1.0, max_new_tokens=8, n_samples=4, ignore_eos=True)
+    )
+    for (
+        r
+    ) in sampled:  # each completion's log-probs are its own sequence's (the copied partial block is right)
+        ref = teacher_forced_logprobs(model, prompt, r.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_preemption_when_blocks_run_out_equals_a_big_cache():
+    model = _model("qwen3")
+    prompts = _prompts(6)
+    small = _engine(model, kv_cache_tokens=160, block_size=8, decode_steps=4)
+    got = small.generate_sync(_requests(prompts, greedy=True, max_new_tokens=20, ignore_eos=True))
+    assert small.core.stats["preempted"] > 0
+    for p, r in zip(prompts, got):
+        assert r.output_ids == reference_greedy(model, p, 20, set())
+
+
+def test_pause_update_resume_tags_each_token_with_its_version():
+    old, new = _model("qwen3", seed=0), _model("qwen3", seed=1)
+    prompts = _prompts(4)
+    engine = _engine(copy.deepcopy(old), decode_steps=2)
+    reqs = _requests(prompts, greedy=True, max_new_tokens=10, ignore_eos=True)
+    new_state = {k: v.clone() for k, v in new.state_dict().items()}
+
+    async def run():
+        gen = engine.generate(reqs)
+        first = asyncio.ensure_future(gen.__anext__())
+        # let two windows run, then pause at a token boundary and swap the weights
+        while engine.core.stats["windows"] < 2:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
+        await engine.pause()
+        before = {s.request.rid: len(s.output) for s in engine.core.running}
+        await engine.update_weights(new_state.items(), version=1)
+        await engine.resume()
+        results = [await first] + [r async for r in gen]
+        return before, results
+
+    before, results = asyncio.run(run())
+    assert before and all(0 < n < 10 for n in before.values())
+    for r in results:
+        n_old = before[r.rid]
+        assert r.output_versions == [0] * n_old + [1] * (10 - n_old)
+        p = r.input_ids
+        assert r.output_ids[:n_old] == reference_greedy(old, p, n_old, set())
+        # the rest continues the same sequence under the new weights
+        assert r.output_ids[n_old:] == reference_greedy(new, (*p, *r.output_ids[:n_old]), 10 - n_old, set())
+
+
+def test_injected_generation_oom_lowers_concurrency_and_loses_nothing(caplog):
+    model = _model("qwen3")
+    prompts = _prompts(7)
+    reqs = _requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True)
+    failed = []
+
+    def hook(phase, batch):
+        if phase == "decode" and batch > 2 and len(failed) < 2:
+            failed.append(batch)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    engine = _engine(model, max_concurrent=7, decode_steps=3)
+    engine.core.oom_hook = hook
+    with caplog.at_level("WARNING"):
+        results = engine.generate_sync(reqs)
+    assert failed == [7, 3]
+    assert engine.core.max_concurrent == 1
+    assert "rollout.max_concurrent_rollouts=" in caplog.text and "native.mem_fraction_static=" in caplog.text
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(model, p, 9, set())
+    assert engine.core.cache.allocator.used() == 0
+
+
+def test_oom_with_one_sequence_raises_with_the_fixes():
+    model = _model("qwen3")
+    engine = _engine(model, max_concurrent=1)
+
+    def hook(phase, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    engine.core.oom_hook = hook
+    with pytest.raises(GenerationOOMError, match="rollout.max_concurrent_rollouts=1.*native:d1t2"):
+        engine.generate_sync(_requests(_prompts(1), greedy=True, max_new_tokens=4))
+
+
+def test_sampling_settings():
+    model = _model("qwen3")
+    prompts = _prompts(4)
+    engine = _engine(model, seed=2)
+    greedy = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=6, ignore_eos=True))
+    top1 = engine.generate_sync(
+        _requests(prompts, temperature=1.3, top_k=1, max_new_tokens=6, ignore_eos=True)
+    )
+    assert [r.output_ids for r in top1] == [r.output_ids for r in greedy]
+    tiny_p = engine.generate_sync(
+        _requests(prompts, temperature=1.0, top_p=1e-6, max_new_tokens=6, ignore_eos=True)
+    )
+    assert [r.output_ids for r in tiny_p] == [r.output_ids for r in greedy]
+    # min_new_tokens: a stop token that greedy decoding emits first is held back until the minimum
+    first = greedy[0].output_ids[0]
+    held = engine.generate_sync(
+        _requests(prompts[:1], greedy=True, max_new_tokens=6, min_new_tokens=3, stop_token_ids=(first,))
+    )[0]
+    assert first not in held.output_ids[:3] and len(held.output_ids) >= 3
+    stopped = engine.generate_sync(
+        _requests(prompts[:1], greedy=True, max_new_tokens=6, stop_token_ids=(first,))
+    )[0]
+    assert stopped.output_ids == [first] and stopped.stop_reason == "stop"
+
+
+def test_stop_strings(tiny_dir, tiny_tokenizer):
+    cfg = tiny_qwen3_config(vocab_size=len(tiny_tokenizer) + 8 - len(tiny_tokenizer) % 8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    prompt = tuple(tiny_tokenizer.encode("abc"))
+    engine = _engine(model, tokenizer=tiny_tokenizer)
+    free = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=12, ignore_eos=True))[0]
+    text = tiny_tokenizer.decode(free.output_ids)
+    # the first two-character string of the greedy text, from its 3rd character on, not seen before it
+    start = next(i for i in range(2, len(text) - 1) if text[i : i + 2] not in text[: i + 1])
+    stop = text[start : start + 2]
+    cut = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=12, stop=(stop,)))[0]
+    assert cut.stop_reason == "stop"
+    assert cut.output_ids == free.output_ids[: len(cut.output_ids)]
+    assert tiny_tokenizer.decode(cut.output_ids).endswith(stop)
+
+
+def test_sleep_and_wake_keep_requests_and_weights():
+    model = _model("qwen3")
+    prompts = _prompts(3)
+    engine = _engine(copy.deepcopy(model))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    async def run():
+        await engine.sleep(weights=True)
+        assert not engine.core.cache.allocated
+        assert all(p.numel() == 0 for p in engine.model.parameters())
+        await engine.wake()
+        await engine.update_weights(state.items(), version=4)
+        return await engine.generate_all(_requests(prompts, greedy=True, max_new_tokens=5, ignore_eos=True))
+
+    results = asyncio.run(run())
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(model, p, 5, set())
+        assert r.output_versions == [4] * 5
+
+
+def test_bad_requests_are_named():
+    with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        GenerationRequest(rid="x", input_ids=())
+    engine = _engine(_model("qwen3"), max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate_sync([GenerationRequest(rid="x", input_ids=tuple(range(4, 24)))])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.generate_sync(
+            [GenerationRequest(rid="y", input_ids=(5, 6), sampling=SamplingParams(stop=("a",)))]
+        )
