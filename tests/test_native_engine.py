@@ -56,7 +56,7 @@ def reference_greedy(model, prompt, max_new: int, stop: set[int]) -> list[int]:
     ids = list(prompt)
     out: list[int] = []
     for _ in range(max_new):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
         tok = int(logits.argmax())
         out.append(tok)
         ids.append(tok)
@@ -67,9 +67,9 @@ def reference_greedy(model, prompt, max_new: int, stop: set[int]) -> list[int]:
 
 @torch.no_grad()
 def teacher_forced_logprobs(model, prompt, output, temperature: float) -> torch.Tensor:
-    ids = torch.tensor([[*prompt, *output]])
+    ids = torch.tensor([[*prompt, *output]], device=model.device)
     logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0].cpu()
 
 
 def _engine(model, **kw) -> NativeEngine:

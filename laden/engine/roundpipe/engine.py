@@ -33,7 +33,9 @@ hides behind the next step's compute; it costs a second upload buffer and a seco
 gradient inbox in host memory (and, for masters shared with the upload copy, one buffer
 copy per update). Host bytes per parameter of every mode: `host.memory`; what an engine
 holds: `host_bytes_by_kind()`. Weights, checkpoints and exports read the masters, which
-always hold the newest weights (`host.hf_state`).
+always hold the newest weights (`host.hf_state`); `named_weights` in the compute dtype reads
+the upload buffer the last update wrote instead (the masters rounded, bit for bit, and
+page-locked: a colocated weight update is then a pinned host-to-device copy).
 
 A model with its parameters on the meta device (`host.memory.meta_params`) is materialised
 layer by layer into the host store and filled by `init_meta` (default: a Hugging Face
@@ -315,11 +317,34 @@ class RoundPipeEngine:
 
         `dtype`: floating tensors' dtype (default: the compute dtype); `device`: default the host.
         Drains the host jobs first, so the weights are those of every step applied; works while
-        offloaded. A tensor is the live master when nothing needs converting: copy it to keep it.
+        offloaded. A tensor is the live master when nothing needs converting, and in the compute
+        dtype the current upload copy (`_newest_upload_buf`; page-locked with `pin_model` alloc
+        or register): the engine's own storage, to read, not to modify; copy it to keep it.
         """
         self._check_ready("named_weights", offloaded_ok=True)
         self.pipe.jobs.drain()
-        return hf_state.named_weights(self.pipe.store, self.model, dtype or self.compute_dtype, device)
+        return hf_state.named_weights(
+            self.pipe.store,
+            self.model,
+            dtype or self.compute_dtype,
+            device,
+            upload_buf=self._newest_upload_buf(),
+        )
+
+    def _newest_upload_buf(self) -> int:
+        """The upload buffer that holds the newest weights once the host jobs are drained.
+
+        Every update of a step writes the upload buffer that step read (`update_group`), and
+        every trainable group is updated each step. Synchronous step: always buffer 0. The
+        asynchronous step flips `read_buf` after queuing the updates, so the buffer the last
+        update wrote is `1 - read_buf`; the other one, which the next step reads, holds the
+        weights of one update earlier. Before the first step both buffers are copies of the
+        same weights (`add_upload_buffer`), and `load_state_dict` rewrites both, so the rule
+        holds then too. Between `forward_backward` and `optimizer_step` no buffer is current
+        (updates may be half done): `named_weights` is refused then.
+        """
+        read_buf = self.pipe.read_buf
+        return 1 - read_buf if self.optim_step == "async" else read_buf
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
         """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes."""

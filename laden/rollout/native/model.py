@@ -62,7 +62,7 @@ class PagedModel:
     def __init__(
         self, model: nn.Module, *, max_model_len: int, decode_backend: DecodeBackend = "torch"
     ) -> None:
-        config = model.config
+        config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"the native rollout engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models; this one is "

@@ -27,6 +27,7 @@ def _paged_decode_split(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,14 +55,14 @@ def _paged_decode_split(
         base = blk * stride_kb + kvh * stride_kh
         k = tl.load(K + base + offs_n[:, None] * stride_ks + offs_d[None, :])  # [PAGE, D]
         v = tl.load(V + base + offs_n[:, None] * stride_ks + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, PAGE] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, PAGE] fp32
         valid = (start + offs_n) < length
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 units
@@ -134,6 +135,7 @@ def paged_decode(
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d, SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip
     out = torch.empty_like(q)

@@ -3,16 +3,29 @@
 The newest weights of a trainable parameter are its master (in the asynchronous step the
 upload buffer a step reads holds the weights of one update earlier, and with fp32 masters
 the upload copies are rounded to the compute dtype), so everything here reads and writes
-masters; a frozen parameter has none and is read from the model itself (upload buffer 0).
-Callers drain the host jobs first: an update in flight would be read half written.
+masters (`named_weights` reads the current upload copy instead when asked, see below); a
+frozen parameter has none and is read from the model itself (upload buffer 0). Callers
+drain the host jobs first: an update in flight would be read half written.
 
 `named_weights` hands out the live master when it already has the dtype and device asked
 for (no copy at all), else one converted tensor per name, made when the consumer asks for
 it and not kept by the iterator: a consumer that drops each tensor before taking the next
-holds one tensor beyond the model, never a second copy of it. `model_state` and
-`load_model_state` are the `"model"` part of the engine's checkpoint layout (one entry per
-`model.named_parameters()` name, tied weights once), holding the live tensors so that a
-checkpointer loads into them in place.
+holds one tensor beyond the model, never a second copy of it.
+
+Upload copies as the source (`upload_buf`): an upload copy is the master rounded to the
+compute dtype, bit for bit (the update writes it from the master, `updates.update_group`),
+and it is page-locked with `pin_model=alloc|register`. So when the compute dtype is asked
+for, the caller that knows which upload buffer holds the newest weights may pass it, and a
+parameter with a separate master is handed out as that upload copy: no conversion on the
+host, and a colocated engine's update becomes a pinned host-to-device copy. Which buffer is
+current is the engine's knowledge (`RoundPipeEngine._newest_upload_buf`): once the host jobs
+are drained, the synchronous step's buffer 0; the asynchronous step's `1 - read_buf` (the
+buffer the last update wrote; the other one, which the next step reads, is one update old).
+A shared master already is an upload copy, the current one, and is handed out as before.
+
+`model_state` and `load_model_state` are the `"model"` part of the engine's checkpoint
+layout (one entry per `model.named_parameters()` name, tied weights once), holding the live
+tensors so that a checkpointer loads into them in place.
 """
 
 from __future__ import annotations
@@ -39,15 +52,36 @@ def _live(t: torch.Tensor, by_param: Mapping[int, HostParam]) -> torch.Tensor:
 
 
 def named_weights(
-    store: HostStore, model: nn.Module, dtype: torch.dtype, device: torch.device | str | None
+    store: HostStore,
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    *,
+    upload_buf: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` for every name of `hf_state_names(model)`, floating tensors in `dtype`."""
+    """`(name, tensor)` for every name of `hf_state_names(model)`, floating tensors in `dtype`.
+
+    `upload_buf`: the upload buffer that holds the newest weights (see the module docstring);
+    given, a separate master's parameter asked for in its compute dtype comes from it."""
     state = model.state_dict(keep_vars=True)  # the live parameters and buffers, no copies
     by_param = _by_param(store)
     for name in hf_state_names(model):
         # Converted inside the yield expression: the iterator keeps no reference to a tensor it
         # handed out while it makes the next one.
-        yield name, _handout(_live(state[name], by_param), dtype, device)
+        yield name, _handout(_source(state[name], by_param, dtype, upload_buf), dtype, device)
+
+
+def _source(
+    t: torch.Tensor, by_param: Mapping[int, HostParam], dtype: torch.dtype, upload_buf: int | None
+) -> torch.Tensor:
+    """What `named_weights` reads for `t`: the current upload copy when it is asked for and has
+    `dtype`, else the newest value (`_live`)."""
+    hp = by_param.get(id(t))
+    group = hp.group if hp is not None else None
+    if upload_buf is None or hp is None or hp.master is None or group is None or group.shares_master:
+        return _live(t, by_param)
+    upload = hp.uploads[upload_buf]
+    return upload if upload.dtype == dtype else hp.master
 
 
 def _handout(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:

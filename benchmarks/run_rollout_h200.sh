@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue [6]'s measurements on one H200, a part per name in PARTS (each run under its own timeout):
+#   tests    the GPU tests of the native engine and the weight updates (pytest -m gpu)
+#   A        workload A: native vs transformers generate (static) vs generate_batch, batch 64 and 256
+#   B        workload B: 256 requests, prompt and output lengths uniform in [100, 1024], native
+#   greedy   SmolLM2-135M-Instruct (real weights, in SMOL_DIR): native greedy text == transformers'
+#   weights  weight updates: disk and xccl at 256/512/1024 MB buckets (0.6B, 1.7B), in place (1.7B, 8B)
+# Writes OUT/<part>.jsonl (the scripts' JSON lines) and OUT/<part>.log.
+#   PARTS="tests A B" bash benchmarks/run_rollout_h200.sh "$OUT"
+set -uo pipefail
+out=${1:?usage: PARTS="tests A B greedy weights" bash benchmarks/run_rollout_h200.sh OUTDIR}
+parts=" ${PARTS:-tests A B} "
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
+want() { [[ $parts == *" $1 "* ]]; }
+run() {  # name timeout_s command...
+  local name=$1 limit=$2
+  shift 2
+  echo "[$name] $*" >&2
+  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.log"
+  local rc=$?
+  echo "[$name] rc=$rc" >&2
+  grep -h '^{' "$out/$name.jsonl" | cut -c1-600 >&2
+  tail -n 5 "$out/$name.log" >&2
+}
+if want tests; then
+  run tests "${TESTS_S:-240}" python -m pytest -q -m gpu -x -p no:cacheprovider \
+    tests/test_native_gpu.py tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py
+  cat "$out/tests.jsonl" | tail -n 15 >&2
+fi
+want A && run A "${A_S:-300}" python benchmarks/generate_throughput.py --workload A --batch 64 256 \
+  --systems ${A_SYSTEMS:-native hf_static hf_cb}
+want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native
+want greedy && run greedy "${GREEDY_S:-240}" python benchmarks/generate_throughput.py --greedy-check "${SMOL_DIR:?}" --prompts 20
+want weights && run weights "${WEIGHTS_S:-400}" python benchmarks/weight_update.py
+exit 0
