@@ -108,10 +108,23 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
     for k in engine.core.stats:
         engine.core.stats[k] = 0
     _sync(device)
+    prof = None
+    if args.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.__enter__()
     t0 = time.perf_counter()
     results = engine.generate_sync(requests("t"))
     _sync(device)
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]
+        print(json.dumps({"profile": "native", "batch": len(reqs), "kernels": [
+            {"name": e.key[:90], "self_device_s": round(e.self_device_time_total / 1e6, 4), "calls": e.count}
+            for e in top]}), flush=True)  # fmt: skip
+    engine.shutdown()
     out_tokens = sum(len(r.output_ids) for r in results)
     assert all(len(r.output_logprobs) == len(r.output_ids) for r in results)
     return {
@@ -211,7 +224,11 @@ def greedy_check(args, device) -> None:
     ]
     n = args.greedy_tokens
     engine = NativeEngine(
-        model, tok, max_concurrent=len(prompts), max_model_len=max(map(len, prompts)) + n + 8
+        model,
+        tok,
+        max_concurrent=len(prompts),
+        max_model_len=max(map(len, prompts)) + n + 8,
+        kv_cache_tokens=65536,
     )
     got = engine.generate_sync(
         [
@@ -251,6 +268,7 @@ def main() -> None:
     ap.add_argument("--decode-backend", default="auto")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--hf-cb-batch-tokens", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="native: top CUDA kernels of the timed pass")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short sequences")
     ap.add_argument(
         "--greedy-check", type=Path, default=None, help="model directory: native greedy == HF greedy"

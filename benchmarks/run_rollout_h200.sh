@@ -31,7 +31,7 @@ if want tests; then
 fi
 want A && run A "${A_S:-300}" python benchmarks/generate_throughput.py --workload A --batch 64 256 \
   --systems ${A_SYSTEMS:-native hf_static hf_cb}
-want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native
+want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native ${B_ARGS:-}
 want greedy && run greedy "${GREEDY_S:-240}" python benchmarks/generate_throughput.py --greedy-check "${SMOL_DIR:?}" --prompts 20
 want weights && run weights "${WEIGHTS_S:-400}" python benchmarks/weight_update.py
 exit 0

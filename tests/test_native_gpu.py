@@ -58,10 +58,10 @@ def test_triton_kernel_in_the_interpreter():
 
 @gpu
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (4, 4)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_triton_kernel_equals_reference_bf16(hq, hkv, splits):
+@pytest.mark.parametrize("splits,page", [(1, 16), (4, 16), (1, 32), (3, 32)])
+def test_triton_kernel_equals_reference_bf16(hq, hkv, splits, page):
     lengths = [1, 15, 16, 17, 500, 2000, 33]
-    q, kc, vc, table, lens = _paged_case(len(lengths), hq, hkv, 128, 16, lengths, torch.bfloat16, "cuda")
+    q, kc, vc, table, lens = _paged_case(len(lengths), hq, hkv, 128, page, lengths, torch.bfloat16, "cuda")
     from laden.rollout.native.triton_decode import paged_decode
 
     ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)
@@ -78,7 +78,12 @@ def test_fp32_greedy_on_cuda_equals_reference(backend):
     model = _model("qwen3").cuda()
     prompts = _prompts(7)
     engine = NativeEngine(
-        model, max_concurrent=8, max_model_len=128, decode_backend=backend, cuda_graphs=True
+        model,
+        max_concurrent=8,
+        max_model_len=128,
+        kv_cache_tokens=4096,
+        decode_backend=backend,
+        cuda_graphs=True,
     )
     results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=16, ignore_eos=True))
     for p, r in zip(prompts, results):
@@ -94,13 +99,17 @@ def test_cuda_graphs_equal_eager_bf16():
     model = _model("qwen3").cuda().to(torch.bfloat16)
     prompts = _prompts(7)
     reqs = _requests(prompts, greedy=True, max_new_tokens=24, ignore_eos=True)
-    eager = NativeEngine(model, max_concurrent=8, max_model_len=128, cuda_graphs=False).generate_sync(reqs)
-    graphed = NativeEngine(model, max_concurrent=8, max_model_len=128, cuda_graphs=True).generate_sync(reqs)
+    eager = NativeEngine(
+        model, max_concurrent=8, max_model_len=128, kv_cache_tokens=4096, cuda_graphs=False
+    ).generate_sync(reqs)
+    graphed = NativeEngine(
+        model, max_concurrent=8, max_model_len=128, kv_cache_tokens=4096, cuda_graphs=True
+    ).generate_sync(reqs)
     assert [r.output_ids for r in graphed] == [r.output_ids for r in eager]
     # sampling with top-p through a lazily captured graph returns log-probs of the drawn tokens
-    sampled = NativeEngine(model, max_concurrent=8, max_model_len=128, seed=1).generate_sync(
-        _requests(prompts, temperature=0.9, top_p=0.9, max_new_tokens=12, ignore_eos=True)
-    )
+    sampled = NativeEngine(
+        model, max_concurrent=8, max_model_len=128, kv_cache_tokens=4096, seed=1
+    ).generate_sync(_requests(prompts, temperature=0.9, top_p=0.9, max_new_tokens=12, ignore_eos=True))
     for p, r in zip(prompts, sampled):
         ref = teacher_forced_logprobs(model, p, r.output_ids, 0.9).cpu()
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05)

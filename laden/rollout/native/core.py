@@ -24,6 +24,7 @@ sequences keep their tokens).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,7 +120,13 @@ class GenerationCore:
         self.generator.manual_seed(seed)
         self.oom_hook = oom_hook  # tests: called as (phase, batch size) before each device phase
         self.graphs: Any = None  # set by the engine on CUDA (`laden.rollout.native.graphs.DecodeGraphs`)
-        self.stats = {"windows": 0, "prefill_tokens": 0, "decode_steps": 0, "preempted": 0, "oom_retries": 0}
+        self.stats: dict[str, float] = {
+            "windows": 0, "prefill_tokens": 0, "decode_steps": 0, "preempted": 0, "oom_retries": 0,
+            "prefill_s": 0.0, "decode_launch_s": 0.0, "decode_wait_s": 0.0, "host_s": 0.0,
+        }  # fmt: skip
+        """Counts, and seconds of wall time: prefill (to its sampled tokens on the host), decode
+        launch (graph replays or eager steps queued), decode wait (the window's one host read),
+        host (building the window's inputs, stop checks and bookkeeping)."""
 
     # ----------------------------------------------------------------- queue
 
@@ -156,7 +163,9 @@ class GenerationCore:
         try:
             admitted = self._admit()
             if admitted:
+                t0 = time.perf_counter()
                 self._prefill(admitted, finished)
+                self.stats["prefill_s"] += time.perf_counter() - t0
             if self.running:
                 self._decode_window(finished)
         except torch.OutOfMemoryError as e:
@@ -330,6 +339,7 @@ class GenerationCore:
             self.waiting.appendleft(_Group([s]))
 
     def _decode_window(self, finished: list[Sequence]) -> None:
+        t0 = time.perf_counter()
         remaining = max(
             min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens)
             for s in self.running
@@ -348,6 +358,7 @@ class GenerationCore:
         positions = torch.tensor([s.num_tokens - 1 for s in seqs])
         generated = torch.tensor([len(s.output) for s in seqs])
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in seqs], torch.device("cpu"))
+        t1 = time.perf_counter()
         out = None
         if self.graphs is not None and self.graphs.fits(b):
             out = self.graphs.run(table, last, positions, generated, st, steps, self.generator)
@@ -355,12 +366,18 @@ class GenerationCore:
             out if out is not None else self._eager_window(table, last, positions, generated, st, steps)
         )
         self.stats["decode_steps"] += steps
+        t2 = time.perf_counter()
         tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host sync
+        t3 = time.perf_counter()
         for j in range(steps):
             for i, s in enumerate(seqs):
                 if s.done is None:
                     self._append(s, tokens_h[j][i], logprobs_h[j][i])
         self._retire(finished)
+        st_ = self.stats
+        st_["decode_launch_s"] += t2 - t1
+        st_["decode_wait_s"] += t3 - t2
+        st_["host_s"] += (t1 - t0) + (time.perf_counter() - t3)
 
     def _eager_window(self, table, last, positions, generated, st_host: SamplingTensors, steps: int):
         dev = self.device

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from laden.rollout.native.attention import (
@@ -56,11 +57,73 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm (fp32 statistics, the weight applied in the input dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def attention_inputs(
+    x,
+    ln_w,
+    ln_eps: float,
+    wq,
+    bq,
+    wk,
+    bk,
+    wv,
+    bv,
+    qn_w,
+    kn_w,
+    qk_eps: float,
+    cos,
+    sin,
+    nh: int,
+    nkv: int,
+    hd: int,
+):
+    """A decoder layer up to attention, as plain functions of its weights (one compiled graph for
+    every layer): input RMSNorm, q/k/v projections (biases where the family has them), Qwen3's
+    per-head q/k RMSNorm, rotary embedding. x `[N, H]`; cos/sin `[N, 1, D]`."""
+    n = x.shape[0]
+    h = _rms(x, ln_w, ln_eps)
+    q = F.linear(h, wq, bq).view(n, nh, hd)
+    k = F.linear(h, wk, bk).view(n, nkv, hd)
+    v = F.linear(h, wv, bv).view(n, nkv, hd)
+    if qn_w is not None:
+        q, k = _rms(q, qn_w, qk_eps), _rms(k, kn_w, qk_eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def attention_outputs(x, o, wo, bo, ln_w, ln_eps: float, wg, wu, wd):
+    """The rest of a decoder layer: output projection and residual, post-attention RMSNorm, the
+    SwiGLU MLP and its residual."""
+    x = x + F.linear(o, wo, bo)
+    h = _rms(x, ln_w, ln_eps)
+    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+def _eps(norm: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(norm, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
 class PagedModel:
     """See the module docstring. `model`: a `*ForCausalLM` of a supported family, on its device."""
 
     def __init__(
-        self, model: nn.Module, *, max_model_len: int, decode_backend: DecodeBackend = "torch"
+        self,
+        model: nn.Module,
+        *,
+        max_model_len: int,
+        decode_backend: DecodeBackend = "torch",
+        compile: bool = False,
     ) -> None:
         config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,6 +155,31 @@ class PagedModel:
         self.num_splits = 1
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope()
+        self.functional = self._functional_ok()
+        self._attn_in, self._attn_out = attention_inputs, attention_outputs
+        if compile and self.functional:
+            # dynamic: one graph for every token count (prefill and each captured decode batch)
+            self._attn_in = torch.compile(attention_inputs, dynamic=True)
+            self._attn_out = torch.compile(attention_outputs, dynamic=True)
+
+    def _functional_ok(self) -> bool:
+        """Whether the layers are the families' standard modules (RMSNorms with an epsilon, a SiLU
+        gated MLP), so the functional (and compiled) path computes exactly what they compute."""
+        act = getattr(self.config, "hidden_act", None)
+        layer = self.layers[0]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if hasattr(layer.self_attn, "q_norm"):
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+        mlp = layer.mlp
+        return (
+            act == "silu"
+            and all(
+                _eps(n) is not None and isinstance(getattr(n, "weight", None), torch.Tensor) for n in norms
+            )
+            and all(
+                isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")
+            )
+        )
 
     @property
     def device(self) -> torch.device:
@@ -119,6 +207,32 @@ class PagedModel:
         sin = self.sin[positions][:, None, :]
         return x * cos + _rotate_half(x) * sin
 
+    def _layer_in(self, layer: Any, x: torch.Tensor, positions: torch.Tensor):
+        """(q, k, v) of a layer for hidden states x (pre-norm)."""
+        if not self.functional:
+            return self._qkv(layer, layer.input_layernorm(x), positions)
+        a = layer.self_attn
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return self._attn_in(
+            x, layer.input_layernorm.weight, _eps(layer.input_layernorm), a.q_proj.weight, a.q_proj.bias,
+            a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+            qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            _eps(qn) if qn is not None else 0.0, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+
+    def _layer_out(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        o = o.reshape(o.shape[0], -1)
+        if not self.functional:
+            x = x + layer.self_attn.o_proj(o)
+            return x + layer.mlp(layer.post_attention_layernorm(x))
+        a, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        return self._attn_out(
+            x, o, a.o_proj.weight, a.o_proj.bias, ln.weight, _eps(ln),
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+        )  # fmt: skip
+
     def _qkv(self, layer: nn.Module, h: torch.Tensor, positions: torch.Tensor):
         attn = layer.self_attn
         n = h.shape[0]
@@ -144,13 +258,11 @@ class PagedModel:
         """Run packed prompts, fill their cache slots; fp32 logits `[P, V]` at each prompt's last token."""
         x = self.decoder.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(layer, h, meta.positions)
+            q, k, v = self._layer_in(layer, x, meta.positions)
             self._store(k_caches[i], meta.slots, k)
             self._store(v_caches[i], meta.slots, v)
             o = prefill_attention(q, k, v, meta.cu_seqlens, meta.bounds, meta.max_len, self.scale)
-            x = x + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._layer_out(layer, x, o)
         return self.logits(x[meta.last])
 
     @torch.no_grad()
@@ -164,13 +276,11 @@ class PagedModel:
         """One token per sequence; fp32 logits `[B, V]`. No host sync (CUDA graph safe)."""
         x = self.decoder.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(layer, h, meta.positions)
+            q, k, v = self._layer_in(layer, x, meta.positions)
             self._store(k_caches[i], meta.slots, k)
             self._store(v_caches[i], meta.slots, v)
             o = self._decode_attention(q, k_caches[i], v_caches[i], meta)
-            x = x + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._layer_out(layer, x, o)
         return self.logits(x)
 
     def _decode_attention(self, q, k_cache, v_cache, meta: DecodeMeta) -> torch.Tensor:
