@@ -253,7 +253,7 @@ def greedy_check(args, device) -> None:
         first_diff = next((j for j, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
         print(json.dumps({"check": "greedy", "prompt": questions[i], "equal": ok, "native": tok.decode(r.output_ids),
                           "hf": tok.decode(ref), "first_diff": first_diff}))  # fmt: skip
-    print(json.dumps({"check": "greedy_summary", "model": args.greedy_check, "prompts": len(prompts), "equal": same,
+    print(json.dumps({"check": "greedy_summary", "model": str(args.greedy_check), "prompts": len(prompts), "equal": same,
                       "device": str(device), "git_commit": git_commit()}))  # fmt: skip
 
 

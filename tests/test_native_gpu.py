@@ -11,26 +11,12 @@ import textwrap
 
 import pytest
 import torch
-
-from laden.rollout.native.attention import decode_attention_torch, triton_available
+from paged_case import paged_case
 from test_native_engine import _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 
+from laden.rollout.native.attention import decode_attention_torch, triton_available
+
 gpu = pytest.mark.gpu
-
-
-def _paged_case(b, hq, hkv, d, page, lengths, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_pages = max(-(-n // page) for n in lengths) + 1
-    num_blocks = sum(-(-n // page) for n in lengths) + 3
-    kc = torch.randn(num_blocks, page, hkv, d, generator=g).to(device, dtype)
-    vc = torch.randn(num_blocks, page, hkv, d, generator=g).to(device, dtype)
-    q = torch.randn(b, hq, d, generator=g).to(device, dtype)
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    table = torch.zeros(b, max_pages, dtype=torch.int32)
-    for i, n in enumerate(lengths):
-        k = -(-n // page)
-        table[i, :k] = torch.tensor([perm.pop() for _ in range(k)], dtype=torch.int32)
-    return q, kc, vc, table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -40,8 +26,8 @@ def test_triton_kernel_in_the_interpreter():
         import torch
         from laden.rollout.native.triton_decode import paged_decode
         from laden.rollout.native.attention import decode_attention_torch
-        from test_native_gpu import _paged_case
-        q, kc, vc, table, lens = _paged_case(3, 4, 2, 16, 16, [40, 5, 77], torch.float32, "cpu")
+        from paged_case import paged_case
+        q, kc, vc, table, lens = paged_case(3, 4, 2, 16, 16, [40, 5, 77], torch.float32, "cpu")
         ref = decode_attention_torch(q, kc, vc, table, lens, 0.25)
         for splits in (1, 2, 3):
             out = paged_decode(q, kc, vc, table, lens, 0.25, splits)
@@ -61,7 +47,7 @@ def test_triton_kernel_in_the_interpreter():
 @pytest.mark.parametrize("splits,page", [(1, 16), (4, 16), (1, 32), (3, 32)])
 def test_triton_kernel_equals_reference_bf16(hq, hkv, splits, page):
     lengths = [1, 15, 16, 17, 500, 2000, 33]
-    q, kc, vc, table, lens = _paged_case(len(lengths), hq, hkv, 128, page, lengths, torch.bfloat16, "cuda")
+    q, kc, vc, table, lens = paged_case(len(lengths), hq, hkv, 128, page, lengths, torch.bfloat16, "cuda")
     from laden.rollout.native.triton_decode import paged_decode
 
     ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)

@@ -34,10 +34,10 @@ BACKEND_DIMS: dict[Role, dict[str, str]] = {
 
 IMPLEMENTED_BACKENDS: dict[Role, tuple[str, ...]] = {
     "actor": ("fsdp", "roundpipe"),
-    "rollout": (),
+    "rollout": ("native", "vllm", "sglang"),
 }
-"""Backends that laden can run today, per role: the two training engines; no rollout engine yet (a
-rollout backend is parsed and validated for its structure only)."""
+"""Backends that laden can run today, per role: the two training engines; the embedded native
+engine (`native:d1`) and the vLLM and SGLang servers (started when installed)."""
 
 _SYNTAX_HINT = (
     "expected '<backend>:<dims>' with dims from d (data), t (tensor), c (context), "
@@ -156,6 +156,12 @@ def check_alloc(
         errors.append(
             f"{field}={text!r}: backend {mode.backend!r} is not implemented yet; implemented "
             f"{role} backends: {', '.join(IMPLEMENTED_BACKENDS[role]) or 'none yet'}"
+        )
+    if require_implemented and not errors and mode.backend == "native" and (mode.tp > 1 or mode.dp > 1):
+        errors.append(
+            f"{field}={text!r}: the native engine runs one copy on one GPU per process (native:d1); its "
+            "tensor (t) and data (d) parallel modes are not implemented yet. Use native:d1, or a server for "
+            "several GPUs: vllm:d1t2 / sglang:d1t2 (tensor parallel), vllm:d2 / sglang:d2 (data parallel)"
         )
     return errors
 

@@ -195,7 +195,7 @@ class RolloutConfig:
     backend: str = "native:d1"
     """Rollout allocation mode `<backend>:<dims>`, e.g. `native:d1` or `sglang:d2t2`."""
     max_concurrent_rollouts: int | None = None
-    """Generation requests in flight at once (the main generation-memory knob); None = batch size."""
+    """Sequences in flight at once in the rollout engine (the main generation-memory knob); the rest queue; None = 256."""
     max_head_offpolicyness: int = 0
     """How many weight versions a rollout may lag behind the trainer; 0 = on-policy."""
 
@@ -213,7 +213,7 @@ class NativeConfig:
     """Settings of the embedded generation engine."""
 
     mem_fraction_static: float = 0.8
-    """Fraction of free GPU memory the embedded engine reserves for weights and KV cache, in (0, 1]."""
+    """Fraction of the GPU's memory the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1]."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -211,10 +211,7 @@ def _micro_batch_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
 def _alloc_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     errors = check_alloc(cfg.actor.backend, role="actor", field="actor.backend")
     if rl:
-        # Checked for structure only: no rollout engine exists yet (`IMPLEMENTED_BACKENDS`).
-        errors += check_alloc(
-            cfg.rollout.backend, role="rollout", field="rollout.backend", require_implemented=False
-        )
+        errors += check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend")
     if cfg.actor.optimizer.type == "adam_bf16" and cfg.actor.backend.startswith("megatron:"):
         errors.append(
             "actor.optimizer.type='adam_bf16' is not supported by the megatron backend; use adam or sgd"

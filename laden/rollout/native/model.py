@@ -106,12 +106,18 @@ def attention_outputs(x, o, wo, bo, ln_w, ln_eps: float, wg, wu, wd):
     return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
 
 
-def _eps(norm: nn.Module) -> float | None:
+def _eps_or_none(norm: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
         value = getattr(norm, name, None)
         if isinstance(value, float):
             return value
     return None
+
+
+def _eps(norm: nn.Module) -> float:
+    value = _eps_or_none(norm)
+    assert value is not None, "checked by PagedModel._functional_ok"
+    return value
 
 
 class PagedModel:
@@ -174,7 +180,8 @@ class PagedModel:
         return (
             act == "silu"
             and all(
-                _eps(n) is not None and isinstance(getattr(n, "weight", None), torch.Tensor) for n in norms
+                _eps_or_none(n) is not None and isinstance(getattr(n, "weight", None), torch.Tensor)
+                for n in norms
             )
             and all(
                 isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")

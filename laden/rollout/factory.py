@@ -1,0 +1,79 @@
+"""`rollout.backend` to a running `RolloutEngine`: the native engine in this process, or servers.
+
+`build_rollout_engine(cfg, ...)` reads the fields the OOM guide names: `rollout.backend`,
+`rollout.max_concurrent_rollouts` (or the top-level `max_concurrent_rollouts`),
+`native.mem_fraction_static`, `sglang.mem_fraction_static`, and `seed`; the context length
+is the prompt budget (`train_dataset.max_length`) plus `gconfig.max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from laden.config.alloc import AllocationMode, check_alloc
+
+if TYPE_CHECKING:
+    from laden.config.schema import LadenConfig
+    from laden.rollout.base import RolloutEngine
+
+DEFAULT_MAX_CONCURRENT = 256
+
+
+def max_concurrent_rollouts(cfg: LadenConfig) -> int:
+    """`rollout.max_concurrent_rollouts`, its top-level alias, or the default (256)."""
+    return cfg.rollout.max_concurrent_rollouts or cfg.max_concurrent_rollouts or DEFAULT_MAX_CONCURRENT
+
+
+def build_rollout_engine(
+    cfg: LadenConfig,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    model_dir: str | Path | None = None,
+    device: Any = None,
+    **kwargs: Any,
+) -> RolloutEngine:
+    """The engine `cfg.rollout.backend` names.
+
+    native: `model` (a causal LM, moved to `device` in the actor's dtype) or loaded from
+    `model_dir` / `actor.path`; servers: started on `model_dir` / `actor.path`. `kwargs` go to
+    the engine (e.g. `kv_cache_tokens`, `cuda_graphs`).
+    """
+    errors = check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend")
+    if errors:
+        raise ValueError("; ".join(errors))
+    mode = AllocationMode.parse(cfg.rollout.backend)
+    path = Path(model_dir or cfg.actor.path) if (model_dir or cfg.actor.path) else None
+    if mode.backend == "native":
+        import torch
+
+        from laden.model.dtypes import torch_dtype
+        from laden.rollout.native import NativeEngine
+
+        dtype = torch_dtype(cfg.actor.dtype)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if model is None:
+            if path is None:
+                raise ValueError("the native engine needs a model: set actor.path (or pass model=)")
+            from laden.model.hf.loading import load_causal_lm
+
+            model = load_causal_lm(
+                str(path), dtype=dtype, init_from_config=cfg.actor.init_from_config, seed=cfg.seed
+            )
+        if tokenizer is None and path is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        model = model.to(device=dev, dtype=dtype)
+        kwargs.setdefault("max_model_len", cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens)
+        return NativeEngine(
+            model, tokenizer, max_concurrent=max_concurrent_rollouts(cfg),
+            mem_fraction_static=cfg.native.mem_fraction_static, seed=cfg.seed, **kwargs,
+        )  # fmt: skip
+    from laden.rollout.servers import start_server_engine
+
+    if path is None:
+        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} needs a model directory: set actor.path")
+    kwargs.setdefault("max_concurrent_requests", max_concurrent_rollouts(cfg))
+    return start_server_engine(mode, model_dir=path, cfg=cfg, **kwargs)

@@ -1,0 +1,129 @@
+"""Starting the data-parallel servers of one rollout backend, or attaching to running ones.
+
+One server per data-parallel rank, each on its own free port and, when there is more than one,
+on its own `tp` GPUs (`CUDA_VISIBLE_DEVICES` slices of the visible devices). All are started
+before any is waited for, so their model loads overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from laden.rollout.servers.engine import ServerHandle
+from laden.rollout.servers.process import (
+    ServerKind,
+    ServerProcess,
+    ServerStartError,
+    check_installed,
+    free_port,
+    resolve_python,
+)
+
+Command = Callable[[str, int], tuple[list[str], dict[str, str]]]
+"""(python, port) -> (argv, extra environment) of one server."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """How to start the servers of one backend."""
+
+    kind: ServerKind
+    """Which server program (its package, install command, python variable)."""
+    command: Command
+    """(python, port) -> (argv, extra environment) of one server."""
+    python: str | None = None
+    """Python to run the server with; None = `$<kind.python_env_var>`, else this interpreter."""
+    host: str = "127.0.0.1"
+    """Address the servers bind."""
+    health_path: str = "/health"
+    """Path that answers 200 once a server can generate."""
+    log_dir: str | None = None
+    """Directory of the logs `<name>-<rank>.log`; None = a new temporary directory."""
+    startup_timeout_s: float = 900.0
+    """Deadline for all servers to become healthy."""
+    grace_s: float = 10.0
+    """Seconds between SIGTERM and SIGKILL when a server is ended."""
+
+
+def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
+    """Start `dp` servers and wait until every one answers its health path.
+
+    Raise `ServerNotInstalledError` when the python cannot import the server, `ServerStartError`
+    (with the log tail) when one exits or stays unhealthy; every started server is ended then.
+    """
+    python = resolve_python(spec.python, spec.kind)
+    check_installed(python, spec.kind)
+    devices = device_groups(dp, tp, backend=spec.kind.name)
+    log_dir = (
+        Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix=f"laden-{spec.kind.name}-"))
+    )
+    started: list[tuple[ServerProcess, str]] = []
+    try:
+        for rank in range(dp):
+            port = free_port(spec.host)
+            argv, env = spec.command(python, port)
+            if devices:
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[rank]), **env}
+            name = f"{spec.kind.name}[{rank}]"
+            log_path = log_dir / f"{spec.kind.name}-{rank}.log"
+            process = ServerProcess.start(argv, name=name, log_path=log_path, env=env, grace_s=spec.grace_s)
+            started.append((process, base_url(spec.host, port)))
+        deadline = time.monotonic() + spec.startup_timeout_s
+        for process, url in started:
+            process.wait_healthy(url + spec.health_path, timeout_s=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for process, _ in started:
+            process.close()
+        raise
+    return [ServerHandle(url=url, process=process) for process, url in started]
+
+
+def attach_servers(urls: Sequence[str], *, health_path: str, timeout_s: float = 30.0) -> list[ServerHandle]:
+    """Handles of servers already running at `urls` (no process is started); each must answer
+    `health_path` within `timeout_s`."""
+    from laden.rollout.servers.http import ServerRequestError, request_json
+
+    if not urls:
+        raise ValueError("attach needs at least one server URL, e.g. 'http://127.0.0.1:8000'")
+    handles = []
+    for url in urls:
+        url = url.rstrip("/")
+        try:
+            request_json("GET", url + health_path, timeout_s=timeout_s)
+        except ServerRequestError as err:
+            raise ServerStartError(
+                f"no healthy server at {url} ({err}); start it first, or let laden start one by not passing URLs"
+            ) from None
+        handles.append(ServerHandle(url=url))
+    return handles
+
+
+def device_groups(dp: int, tp: int, *, backend: str) -> list[list[str]]:
+    """`CUDA_VISIBLE_DEVICES` of each of `dp` servers of `tp` devices; [] when dp == 1 (the
+    server sees what this process sees)."""
+    if dp == 1:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = (
+        [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(dp * tp)]
+    )
+    if len(devices) < dp * tp:
+        raise ValueError(
+            f"rollout.backend={backend}:d{dp}t{tp} needs {dp * tp} GPUs but CUDA_VISIBLE_DEVICES={visible!r} "
+            f"lists {len(devices)}; lower d or t, or make more GPUs visible"
+        )
+    return [devices[r * tp : (r + 1) * tp] for r in range(dp)]
+
+
+def base_url(host: str, port: int) -> str:
+    """`http://host:port`, connecting to loopback when the server binds every address."""
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

@@ -1,0 +1,48 @@
+"""`rollout.backend` and the generation knobs reach the engine `build_rollout_engine` returns."""
+
+from __future__ import annotations
+
+import pytest
+
+from laden.config.loader import load_config
+from laden.rollout import GenerationRequest, SamplingParams
+from laden.rollout.factory import build_rollout_engine, max_concurrent_rollouts
+from laden.rollout.native import NativeEngine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cfg(tiny_dir, *overrides):
+    return load_config(
+        None, [f"actor.path={tiny_dir}", "actor.init_from_config=true", "actor.dtype=float32", *overrides]
+    )
+
+
+def test_native_engine_from_the_config(tiny_dir, tiny_tokenizer):
+    cfg = _cfg(
+        tiny_dir, "max_concurrent_rollouts=3", "native.mem_fraction_static=0.5", "gconfig.max_new_tokens=7"
+    )
+    assert max_concurrent_rollouts(cfg) == 3
+    engine = build_rollout_engine(cfg, device="cpu")
+    assert isinstance(engine, NativeEngine)
+    assert engine.core.max_concurrent == 3 and engine.mem_fraction_static == 0.5
+    assert engine.paged.max_model_len == cfg.train_dataset.max_length + 7
+    assert engine.core.eos_token_ids == (tiny_tokenizer.eos_token_id,)  # from the model directory's tokenizer
+    prompt = tuple(tiny_tokenizer.encode("hi"))
+    params = SamplingParams.from_config(cfg.gconfig, greedy=True)
+    (result,) = engine.generate_sync([GenerationRequest(rid="a", input_ids=prompt, sampling=params)])
+    assert 1 <= len(result.output_ids) <= 7
+
+
+def test_default_concurrency_and_the_refused_modes(tiny_dir):
+    assert max_concurrent_rollouts(_cfg(tiny_dir)) == 256
+    with pytest.raises(ValueError, match="native:d1t2.*not implemented yet.*vllm:d1t2"):
+        build_rollout_engine(_cfg(tiny_dir, "rollout.backend=native:d1t2"), device="cpu")
+
+
+def test_a_server_backend_that_is_not_installed_names_native(tiny_dir, monkeypatch):
+    from laden.rollout.servers import ServerNotInstalledError
+
+    monkeypatch.delenv("LADEN_VLLM_PYTHON", raising=False)
+    with pytest.raises(ServerNotInstalledError, match="native:d1"):
+        build_rollout_engine(_cfg(tiny_dir, "rollout.backend=vllm:d1", "cluster.n_gpus_per_node=2"))
