@@ -38,6 +38,10 @@ def test_default_concurrency_and_the_refused_modes(tiny_dir):
     assert max_concurrent_rollouts(_cfg(tiny_dir)) == 256
     with pytest.raises(ValueError, match="native:d1t2.*not implemented yet.*vllm:d1t2"):
         build_rollout_engine(_cfg(tiny_dir, "rollout.backend=native:d1t2"), device="cpu")
+    with pytest.raises(ValueError, match="one copy per process.*torchrun --nproc-per-node 2"):
+        build_rollout_engine(
+            _cfg(tiny_dir, "rollout.backend=native:d2", "cluster.n_gpus_per_node=2"), device="cpu"
+        )
 
 
 def test_a_server_backend_that_is_not_installed_names_native(tiny_dir, monkeypatch):

@@ -157,11 +157,12 @@ def check_alloc(
             f"{field}={text!r}: backend {mode.backend!r} is not implemented yet; implemented "
             f"{role} backends: {', '.join(IMPLEMENTED_BACKENDS[role]) or 'none yet'}"
         )
-    if require_implemented and not errors and mode.backend == "native" and (mode.tp > 1 or mode.dp > 1):
+    if require_implemented and not errors and mode.backend == "native" and mode.tp > 1:
         errors.append(
-            f"{field}={text!r}: the native engine runs one copy on one GPU per process (native:d1); its "
-            "tensor (t) and data (d) parallel modes are not implemented yet. Use native:d1, or a server for "
-            "several GPUs: vllm:d1t2 / sglang:d1t2 (tensor parallel), vllm:d2 / sglang:d2 (data parallel)"
+            f"{field}={text!r}: the native engine runs one copy on one GPU per process (native:dN: one per "
+            "process of the run); its tensor parallel mode (t) is not implemented yet. Use "
+            f"native:d{mode.dp}, or a server for tensor parallel generation: vllm:d{mode.dp}t{mode.tp} / "
+            f"sglang:d{mode.dp}t{mode.tp}"
         )
     return errors
 

@@ -8,6 +8,7 @@ is the prompt budget (`train_dataset.max_length`) plus `gconfig.max_new_tokens`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,13 @@ def build_rollout_engine(
     if errors:
         raise ValueError("; ".join(errors))
     mode = AllocationMode.parse(cfg.rollout.backend)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if mode.backend == "native" and mode.dp != world:
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend!r}: the native engine runs one copy per process, and this run "
+            f"has {world} process(es); launch {mode.dp} (torchrun --nproc-per-node {mode.dp}) or set "
+            f"rollout.backend: native:d{world}"
+        )
     path = Path(model_dir or cfg.actor.path) if (model_dir or cfg.actor.path) else None
     if mode.backend == "native":
         import torch

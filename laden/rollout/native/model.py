@@ -254,6 +254,16 @@ class PagedModel:
     def _store(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, values)
 
+    def _layers(self, input_ids: torch.Tensor, positions, slots, k_caches, v_caches, attend) -> torch.Tensor:
+        """Every decoder layer: q/k/v, their keys and values into the cache slots, `attend(i, q, k, v)`."""
+        x = self.decoder.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._layer_in(layer, x, positions)
+            self._store(k_caches[i], slots, k)
+            self._store(v_caches[i], slots, v)
+            x = self._layer_out(layer, x, attend(i, q, k, v))
+        return x
+
     @torch.no_grad()
     def prefill(
         self,
@@ -263,13 +273,11 @@ class PagedModel:
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Run packed prompts, fill their cache slots; fp32 logits `[P, V]` at each prompt's last token."""
-        x = self.decoder.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._layer_in(layer, x, meta.positions)
-            self._store(k_caches[i], meta.slots, k)
-            self._store(v_caches[i], meta.slots, v)
-            o = prefill_attention(q, k, v, meta.cu_seqlens, meta.bounds, meta.max_len, self.scale)
-            x = self._layer_out(layer, x, o)
+
+        def attend(i, q, k, v):
+            return prefill_attention(q, k, v, meta.cu_seqlens, meta.bounds, meta.max_len, self.scale)
+
+        x = self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend)
         return self.logits(x[meta.last])
 
     @torch.no_grad()
@@ -281,14 +289,11 @@ class PagedModel:
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """One token per sequence; fp32 logits `[B, V]`. No host sync (CUDA graph safe)."""
-        x = self.decoder.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._layer_in(layer, x, meta.positions)
-            self._store(k_caches[i], meta.slots, k)
-            self._store(v_caches[i], meta.slots, v)
-            o = self._decode_attention(q, k_caches[i], v_caches[i], meta)
-            x = self._layer_out(layer, x, o)
-        return self.logits(x)
+
+        def attend(i, q, k, v):
+            return self._decode_attention(q, k_caches[i], v_caches[i], meta)
+
+        return self.logits(self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend))
 
     def _decode_attention(self, q, k_cache, v_cache, meta: DecodeMeta) -> torch.Tensor:
         if self.decode_backend == "triton":
