@@ -333,3 +333,13 @@ def test_bad_requests_are_named():
         engine.generate_sync(
             [GenerationRequest(rid="y", input_ids=(5, 6), sampling=SamplingParams(stop=("a",)))]
         )
+
+
+def test_a_sequence_longer_than_the_cache_ends_with_length():
+    model = _model("qwen3")
+    prompt = _prompts(1)[0]
+    engine = _engine(model, kv_cache_tokens=32, block_size=8)
+    (r,) = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=60, ignore_eos=True))
+    assert r.stop_reason == "length" and 0 < len(r.output_ids) < 60
+    assert r.output_ids == reference_greedy(model, prompt, len(r.output_ids), set())
+    assert engine.core.cache.allocator.used() == 0

@@ -323,9 +323,18 @@ class GenerationCore:
             victim = self.running.pop()
             self._requeue([victim])
             self.stats["preempted"] += 1
+        if sum(need) > alloc.num_free:  # one sequence longer than the whole cache: it ends here
+            (s,) = self.running
+            log.warning(
+                "request %r: %d tokens fill the KV cache (%d blocks of %d); its completion ends with stop "
+                "reason 'length'. Raise native.mem_fraction_static or lower gconfig.max_new_tokens",
+                s.request.rid, s.num_tokens, alloc.capacity, self.cache.block_size,
+            )  # fmt: skip
+            s.done = "length"
+            return
         for s, n in zip(self.running, need):
             if n:
-                s.blocks += alloc.allocate(min(n, alloc.num_free))
+                s.blocks += alloc.allocate(n)
 
     def requeue_running(self) -> None:
         """Every running sequence leaves the cache, keeping its tokens (weights changed, or sleep)."""
@@ -346,6 +355,9 @@ class GenerationCore:
         )
         steps = max(1, min(self.decode_steps, remaining))
         self._ensure_blocks(steps)
+        if any(s.done for s in self.running):
+            self._retire(finished)
+            return
         if self.oom_hook is not None:
             self.oom_hook("decode", len(self.running))
         seqs = self.running
