@@ -312,6 +312,9 @@ def test_sleep_and_wake_keep_requests_and_weights():
         assert not engine.core.cache.allocated
         assert all(p.numel() == 0 for p in engine.model.parameters())
         await engine.wake()
+        with pytest.raises(RuntimeError, match="call update_weights"):
+            async for _ in engine.generate(_requests(prompts, max_new_tokens=2)):
+                pass
         await engine.update_weights(state.items(), version=4)
         return await engine.generate_all(_requests(prompts, greedy=True, max_new_tokens=5, ignore_eos=True))
 

@@ -224,6 +224,11 @@ class NativeEngine:
         """Results as they finish (see `RolloutEngine.generate`)."""
         if self._closed:
             raise RuntimeError("the native engine is closed")
+        if self._weights_released:
+            raise RuntimeError(
+                "the native engine's weights were released by sleep(weights=True): call "
+                "update_weights(source, version) after wake() before generating"
+            )
         self._ensure_loop_state()
         assert self._work is not None
         rids = [r.rid for r in requests]
