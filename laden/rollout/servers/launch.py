@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 from laden.rollout.servers.engine import ServerHandle
@@ -48,6 +49,20 @@ class LaunchSpec:
     """Deadline for all servers to become healthy."""
     grace_s: float = 10.0
     """Seconds between SIGTERM and SIGKILL when a server is ended."""
+
+
+T = TypeVar("T")
+
+
+def built_or_closed(servers: list[ServerHandle], build: Callable[[], T]) -> T:
+    """`build()`, or, if it fails, the servers this run started are ended before the error propagates."""
+    try:
+        return build()
+    except BaseException:
+        for server in servers:
+            if server.process is not None:
+                server.process.close()
+        raise
 
 
 def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:

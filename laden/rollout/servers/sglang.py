@@ -32,7 +32,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError
-from laden.rollout.servers.launch import LaunchSpec, attach_servers, launch_servers
+from laden.rollout.servers.launch import LaunchSpec, attach_servers, built_or_closed, launch_servers
 from laden.rollout.servers.process import ServerKind
 
 SGLANG = ServerKind(
@@ -296,7 +296,9 @@ class SGLangEngine(ServerEngine):
             command=lambda python, port: sglang_command(python, str(model_dir), port=port, tp=tp, cfg=cfg),
         )
         servers = launch_servers(spec, dp=dp, tp=tp)
-        return cls(SGLangDialect(), servers, initial_version=initial_version, **engine_kwargs)
+        return built_or_closed(
+            servers, lambda: cls(SGLangDialect(), servers, initial_version=initial_version, **engine_kwargs)
+        )
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, initial_version: int = 0, **engine_kwargs: Any) -> SGLangEngine:

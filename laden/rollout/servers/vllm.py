@@ -42,7 +42,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine, ServerHandle
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError, request_json
-from laden.rollout.servers.launch import LaunchSpec, attach_servers, launch_servers
+from laden.rollout.servers.launch import LaunchSpec, attach_servers, built_or_closed, launch_servers
 from laden.rollout.servers.process import ServerKind
 
 VLLM = ServerKind(
@@ -294,13 +294,7 @@ class VLLMEngine(ServerEngine):
             command=lambda python, port: vllm_command(python, str(model_dir), port=port, tp=tp, cfg=cfg),
         )
         servers = launch_servers(spec, dp=dp, tp=tp)
-        try:
-            return cls._build(servers, initial_version, engine_kwargs)
-        except BaseException:
-            for server in servers:
-                if server.process is not None:
-                    server.process.close()
-            raise
+        return built_or_closed(servers, lambda: cls._build(servers, initial_version, engine_kwargs))
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, initial_version: int = 0, **engine_kwargs: Any) -> VLLMEngine:
