@@ -12,8 +12,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from laden.rollout.servers.engine import ServerHandle
 from laden.rollout.servers.process import (
