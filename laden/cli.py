@@ -1,4 +1,4 @@
-"""`laden sft | config | doctor`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | config | doctor`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -33,12 +33,20 @@ def _embedded_default() -> tuple[str, list[str]]:
     ]
 
 
+def _embedded_rl_default() -> tuple[str, list[str]]:
+    """The job `laden rl` runs with no --config: the tiny Qwen3 learning to answer with one letter."""
+    return str(ASSETS / "rl_tiny.yaml"), [
+        f"actor.path={ASSETS / 'tiny'}",
+        f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
+    ]
+
+
 def _load(args: argparse.Namespace, job: Literal["sft", "rl", "any"]):
     from laden.config import load_config
 
     config, overrides = args.config, list(args.overrides)
     if config is None:
-        config, defaults = _embedded_default()
+        config, defaults = _embedded_rl_default() if job == "rl" else _embedded_default()
         overrides = defaults + overrides
     return load_config(config, overrides, job=job)
 
@@ -70,6 +78,34 @@ def cmd_sft(args: argparse.Namespace) -> int:
             f"done: {result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; "
             f"run directory {result.run_dir}"
         )
+    return 0
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    from laden.config import run_dir
+    from laden.rl.trainer import run_rl
+
+    cfg = _load(args, "rl")
+    directory = run_dir(cfg)
+    try:
+        result = run_rl(cfg, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        _say(f"laden: interrupted; rerun the same command to resume from the last checkpoint in {directory}")
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        message = _run_dir_error(exc, directory)
+        if message is None:
+            raise
+        _say(message)
+        return EXIT_OS_ERROR
+    if result.already_finished:
+        print(f"done: run directory {result.run_dir} already holds a finished run ({result.num_steps} steps); "
+              "nothing was trained. Raise total_train_steps to train on, or set trial_name")  # fmt: skip
+    else:
+        first = sum(result.rewards[:5]) / max(1, len(result.rewards[:5]))
+        last = sum(result.rewards[-5:]) / max(1, len(result.rewards[-5:]))
+        print(f"done: {result.num_steps} steps, mean reward {first:.3f} (first 5) -> {last:.3f} (last 5); "
+              f"run directory {result.run_dir}")  # fmt: skip
     return 0
 
 
@@ -151,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sft)
     sft.add_argument("--no-progress", action="store_true", help="no progress bar")
     sft.set_defaults(func=cmd_sft)
+
+    rl = sub.add_parser("rl", help="reinforcement learning (GRPO/PPO family)")
+    with_config(rl)
+    rl.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rl.set_defaults(func=cmd_rl)
 
     config = sub.add_parser("config", help="show the resolved config, or the field reference")
     config.add_argument("action", choices=["show", "docs"])

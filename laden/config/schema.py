@@ -141,6 +141,24 @@ class RoundPipeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class NormConfig:
+    """Centre and scale per-completion values (AReaL's `NormConfig`); keys left out of a mapping take these defaults (AReaL's: batch level)."""
+
+    mean_level: Literal["batch", "group"] | None = "batch"
+    """Subtract the mean of the whole `batch`, of each prompt's `group` of completions, or nothing (null)."""
+    mean_leave1out: bool = False
+    """Leave-one-out mean: each value's baseline is the mean of the others in its level (RLOO)."""
+    std_level: Literal["batch", "group"] | None = "batch"
+    """Divide by the standard deviation of the `batch`, of each `group`, or by nothing (null: Dr. GRPO)."""
+    std_unbiased: bool = True
+    """Bessel's correction of the std (divide by n - 1); a single value then has std 1."""
+    eps: float = 1e-5
+    """Added to the std before dividing, so a group of equal values gives 0, not NaN."""
+    group_size: int = 1
+    """AReaL's group size for `group` levels (`${gconfig.n_samples}`); laden groups each prompt's completions, so 1 or `gconfig.n_samples`."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     """The trained model and its training engine."""
 
@@ -178,6 +196,52 @@ class ActorConfig:
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024
     """MiB per bucket of the chunked NCCL weight update."""
+    group_size: int = 1
+    """Completions per prompt that form a GRPO group (AReaL's `${gconfig.n_samples}`); laden's groups come from `gconfig.n_samples`, so 1 or that value."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per RL step: the batch's prompt groups are split into this many minibatches (AReaL's default is 4)."""
+    eps_clip: float = 0.2
+    """PPO clip: the importance ratio is clipped to `[1 - eps_clip, 1 + eps_clip_higher]`; in (0, 1)."""
+    eps_clip_higher: float | None = None
+    """Upper clip of the ratio (DAPO's clip-higher, e.g. 0.28); null = `eps_clip`."""
+    c_clip: float | None = None
+    """Dual clip: the loss of a token with a negative advantage A is at most `c_clip * |A|`; > 1, null = off."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """`token`: one importance ratio per token (PPO); `sequence`: the sequence's geometric-mean ratio (GSPO); needs c=1."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """Loss average: every loss token counts once (`token-mean`), or every sequence does, as its tokens' mean (needs c=1)."""
+    temperature: float = 1.0
+    """Logits are divided by it when the trainer computes log-probs; set it to `gconfig.temperature` (AReaL writes `${gconfig.temperature}`)."""
+    reward_scaling: float = 1.0
+    """Reward shaping: each reward becomes `(reward + reward_bias) * reward_scaling`, clipped to +-`reward_clip`."""
+    reward_bias: float = 0.0
+    """Added to each reward before `reward_scaling`."""
+    reward_clip: float = 20.0
+    """Largest absolute shaped reward; larger ones are clipped to it."""
+    overlong_reward_penalty: bool = False
+    """DAPO's soft overlong penalty, added to the reward: 0 up to `gconfig.max_new_tokens - overlong_tokens` generated tokens, then linear down to `-overlong_penalty_factor` at `gconfig.max_new_tokens`."""
+    overlong_tokens: int | None = None
+    """Tokens in the penalised tail of the generation budget; required by `overlong_reward_penalty`."""
+    overlong_penalty_factor: float | None = None
+    """Penalty at `gconfig.max_new_tokens` generated tokens; required by `overlong_reward_penalty`."""
+    mask_no_eos_with_zero: bool = False
+    """Truncated completions (no EOS) get advantage 0 before `adv_norm`."""
+    discount: float = 1.0
+    """Discount of future rewards (GAE gamma); not implemented yet (no critic): every token's return is its completion's reward."""
+    gae_lambda: float = 1.0
+    """GAE lambda; not implemented yet (no critic): the advantage is the normalised reward."""
+    kl_ctl: float = 0.0
+    """Coefficient of a per-token KL(pi || pi_ref) loss term; 0 = off, no reference model (AReaL's default is 0.1)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimate per token with r = pi / pi_ref: `k1` log r, `k2` (log r)^2 / 2, `k3` 1/r - 1 + log r."""
+    recompute_logprob: bool = False
+    """The trainer recomputes the completions' log-probs before the update and takes the ratio against them instead of the rollout engine's."""
+    use_decoupled_loss: bool = False
+    """Decoupled PPO (asynchronous RL): the ratio against recomputed log-probs, times the behaviour weight pi_prox / pi_behav; implies `recompute_logprob`."""
+    behav_imp_weight_cap: float | None = None
+    """With `use_decoupled_loss`: tokens whose behaviour weight pi_prox / pi_behav exceeds this (> 1) leave the loss; null = off."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no gradient) are dropped and the batch refilled from the next prompts."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Micro-batching of forward/backward."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -186,6 +250,12 @@ class ActorConfig:
     """Knobs of the `fsdp` backend."""
     roundpipe: RoundPipeConfig = field(default_factory=RoundPipeConfig)
     """Knobs of the `roundpipe` backend."""
+    reward_norm: NormConfig | None = None
+    """Normalisation of the shaped rewards (e.g. group mean and std); null = rewards as they are."""
+    adv_norm: NormConfig | None = field(
+        default_factory=lambda: NormConfig(mean_level="group", std_level="group")
+    )
+    """Normalisation of the advantages, token-weighted; default group mean and std (GRPO); a mapping given here starts from `NormConfig`'s batch defaults; null = off."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -262,6 +332,14 @@ class LadenConfig:
     """On an out-of-memory error: report the knob to change, or re-split the step and retry."""
     log_freq_steps: int = 1
     """Log metrics every this many optimizer steps."""
+    reward_fn: str = "laden.rl.rewards:math_reward"
+    """Import path `module:function` of the reward function that scores each completion in `laden rl`."""
+    workflow: str = "laden.rl.workflow:RLVRWorkflow"
+    """Import path `module:Class` of the rollout workflow that turns a prompt into scored completions (AReaL's RLVR by default)."""
+    reward_timeout_s: float = 30.0
+    """Seconds one reward call may run before its worker process is killed and replaced; the call scores as a failure."""
+    reward_workers: int = 2
+    """Processes that score rewards in parallel, outside the training process."""
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Training data."""
     valid_dataset: DatasetConfig | None = None

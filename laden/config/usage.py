@@ -1,22 +1,33 @@
 """Which fields a job reads, so a run can say which of the fields set in its config it does not.
 
 Every field of the tree is parsed for every job (one YAML serves `laden sft` and `laden rl`),
-but not every field does something in every job or engine: the rollout, generation and
-weight-update fields act in RL only, each engine's own section (`actor.fsdp.*`,
-`actor.roundpipe.*`) under that engine only. A field set to something other than its default
+but not every field does something in every job or engine: the rollout, generation,
+weight-update, PPO-loss, reward and advantage fields act in RL only, each engine's own section
+(`actor.fsdp.*`, `actor.roundpipe.*`) under that engine only. A field set to something other than its default
 where it has no effect is reported once at start-up, with where it takes effect, instead of
 being ignored in silence.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from laden.config.docs import sections
 from laden.config.loader import config_to_dict
 from laden.config.schema import LadenConfig
 
 # (field or section prefix, the jobs that read it, where it takes effect)
 _RL_ONLY = "`laden rl` (generation and weight updates)"
+_RL_LOSS = "`laden rl` (the PPO loss, rewards and advantages)"
+_RL_REWARDS = "`laden rl` (rollouts and rewards)"
+_RL_ACTOR_FIELDS = (
+    "group_size", "ppo_n_minibatches", "eps_clip", "eps_clip_higher", "c_clip", "importance_sampling_level",
+    "loss_agg_mode", "temperature", "reward_scaling", "reward_bias", "reward_clip", "overlong_reward_penalty",
+    "overlong_tokens", "overlong_penalty_factor", "mask_no_eos_with_zero", "discount", "gae_lambda", "kl_ctl",
+    "kl_estimator", "recompute_logprob", "use_decoupled_loss", "behav_imp_weight_cap", "dynamic_sampling",
+    "reward_norm", "adv_norm",
+)  # fmt: skip
 _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("gconfig", frozenset({"rl"}), _RL_ONLY),
     ("rollout", frozenset({"rl"}), _RL_ONLY),
@@ -27,6 +38,11 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("actor.weight_chunked_mem_mb", frozenset({"rl"}), _RL_ONLY),
     ("train_dataset.answer_key", frozenset({"rl"}), "`laden rl` (the reward function's reference answer)"),
     ("valid_dataset.answer_key", frozenset({"rl"}), "`laden rl` (the reward function's reference answer)"),
+    *((f"actor.{name}", frozenset({"rl"}), _RL_LOSS) for name in _RL_ACTOR_FIELDS),
+    *(
+        (name, frozenset({"rl"}), _RL_REWARDS)
+        for name in ("reward_fn", "workflow", "reward_timeout_s", "reward_workers")
+    ),
 )
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe"}
 
@@ -41,21 +57,33 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def _default_of(field_name: str, defaults: dict[str, Any]) -> Any:
-    if field_name in defaults:
-        return defaults[field_name]
-    section = field_name.split(".", 1)
-    if section[0] == "valid_dataset":  # an optional section: compare with a dataset's defaults
-        return defaults.get(f"train_dataset.{section[1]}")
-    return None
+_SECTION = object()
+"""Stands for a section that is present by default, so setting it to null counts as a change."""
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """`{dotted.name: default}`; the fields of an optional section left unset by default (`valid_dataset`,
+    `actor.reward_norm`) default to its type's defaults, so a section set to them reports nothing."""
+    defaults = LadenConfig()
+    out = flatten(config_to_dict(defaults))
+    for section, cls in sections()[1:]:
+        node: Any = defaults
+        for part in section.split("."):
+            node = getattr(node, part, None)
+        if node is not None:
+            out.setdefault(section, _SECTION)
+        for name, value in flatten(config_to_dict(cls())).items():
+            out.setdefault(f"{section}.{name}", value)
+    return out
 
 
 def fields_without_effect(cfg: LadenConfig, *, job: str, engine: str) -> list[str]:
     """One line per field set away from its default that `job` on `engine` does not read."""
-    defaults = flatten(config_to_dict(LadenConfig()))
+    defaults = _defaults()
     lines = []
     for name, value in flatten(config_to_dict(cfg)).items():
-        if value == _default_of(name, defaults):
+        if value == defaults.get(name):
             continue
         where = _where(name, job, engine)
         if where is not None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,19 @@ _CHECKS: dict[str, _Check] = {
     "frac": (lambda v: 0 < v <= 1, "in (0, 1]", "set it to a fraction such as 0.8"),
     "unit_open": (lambda v: 0 <= v < 1, "in [0, 1)", "set it to a value such as 0.9 (or 0 for none)"),
     "unit": (lambda v: 0 <= v <= 1, "in [0, 1]", "set it to a fraction between 0 and 1"),
+    "open_unit": (lambda v: 0 < v < 1, "in (0, 1)", "set it to a value such as 0.2"),
+    "gt1": (
+        lambda v: 1 < v < math.inf,
+        "a finite number greater than 1",
+        "set it to e.g. 3.0, or null for off",
+    ),
+    "gt0_finite": (
+        lambda v: 0 < v < math.inf,
+        "a finite number greater than 0",
+        "set it to a positive number",
+    ),
+    "nonneg_finite": (lambda v: 0 <= v < math.inf, "a finite number >= 0", "set it to 0 or more"),
+    "finite": (math.isfinite, "a finite number", "set it to a finite number"),
 }
 
 _RANGES: dict[str, str] = {
@@ -46,6 +60,8 @@ _RANGES: dict[str, str] = {
     "total_train_steps": "pos",
     "max_concurrent_rollouts": "pos",
     "log_freq_steps": "pos",
+    "reward_timeout_s": "gt0",
+    "reward_workers": "pos",
     "train_dataset.max_length": "pos",
     "train_dataset.batch_size": "pos",
     "valid_dataset.max_length": "pos",
@@ -59,6 +75,25 @@ _RANGES: dict[str, str] = {
     "actor.loss_chunk_size": "pos",
     "actor.tiled_mlp_tokens": "pos",
     "actor.weight_chunked_mem_mb": "pos",
+    "actor.group_size": "pos",
+    "actor.ppo_n_minibatches": "pos",
+    "actor.eps_clip": "open_unit",
+    "actor.eps_clip_higher": "gt0_finite",
+    "actor.c_clip": "gt1",
+    "actor.temperature": "gt0_finite",
+    "actor.reward_scaling": "finite",
+    "actor.reward_bias": "finite",
+    "actor.reward_clip": "gt0",
+    "actor.overlong_tokens": "pos",
+    "actor.overlong_penalty_factor": "nonneg_finite",
+    "actor.discount": "unit",
+    "actor.gae_lambda": "unit",
+    "actor.kl_ctl": "nonneg_finite",
+    "actor.behav_imp_weight_cap": "gt1",
+    "actor.reward_norm.eps": "nonneg_finite",
+    "actor.reward_norm.group_size": "pos",
+    "actor.adv_norm.eps": "nonneg_finite",
+    "actor.adv_norm.group_size": "pos",
     "actor.mb_spec.max_tokens_per_mb": "pos",
     "actor.mb_spec.n_mbs": "pos",
     "actor.optimizer.lr": "gt0",
@@ -99,10 +134,15 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _alloc_errors(cfg, rl=rl)
     errors += _alias_errors(cfg)
     errors += _fused_errors(cfg)
+    errors += _import_path_errors(cfg)
+    errors += _ppo_errors(cfg)
+    if rl:
+        errors += _rl_errors(cfg)
     errors += _fileroot_errors(cfg)
     errors += _model_errors(cfg, rl=rl)
     _warn_optimizer(cfg)
     _warn_ignored_sections(cfg)
+    _warn_ppo(cfg, rl=rl)
     return errors
 
 
@@ -271,6 +311,106 @@ def _fused_errors(cfg: LadenConfig) -> list[str]:
     return []
 
 
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
+
+
+def _import_path_errors(cfg: LadenConfig) -> list[str]:
+    """`reward_fn` and `workflow` name an object as `module:name` (or `module.name`); nothing is imported here."""
+    errors = []
+    for dotted, example in (
+        ("reward_fn", "laden.rl.rewards:math_reward"),
+        ("workflow", "laden.rl.workflow:RLVRWorkflow"),
+    ):
+        value = getattr(cfg, dotted)
+        if not (_IMPORT_PATH.fullmatch(value) and ("." in value or ":" in value)):
+            errors.append(
+                f"{dotted}={value!r} is not an import path; write `module:name`, e.g. {dotted}={example}"
+            )
+    return errors
+
+
+def _ppo_errors(cfg: LadenConfig) -> list[str]:
+    """Fields of the PPO loss and reward shaping that only make sense together."""
+    a = cfg.actor
+    errors = []
+    if a.behav_imp_weight_cap is not None and not a.use_decoupled_loss:
+        errors.append(
+            f"actor.behav_imp_weight_cap={a.behav_imp_weight_cap} is only read by the decoupled loss; set "
+            "actor.use_decoupled_loss: true, or actor.behav_imp_weight_cap: null"
+        )
+    if a.overlong_reward_penalty:
+        if a.overlong_tokens is None:
+            errors.append(
+                "actor.overlong_tokens=null is required by actor.overlong_reward_penalty=true (the penalised "
+                "tail of the generation budget); set it to a token count, e.g. actor.overlong_tokens: 256"
+            )
+        if a.overlong_penalty_factor is None:
+            errors.append(
+                "actor.overlong_penalty_factor=null is required by actor.overlong_reward_penalty=true (the "
+                "penalty at gconfig.max_new_tokens); set it, e.g. actor.overlong_penalty_factor: 1.0"
+            )
+    return errors
+
+
+def _rl_errors(cfg: LadenConfig) -> list[str]:
+    """RL rules that involve the generation settings or the actor's parallelism."""
+    return _sequence_level_errors(cfg) + _group_errors(cfg) + _overlong_budget_errors(cfg)
+
+
+def _sequence_level_errors(cfg: LadenConfig) -> list[str]:
+    """Sequence-level ratios and averages need whole sequences; context parallelism slices them."""
+    mode = _parse_or_none(cfg.actor.backend)
+    if mode is None or mode.cp <= 1:
+        return []
+    a, errors = cfg.actor, []
+    split = f"actor.backend={a.backend!r} splits every sequence over c={mode.cp} context-parallel ranks"
+    if a.importance_sampling_level == "sequence":
+        errors.append(
+            f"actor.importance_sampling_level='sequence' needs whole sequences, but {split}; train with c=1 "
+            "in actor.backend, or set actor.importance_sampling_level: token"
+        )
+    if a.loss_agg_mode == "seq-mean-token-mean":
+        errors.append(
+            f"actor.loss_agg_mode='seq-mean-token-mean' needs whole sequences, but {split}; train with c=1 "
+            "in actor.backend, or set actor.loss_agg_mode: token-mean"
+        )
+    return errors
+
+
+def _group_errors(cfg: LadenConfig) -> list[str]:
+    """laden's groups are each prompt's `gconfig.n_samples` completions; AReaL's copies of it must agree."""
+    n, a = cfg.gconfig.n_samples, cfg.actor
+    errors = []
+    sizes = {"actor.group_size": a.group_size}
+    for name in ("reward_norm", "adv_norm"):
+        norm = getattr(a, name)
+        if norm is not None:
+            sizes[f"actor.{name}.group_size"] = norm.group_size
+    for dotted, size in sizes.items():
+        if size >= 1 and size not in (1, n):  # sizes < 1 are range errors
+            errors.append(
+                f"{dotted}={size} does not match gconfig.n_samples={n}: a group is one prompt's completions; "
+                f"set gconfig.n_samples: {size} (AReaL writes {dotted.rsplit('.', 1)[-1]}: "
+                f"${{gconfig.n_samples}}), or {dotted}: {n}"
+            )
+    if a.dynamic_sampling and n == 1:
+        errors.append(
+            "actor.dynamic_sampling=true with gconfig.n_samples=1 drops every group (the rewards of a group "
+            "of one are all equal); set gconfig.n_samples to 2 or more, or actor.dynamic_sampling: false"
+        )
+    return errors
+
+
+def _overlong_budget_errors(cfg: LadenConfig) -> list[str]:
+    tokens, budget = cfg.actor.overlong_tokens, cfg.gconfig.max_new_tokens
+    if not cfg.actor.overlong_reward_penalty or tokens is None or tokens <= budget:
+        return []
+    return [
+        f"actor.overlong_tokens={tokens} is larger than gconfig.max_new_tokens={budget}, the generation "
+        f"budget whose tail it penalises; set it to at most {budget}"
+    ]
+
+
 # ---------------------------------------------------------------------------------------
 # Rules that read the file system (never write to it)
 
@@ -428,6 +568,43 @@ def _warn_ignored_sections(cfg: LadenConfig) -> None:
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def _warn_ppo(cfg: LadenConfig, *, rl: bool) -> None:
+    """RL settings that are legal but ignored or known to hurt (sft names them via `usage`)."""
+    if not rl:
+        return
+    a, g = cfg.actor, cfg.gconfig
+    ignored = [f for f in ("overlong_tokens", "overlong_penalty_factor") if getattr(a, f) is not None]
+    if ignored and not a.overlong_reward_penalty:
+        warnings.warn(
+            f"actor.{{{', '.join(ignored)}}} are ignored because actor.overlong_reward_penalty=false; set it "
+            "to true to penalise overlong completions, or remove them",
+            UserWarning,
+            stacklevel=3,
+        )
+    if not g.greedy and a.temperature != g.temperature and a.temperature > 0:
+        warnings.warn(
+            f"actor.temperature={a.temperature} differs from gconfig.temperature={g.temperature}: the trainer's "
+            "log-probs are then of another distribution than the one sampled, which biases every importance "
+            f"ratio; set actor.temperature: {g.temperature}",
+            UserWarning,
+            stacklevel=3,
+        )
+    grouped = [
+        f"actor.{name}"
+        for name in ("reward_norm", "adv_norm")
+        if getattr(a, name) is not None and getattr(a, name).mean_level == "group"
+    ]
+    if grouped and g.n_samples == 1:
+        verb = "subtract" if len(grouped) > 1 else "subtracts"
+        warnings.warn(
+            f"{' and '.join(grouped)} {verb} each group's mean, but gconfig.n_samples=1 makes every group one "
+            "completion, so every advantage is 0 and nothing is learned; set gconfig.n_samples to 2 or more "
+            "(GRPO), or mean_level: batch",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _parse_or_none(text: str) -> AllocationMode | None:

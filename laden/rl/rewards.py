@@ -697,3 +697,12 @@ def _as_reward(value: Any) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"the reward function returned {reward}; rewards must be finite")
     return reward
+
+
+def letter_reward(
+    prompt: str, completion: str, prompt_ids: Any = None, completion_ids: Any = None, *, letter: str, **_: Any
+) -> float:
+    """The share of the completion's characters that are `letter` (the embedded tiny RL task: a
+    random-init model learns to answer with one letter, which the reward separates from step 1)."""
+    text = completion.strip()
+    return sum(ch == letter for ch in text) / len(text) if text else 0.0
