@@ -143,3 +143,13 @@ def test_staleness_bound_holds_under_random_rollout_and_training_speeds(tmp_path
     assert len(records) == 8 and max(r["max_staleness"] for r in records) <= 1
     # admission keeps every batch within the bound, so the drop (the second check) never fires
     assert records[-1]["stale_dropped"] == 0 and records[-1]["trained"] == 8 * 8 * 4
+
+
+def test_disk_weight_updates_train_the_same_as_in_place(tmp_path):
+    in_place = run_rl(_cfg(tmp_path / "a", "total_train_steps=3"), progress=False)
+    disk = run_rl(
+        _cfg(tmp_path / "b", "total_train_steps=3", "actor.weight_update_mode=disk"), progress=False
+    )
+    assert disk.rewards == in_place.rewards
+    versions = sorted(p.name for p in (disk.run_dir / "weight_updates").iterdir() if p.name.startswith("v"))
+    assert versions == ["v00000002", "v00000003"]  # keep_last=2 of the three published

@@ -49,6 +49,7 @@ from laden.data import GlobalBatchIterator, PackedBatch, load_records, pack_samp
 from laden.engine.checkpoint import load_checkpoint, save_checkpoint
 from laden.engine.rundir import RunDirectory
 from laden.engine.runtime import build_engine, check_world_size, engine_kind, load_model, start_runtime
+from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 
@@ -106,6 +107,13 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
 
 def _refuse_unimplemented(cfg: LadenConfig) -> None:
     problems = []
+    backend = cfg.rollout.backend.split(":", 1)[0]
+    if backend != "native":
+        problems.append(
+            f"rollout.backend={cfg.rollout.backend!r}: laden rl drives the embedded native engine today; the "
+            "vllm and sglang servers run as rollout engines (laden.rollout.servers) but laden rl does not start "
+            "them yet; set rollout.backend: native:d1"
+        )
     if cfg.actor.kl_ctl != 0:
         problems.append(
             f"actor.kl_ctl={cfg.actor.kl_ctl}: a KL penalty needs a reference model, which laden rl does not load "
@@ -207,7 +215,6 @@ class _Run:
 
     def _rollout_engine(self, *, version: int):
         """The rollout engine, holding its own copy of the policy in the compute dtype."""
-        from laden.model.dtypes import torch_dtype
         from laden.model.hf.loading import load_causal_lm
         from laden.rollout.factory import build_rollout_engine
 
@@ -339,7 +346,7 @@ class _Run:
         out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept)
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        await self.rollout.update_weights(self.engine.named_weights(), version=step)
+        await self._push_weights(step)
         update_s = time.perf_counter() - t0
         rewards = torch.tensor([t.reward for t in trajs])
         lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float32)
@@ -352,6 +359,28 @@ class _Run:
             reward_timeouts=self.rewards.stats.timeouts,
         )  # fmt: skip
         return record
+
+    async def _push_weights(self, version: int) -> None:
+        """The trainer's weights to the rollout engine, as `actor.weight_update_mode` says.
+
+        `disk`: a version directory under the run directory (written atomically, shards of
+        `actor.weight_chunked_mem_mb`), which the engine loads. `xccl` with the native engine in this
+        process: the tensors are copied in place (one process needs no broadcast)."""
+        from laden.weights import WeightUpdateMeta, write_weights
+
+        cfg = self.cfg
+        if cfg.actor.weight_update_mode == "disk":
+            meta = WeightUpdateMeta.from_config(cfg)
+            root = meta.path
+            assert root is not None
+            named = self.engine.named_weights(torch_dtype(cfg.actor.dtype), device="cpu")
+            await asyncio.get_running_loop().run_in_executor(
+                self.train_pool,
+                lambda: write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2),
+            )  # fmt: skip
+            await self.rollout.update_weights(meta, version=version)
+            return
+        await self.rollout.update_weights(self.engine.named_weights(), version=version)
 
     # ------------------------------------------------------------------ training (worker thread)
 
