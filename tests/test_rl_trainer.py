@@ -153,3 +153,12 @@ def test_disk_weight_updates_train_the_same_as_in_place(tmp_path):
     assert disk.rewards == in_place.rewards
     versions = sorted(p.name for p in (disk.run_dir / "weight_updates").iterdir() if p.name.startswith("v"))
     assert versions == ["v00000002", "v00000003"]  # keep_last=2 of the three published
+
+
+def test_kl_to_the_initial_policy(tmp_path):
+    result = run_rl(
+        _cfg(tmp_path, "total_train_steps=4", "actor.kl_ctl=0.5", "actor.kl_estimator=k3"), progress=False
+    )
+    kl = [r["kl"] for r in _metrics(result)]
+    assert kl[0] == 0.0  # step 1 trains the initial policy itself
+    assert all(k > 0 for k in kl[1:]) and all(k < 10 for k in kl)

@@ -13,6 +13,8 @@ One training step:
    per-token `advantages` and `old_logprobs` (and `prox_logprobs` recomputed by the trainer with
    `actor.use_decoupled_loss` or `actor.recompute_logprob`), trained with the PPO objective
    (`laden.rl.objectives`) in `actor.ppo_n_minibatches` optimizer steps.
+   With `actor.kl_ctl > 0` the loss adds a KL penalty (`actor.kl_estimator`) to a reference
+   model: the initial policy, loaded a second time and never stepped.
 4. **Weight update.** The rollout engine takes the new weights from the trainer's
    `named_weights` in place (same process), tagged with the trainer's version.
 
@@ -106,18 +108,13 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
 
 
 def _refuse_unimplemented(cfg: LadenConfig) -> None:
-    problems = []
+    problems: list[str] = []
     backend = cfg.rollout.backend.split(":", 1)[0]
     if backend != "native":
         problems.append(
             f"rollout.backend={cfg.rollout.backend!r}: laden rl drives the embedded native engine today; the "
             "vllm and sglang servers run as rollout engines (laden.rollout.servers) but laden rl does not start "
             "them yet; set rollout.backend: native:d1"
-        )
-    if cfg.actor.kl_ctl != 0:
-        problems.append(
-            f"actor.kl_ctl={cfg.actor.kl_ctl}: a KL penalty needs a reference model, which laden rl does not load "
-            "yet; set actor.kl_ctl: 0"
         )
     from laden.rl.settings import check_rl_fields_implemented
 
@@ -162,6 +159,14 @@ class _Run:
         dump_config(cfg, run.path / "config.yaml")
         model = load_model(cfg, self.rt)
         self.engine = build_engine(cfg, model, self.rt, total_steps=self.total_steps)
+        self.ref = None
+        if cfg.actor.kl_ctl:  # the frozen initial policy, on the same engine (never stepped)
+            self.ref = build_engine(cfg, load_model(cfg, self.rt), self.rt, total_steps=self.total_steps)
+            log.info(
+                "reference model for actor.kl_ctl=%s: the initial policy (%s)",
+                cfg.actor.kl_ctl,
+                cfg.actor.path,
+            )
         self.settings = OptimSettings.from_config(cfg.actor.optimizer, self.total_steps)
         start = self._resume(history, changes)
         self.rollout = self._rollout_engine(version=start)
@@ -403,6 +408,8 @@ class _Run:
             mbs = self._micro_batches([t for g in chunk for t in g], offsets)
             if cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob:
                 self._recompute_logprobs(mbs)
+            if self.ref is not None:
+                self._reference_logprobs(mbs)
             normalizer = self.objective.loss_normalizer(mbs)
             loss = self.engine.forward_backward(mbs, self.objective, normalizer=max(normalizer, 1))
             step_out = self.engine.optimizer_step()
@@ -445,6 +452,13 @@ class _Run:
         """The native engine's sampling generator (so a resumed run samples what it would have)."""
         generator = getattr(getattr(self.rollout, "core", None), "generator", None)
         return {} if generator is None else {"rollout_rng": generator.get_state().tolist()}
+
+    def _reference_logprobs(self, mbs: list[PackedBatch]) -> None:
+        """`ref_logprobs` of the completions under the reference model (the KL term)."""
+        assert self.ref is not None
+        outs = self.ref.forward(mbs, outputs=("logprobs",), temperature=self.cfg.actor.temperature)
+        for i, (mb, out) in enumerate(zip(mbs, outs)):
+            mbs[i] = mb.with_fields(ref_logprobs=out["logprobs"].to(mb.labels.device))
 
     def _save(self, step: int, data_state: dict[str, Any]) -> None:
         cfg = self.cfg
