@@ -43,6 +43,8 @@ def test_the_tiny_task_reward_rises(tmp_path):
     assert all(r["completions"] == 8 * 4 for r in records)
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (result.run_dir / "reward_curve.png").exists() == has_matplotlib
+    has_tensorboard = importlib.util.find_spec("tensorboard") is not None
+    assert (result.run_dir / "tensorboard").exists() == has_tensorboard
 
 
 def test_asynchronous_rollouts_never_train_on_staler_samples(tmp_path):
