@@ -7,6 +7,7 @@ import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -59,9 +60,13 @@ def test_asynchronous_rollouts_never_train_on_staler_samples(tmp_path):
 
 def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
     """A completion whose oldest token is more than k versions old is never trained on."""
+    import torch
+
+    from laden.engine.runtime import Runtime
     from laden.rl.workflow import Trajectory
 
-    run = rl_trainer._Run(_cfg(tmp_path, "rollout.max_head_offpolicyness=1"), rt=None, run=None)  # type: ignore[arg-type]
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
+    run = rl_trainer._Run(_cfg(tmp_path, "rollout.max_head_offpolicyness=1"), rt=rt, run=None)  # type: ignore[arg-type]
     seen: list[int] = []
 
     def traj(version):
@@ -82,7 +87,7 @@ def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
 
     run.engine, run.rollout, run.rewards = Engine(), Rollout(), Rewards()
     monkeypatch.setattr(
-        run, "_train_on", lambda groups: seen.extend(t.versions[0] for g in groups for t in g) or {}
+        run, "_train_on", lambda groups, shares: seen.extend(t.versions[0] for g in groups for t in g) or {}
     )
     run.train_pool = ThreadPoolExecutor(1)
     # step 5 trains the policy of version 4: versions 3 and 4 are within k = 1, 2 is not
@@ -134,9 +139,9 @@ def test_staleness_bound_holds_under_random_rollout_and_training_speeds(tmp_path
         await asyncio.sleep(rng.uniform(0, 0.02))
         return await episode(self, engine, data)
 
-    def slow_train(self, groups):
+    def slow_train(self, groups, shares):
         time.sleep(rng.uniform(0, 0.05))
-        return train_on(self, groups)
+        return train_on(self, groups, shares)
 
     monkeypatch.setattr(RLVRWorkflow, "arun_episode", slow_episode)
     monkeypatch.setattr(rl_trainer._Run, "_train_on", slow_train)
@@ -164,3 +169,31 @@ def test_kl_to_the_initial_policy(tmp_path):
     kl = [r["kl"] for r in _metrics(result)]
     assert kl[0] == 0.0  # step 1 trains the initial policy itself
     assert all(k > 0 for k in kl[1:]) and all(k < 10 for k in kl)
+
+
+def _rl_rank(rank: int, world_size: int, root: str) -> dict:
+    """A worker of `tests/workers.py`: `laden rl` as one rank of fsdp:d2 with a native engine per rank."""
+    captured = {}
+    original = rl_trainer._Run._push_weights
+
+    async def keep_engine(self, version):
+        await original(self, version)
+        captured["weights"] = {k: v.clone() for k, v in self.rollout.named_parameters().items()}
+
+    rl_trainer._Run._push_weights = keep_engine
+    cfg = _cfg(Path(root), "total_train_steps=3", "actor.backend=fsdp:d2", "rollout.backend=native:d2",
+               "cluster.n_gpus_per_node=2")  # fmt: skip
+    result = run_rl(cfg, progress=False)
+    digest = float(sum(v.double().sum() for v in captured["weights"].values()))
+    rows = _metrics(result) if rank == 0 else []
+    return {"digest": digest, "rows": rows}
+
+
+def test_two_processes_train_one_policy_and_both_engines_get_it(tmp_path):
+    from workers import run_workers
+
+    out = run_workers(_rl_rank, 2, str(tmp_path))
+    assert out[0]["digest"] == out[1]["digest"]  # both ranks' rollout engines hold the same new weights
+    rows = out[0]["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["completions"] == 8 * 4 for r in rows)  # the global batch, generated half on each rank

@@ -94,24 +94,25 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     """RL-tune `cfg.actor.path` on the prompts of `cfg.train_dataset`; see the module docstring."""
     rt = start_runtime()
     check_world_size(cfg, rt, "rl")
-    if rt.world_size > 1:
-        raise NotImplementedError(
-            f"laden rl runs in one process today (this launch has {rt.world_size}); run it without torchrun, "
-            "with actor.backend fsdp:d1 or roundpipe:d1"
-        )
-    for line in fields_without_effect(cfg, job="rl", engine=engine_kind(cfg)):
-        log.warning("%s", line)
-    _refuse_unimplemented(cfg)
+    if rt.is_main:
+        for line in fields_without_effect(cfg, job="rl", engine=engine_kind(cfg)):
+            log.warning("%s", line)
+    _refuse_unimplemented(cfg, rt.world_size)
     run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
-    run.acquire()
+    rt.on_main(run.acquire)
     try:
         return asyncio.run(_Run(cfg, rt, run).main(progress))
     finally:
         run.release()
 
 
-def _refuse_unimplemented(cfg: LadenConfig) -> None:
+def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
     problems: list[str] = []
+    if world_size > 1 and cfg.actor.dynamic_sampling:
+        problems.append(
+            f"actor.dynamic_sampling=true under {world_size} processes: refilling rejected groups would move the "
+            "ranks' data positions apart; run it in one process or set actor.dynamic_sampling: false"
+        )
     backend = cfg.rollout.backend.split(":", 1)[0]
     if backend != "native":
         problems.append(
@@ -142,7 +143,10 @@ class _Run:
         cfg, run = self.cfg, self.run
         history = run.history()
         config_dict = yaml.safe_load(format_config(cfg))
-        changes = run.check_resume(history, config_dict, resume=cfg.checkpoint.resume) or []
+        changes = (
+            self.rt.on_main(lambda: run.check_resume(history, config_dict, resume=cfg.checkpoint.resume))
+            or []
+        )
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.actor.path)
         self.records = load_records(cfg.train_dataset.path)
@@ -159,7 +163,8 @@ class _Run:
                 run.path, history.checkpoint_step, self.total_steps,
             )  # fmt: skip
             return RLResult(run_dir=run.path, num_steps=history.checkpoint_step, already_finished=True)
-        dump_config(cfg, run.path / "config.yaml")
+        if self.rt.is_main:
+            dump_config(cfg, run.path / "config.yaml")
         model = load_model(cfg, self.rt)
         self.engine = build_engine(cfg, model, self.rt, total_steps=self.total_steps)
         self.ref = None
@@ -193,7 +198,8 @@ class _Run:
             self.train_pool.shutdown(wait=True)
         if cfg.checkpoint.export_hf:
             self.engine.export_hf(run.path / "hf", tokenizer=self.tokenizer)
-        _plot_rewards(run.path, run.metrics_path)
+        if self.rt.is_main:
+            _plot_rewards(run.path, run.metrics_path)
         return RLResult(run_dir=run.path, num_steps=self.total_steps, rewards=rewards)
 
     def _resume(self, history, changes) -> int:
@@ -208,7 +214,7 @@ class _Run:
         state = load_checkpoint(
             history.checkpoint,
             self.engine,
-            rank=0,
+            rank=self.rt.rank,
             keep=_new_hyperparameters(self.engine, self.settings, step),
         )
         self.batches.load_state_dict(state["data"])
@@ -256,9 +262,12 @@ class _Run:
         self.progress_cond = asyncio.Condition()
         producer = asyncio.ensure_future(self._produce(start, queue, k))
         rewards: list[float] = []
-        bar = tqdm(total=self.total_steps, initial=start, disable=not progress, desc="rl", unit="step")
-        metrics = self.run.metrics_path.open("a")
-        board = _tensorboard(self.run.path / "tensorboard")
+        main = self.rt.is_main
+        bar = tqdm(
+            total=self.total_steps, initial=start, disable=not (progress and main), desc="rl", unit="step"
+        )
+        metrics = self.run.metrics_path.open("a") if main else None
+        board = _tensorboard(self.run.path / "tensorboard") if main else None
         try:
             for step in range(start + 1, self.total_steps + 1):
                 t_wait = time.perf_counter()
@@ -268,8 +277,9 @@ class _Run:
                 trajs, data_state, gen_s = item
                 wait_s = time.perf_counter() - t_wait
                 record = await self._step(step, trajs, gen_s, wait_s)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
                 if board is not None:
                     for name, value in record.items():
                         if isinstance(value, (int, float)) and name != "step":
@@ -288,7 +298,8 @@ class _Run:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
             bar.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
             if board is not None:
                 board.close()
         return rewards
@@ -315,8 +326,11 @@ class _Run:
         want = self.cfg.train_dataset.batch_size
         groups: list[list[Any]] = []
         attempts = 0
+        rank, world = self.rt.rank, self.rt.world_size
         while len(groups) < want:
             indices = next(self.batches)[: want - len(groups)]
+            if world > 1:  # this rank's share of the global batch; no refill, so the ranks stay in step
+                indices, want = indices[rank::world], 0
             attempts += len(indices)
             episodes = await asyncio.gather(
                 *(self.workflow.arun_episode(self.rollout, dict(self.records[i])) for i in indices)
@@ -350,26 +364,31 @@ class _Run:
             if fresh:
                 kept.append(fresh)
         trajs = [t for g in kept for t in g]
+        # every rank's completions (reward, length, EOS) and group sizes: global advantages and metrics
+        shares = self._gather(
+            ([(t.reward, len(t.completion_ids), t.has_eos) for t in trajs], [len(g) for g in kept])
+        )
+        everyone = [x for rows, _ in shares for x in rows]
         record: dict[str, Any] = {"step": step, "gen_s": round(gen_s, 3), "wait_s": round(wait_s, 3)}
-        if not trajs:
+        if not everyone:
             log.warning(
                 "step %d: every completion was staler than rollout.max_head_offpolicyness=%d", step, k
             )
             record.update(reward_mean=float("nan"), trained=0)
             return record
         t0 = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept)
+        out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept, shares)
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         await self._push_weights(step)
         update_s = time.perf_counter() - t0
-        rewards = torch.tensor([t.reward for t in trajs])
-        lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float32)
+        rewards = torch.tensor([r for r, _, _ in everyone])
+        lengths = torch.tensor([n for _, n, _ in everyone], dtype=torch.float32)
         self.counters.trained += len(trajs)
         record.update(
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(trajs) > 1 else 0.0,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(everyone) > 1 else 0.0,
             accuracy=float((rewards >= 1).float().mean()), response_length=float(lengths.mean()),
-            completions=len(trajs), train_s=round(train_s, 3), update_s=round(update_s, 3), version=step,
+            completions=len(everyone), train_s=round(train_s, 3), update_s=round(update_s, 3), version=step,
             **out, **self.counters.state(), reward_errors=self.rewards.stats.errors,
             reward_timeouts=self.rewards.stats.timeouts,
         )  # fmt: skip
@@ -399,18 +418,23 @@ class _Run:
 
     # ------------------------------------------------------------------ training (worker thread)
 
-    def _train_on(self, groups: list[list[Any]]) -> dict[str, float]:
-        """Advantages, micro-batches, `ppo_n_minibatches` optimizer steps; metrics as floats."""
+    def _train_on(self, groups: list[list[Any]], shares: list[Any]) -> dict[str, float]:
+        """Advantages (over every rank's completions, `shares`), micro-batches, `ppo_n_minibatches`
+        optimizer steps; metrics as floats."""
         from laden.rl.advantages import grpo_advantages
 
         cfg = self.cfg
         trajs = [t for g in groups for t in g]
-        adv = grpo_advantages(
-            [t.reward for t in trajs], self.adv_settings, group_sizes=[len(g) for g in groups],
-            completion_lengths=[len(t.completion_ids) for t in trajs], has_eos=[t.has_eos for t in trajs],
+        rows = [x for r, _ in shares for x in r]
+        adv_all = grpo_advantages(
+            [r for r, _, _ in rows], self.adv_settings, group_sizes=[n for _, sizes in shares for n in sizes],
+            completion_lengths=[n for _, n, _ in rows], has_eos=[e for _, _, e in rows],
             max_new_tokens=cfg.gconfig.max_new_tokens,
         ).tolist()  # fmt: skip
-        n = max(1, min(cfg.actor.ppo_n_minibatches, len(groups)))
+        first = sum(len(r) for r, _ in shares[: self.rt.rank])
+        adv = adv_all[first : first + len(trajs)]
+        fewest_groups = min(len(sizes) for _, sizes in shares)
+        n = max(1, min(cfg.actor.ppo_n_minibatches, fewest_groups))
         chunks = [groups[i::n] for i in range(n)]
         offsets = {id(t): a for t, a in zip(trajs, adv)}
         metrics: dict[str, float] = {}
@@ -420,7 +444,7 @@ class _Run:
                 self._recompute_logprobs(mbs)
             if self.ref is not None:
                 self._reference_logprobs(mbs)
-            normalizer = self.objective.loss_normalizer(mbs)
+            normalizer = self._sum(self.objective.loss_normalizer(mbs))
             loss = self.engine.forward_backward(mbs, self.objective, normalizer=max(normalizer, 1))
             step_out = self.engine.optimizer_step()
             stats = self.objective.pop_stats()
@@ -463,6 +487,21 @@ class _Run:
         generator = getattr(getattr(self.rollout, "core", None), "generator", None)
         return {} if generator is None else {"rollout_rng": generator.get_state().tolist()}
 
+    def _gather(self, obj: Any) -> list[Any]:
+        """`obj` of every rank, in rank order (the host group; `[obj]` in one process)."""
+        if self.rt.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.rt.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.rt.host_group)
+        return out
+
+    def _sum(self, value: int) -> int:
+        if self.rt.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, group=self.rt.host_group)
+        return int(t.item())
+
     def _reference_logprobs(self, mbs: list[PackedBatch]) -> None:
         """`ref_logprobs` of the completions under the reference model (the KL term)."""
         assert self.ref is not None
@@ -478,7 +517,8 @@ class _Run:
         save_checkpoint(
             self.run.ckpt_root, step=step, engine=self.engine,
             trainer_state={"data": data_state, "rl": {**self.counters.state(), **self._rng_state()}}, meta=meta,
-            config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=0, barrier=lambda: None,
+            config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=self.rt.rank,
+            barrier=self.rt.barrier,
         )  # fmt: skip
 
 
