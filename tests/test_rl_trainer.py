@@ -197,3 +197,12 @@ def test_two_processes_train_one_policy_and_both_engines_get_it(tmp_path):
     rows = out[0]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["completions"] == 8 * 4 for r in rows)  # the global batch, generated half on each rank
+
+
+def test_sleeping_while_training_changes_nothing(tmp_path, monkeypatch):
+    """Colocated on a GPU the engine frees its KV cache while the trainer trains: slept == never slept."""
+    awake = run_rl(_cfg(tmp_path / "a", "total_train_steps=3"), progress=False)
+    calls = []
+    monkeypatch.setattr(rl_trainer._Run, "_sleeps_while_training", lambda self: calls.append(1) or True)
+    slept = run_rl(_cfg(tmp_path / "b", "total_train_steps=3"), progress=False)
+    assert len(calls) == 3 and slept.rewards == awake.rewards

@@ -15,6 +15,8 @@ One training step:
    (`laden.rl.objectives`) in `actor.ppo_n_minibatches` optimizer steps.
    With `actor.kl_ctl > 0` the loss adds a KL penalty (`actor.kl_estimator`) to a reference
    model: the initial policy, loaded a second time and never stepped.
+   On a GPU shared with the synchronous trainer the rollout engine sleeps (frees its KV cache)
+   while the trainer trains, and wakes before the update.
 4. **Weight update.** The rollout engine takes the new weights from the trainer's
    `named_weights` in place (same process), tagged with the trainer's version.
 
@@ -377,7 +379,12 @@ class _Run:
             record.update(reward_mean=float("nan"), trained=0)
             return record
         t0 = time.perf_counter()
+        sleeps = self._sleeps_while_training()
+        if sleeps:  # colocated and synchronous: the KV cache's memory is the trainer's while it trains
+            await self.rollout.sleep()
         out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept, shares)
+        if sleeps:
+            await self.rollout.wake()
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         await self._push_weights(step)
@@ -393,6 +400,11 @@ class _Run:
             reward_timeouts=self.rewards.stats.timeouts,
         )  # fmt: skip
         return record
+
+    def _sleeps_while_training(self) -> bool:
+        """Whether the rollout engine frees its KV cache during training: when it shares the trainer's
+        GPU and nothing generates meanwhile (`rollout.max_head_offpolicyness: 0`)."""
+        return self.rt.device.type == "cuda" and self.cfg.rollout.max_head_offpolicyness == 0
 
     async def _push_weights(self, version: int) -> None:
         """The trainer's weights to the rollout engine, as `actor.weight_update_mode` says.
