@@ -206,3 +206,10 @@ def test_sleeping_while_training_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(rl_trainer._Run, "_sleeps_while_training", lambda self: calls.append(1) or True)
     slept = run_rl(_cfg(tmp_path / "b", "total_train_steps=3"), progress=False)
     assert len(calls) == 3 and slept.rewards == awake.rewards
+
+
+def test_prompts_longer_than_max_length_are_skipped_and_counted(tmp_path):
+    result = run_rl(_cfg(tmp_path, "total_train_steps=1", "train_dataset.max_length=33"), progress=False)
+    stats = json.loads((result.run_dir / "train_data_stats.json").read_text())
+    assert stats["records"] == 64 and 0 < stats["dropped_longer_than_max_length"] < 64
+    assert stats["kept"] + stats["dropped_longer_than_max_length"] == 64

@@ -151,7 +151,7 @@ class _Run:
         )
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.actor.path)
-        self.records = load_records(cfg.train_dataset.path)
+        self.records = self._prompts_that_fit(load_records(cfg.train_dataset.path))
         self.batches = GlobalBatchIterator(
             len(self.records), batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle,
             seed=cfg.seed,
@@ -203,6 +203,41 @@ class _Run:
         if self.rt.is_main:
             _plot_rewards(run.path, run.metrics_path)
         return RLResult(run_dir=run.path, num_steps=self.total_steps, rewards=rewards)
+
+    def _prompts_that_fit(self, records) -> list[dict[str, Any]]:
+        """The records whose rendered prompt has at most `train_dataset.max_length` tokens (the
+        engine's context is that plus `gconfig.max_new_tokens`); the count dropped is logged and
+        written to `train_data_stats.json`. Records the default rendering cannot read (a custom
+        workflow's own keys) are kept as they are."""
+        from laden.rl.workflow import render_prompt
+
+        limit = self.cfg.train_dataset.max_length
+        kept, dropped = [], 0
+        for record in records:
+            try:
+                n = len(render_prompt(dict(record), self.tokenizer).ids)
+            except (ValueError, KeyError, TypeError):
+                n = 0
+            if n > limit:
+                dropped += 1
+            else:
+                kept.append(record)
+        if not kept:
+            raise ValueError(
+                f"train_dataset.path={self.cfg.train_dataset.path!r}: all {dropped} prompts are longer than "
+                f"train_dataset.max_length={limit} tokens; raise it"
+            )
+        if dropped:
+            log.warning("%d of %d prompts are longer than train_dataset.max_length=%d tokens and are skipped",
+                        dropped, dropped + len(kept), limit)  # fmt: skip
+        if self.rt.is_main:
+            stats = {
+                "records": dropped + len(kept),
+                "kept": len(kept),
+                "dropped_longer_than_max_length": dropped,
+            }
+            (self.run.path / "train_data_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        return kept
 
     def _resume(self, history, changes) -> int:
         from laden.sft.trainer import _new_hyperparameters
