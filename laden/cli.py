@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come before or after options (`config show --job sft a.b=1`): argparse stops
     # collecting a positional list at the first option, so the rest arrive as unknown arguments.
     args, extra = parser.parse_known_args(argv)
-    bad = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+
+    def is_override(a: str) -> bool:  # key=value, +key=value, ++key=value, ~key (Hydra's forms)
+        return (a.startswith("~") and len(a) > 1) or ("=" in a and not a.startswith("-"))
+
+    bad = [a for a in extra if not is_override(a) or not hasattr(args, "overrides")]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:

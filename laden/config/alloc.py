@@ -1,14 +1,18 @@
 """Allocation modes: `<backend>:<dims>`, e.g. `fsdp:d2c2`, `sglang:d2t2`, `archon:d2p2e2`.
 
 A mode names an engine backend and how its GPUs are split: `d` data, `t` tensor,
-`c` Ulysses context, `p` pipeline and `e` expert parallel. `e` overlays `d` (experts are
-sharded across data-parallel ranks) and adds no GPUs, so `num_gpus = d * t * c * p`.
+`c` Ulysses context, `p` pipeline and `e` expert parallel. `e` adds no GPUs, so
+`num_gpus = d * t * c * p`; as in AReaL, the experts of one pipeline stage are spread over
+that stage's `d * t * c` GPUs, so `e` must divide `d * t * c` (`megatron:d2p2t4e4` is valid).
+MoE models may split attention and expert (FFN) layers differently, AReaL's hybrid form
+`megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)`: both halves cover the same GPUs with the same `p`,
+and an `ffn` without `d` takes the data-parallel size that fills them.
 
 Design: parsing is purely syntactic and accepts every backend name, so a mode such as
 `archon:d2p2e2` parses, formats back exactly and passes the structural checks (dims the
-backend supports, `e` divides `d`) even though `archon` is not implemented yet. Whether a
-backend is implemented is a separate check, reported with the list of those that are.
-The cost is two tables to keep in sync (capabilities, implemented), which is why both
+backend supports, `e` divides `d * t * c`) even though `archon` is not implemented yet.
+Whether a backend is implemented is a separate check, reported with the list of those that
+are. The cost is two tables to keep in sync (capabilities, implemented), which is why both
 live here side by side.
 """
 
@@ -28,9 +32,18 @@ _DIM_ATTRS = {"d": "dp", "t": "tp", "c": "cp", "p": "pp", "e": "ep"}
 
 BACKEND_DIMS: dict[Role, dict[str, str]] = {
     "actor": {"fsdp": "dtc", "roundpipe": "d", "archon": "dtcpe", "megatron": "dtcpe"},
-    "rollout": {"native": "dt", "sglang": "dt", "vllm": "dt"},
+    "rollout": {"native": "dt", "sglang": "dtp", "vllm": "dtp"},
 }
-"""Dimension letters each backend supports, per role."""
+"""Dimension letters each backend supports, per role (AReaL's table; `p` on a rollout server is
+accepted with size 1 only, see `check_alloc`)."""
+
+HYBRID_BACKENDS = ("megatron", "archon")
+"""Training backends whose MoE hybrid form `(attn:...|ffn:...)` AReaL accepts."""
+
+ATTN_LETTERS = "dtcp"
+"""Dimension letters of the `attn:` half of the hybrid form."""
+FFN_LETTERS = "dtpe"
+"""Dimension letters of the `ffn:` half of the hybrid form."""
 
 IMPLEMENTED_BACKENDS: dict[Role, tuple[str, ...]] = {
     "actor": ("fsdp", "roundpipe"),
@@ -45,6 +58,29 @@ _SYNTAX_HINT = (
 )
 _BACKEND_RE = re.compile(r"[a-z][a-z0-9_]*")
 _DIM_RE = re.compile(r"([a-zA-Z])(\d+)")
+_HYBRID_RE = re.compile(r"(\(?)attn:([^|()]*)\|ffn:([^|()]*)(\)?)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertSplit:
+    """The `ffn:` half of the MoE hybrid form: how the expert (FFN) layers are split."""
+
+    dp: int | None = None
+    """Expert data-parallel size (`d`); None = the size that fills the attention half's GPUs."""
+    tp: int = 1
+    """Expert tensor-parallel size (`t`)."""
+    pp: int | None = None
+    """Pipeline-parallel size (`p`); None = the attention half's (they must be equal)."""
+    ep: int = 1
+    """Expert-parallel size (`e`)."""
+    dim_order: tuple[str, ...] = field(default=(), compare=False)
+    """Dimension letters in the order they were written, so formatting round-trips exactly."""
+
+    def format(self) -> str:
+        """The dims as written, e.g. `d2p2t4e2`."""
+        sizes = {"d": self.dp, "t": self.tp, "p": self.pp, "e": self.ep}
+        order = self.dim_order or tuple(k for k in FFN_LETTERS if sizes[k] not in (None, 1)) or ("e",)
+        return "".join(f"{k}{sizes[k]}" for k in order)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,9 +98,13 @@ class AllocationMode:
     pp: int = 1
     """Pipeline-parallel size (`p`)."""
     ep: int = 1
-    """Expert-parallel size (`e`); overlays `d` and adds no GPUs."""
+    """Expert-parallel size (`e`; in the hybrid form the `ffn` half's); adds no GPUs."""
     dim_order: tuple[str, ...] = field(default=(), compare=False)
     """Dimension letters in the order they were written, so formatting round-trips exactly."""
+    ffn: ExpertSplit | None = None
+    """The `ffn:` half of the MoE hybrid form (the other sizes are then the `attn:` half's); None = one split."""
+    parenthesized: bool = field(default=True, compare=False)
+    """Whether the hybrid form was written in parentheses (AReaL accepts both), for round-tripping."""
 
     @classmethod
     def parse(cls, text: str) -> AllocationMode:
@@ -82,8 +122,29 @@ class AllocationMode:
                 f"invalid allocation mode {text!r}: backend {backend!r} must be lower-case letters, "
                 f"digits or '_'; {_SYNTAX_HINT}"
             )
+        hybrid = _HYBRID_RE.fullmatch(dims)
+        if hybrid is not None:
+            return cls._parse_hybrid(text, backend, hybrid)
+        if "|" in dims or "(" in dims:
+            raise ValueError(
+                f"invalid allocation mode {text!r}: cannot read {dims!r} as the MoE hybrid form; {_HYBRID_HINT}"
+            )
         sizes = _parse_dims(text, dims)
-        return cls(backend=backend, dim_order=tuple(sizes), **{_DIM_ATTRS[k]: v for k, v in sizes.items()})
+        return cls(backend=backend, dim_order=tuple(sizes), dp=sizes.get("d", 1), tp=sizes.get("t", 1),
+                   cp=sizes.get("c", 1), pp=sizes.get("p", 1), ep=sizes.get("e", 1))  # fmt: skip
+
+    @classmethod
+    def _parse_hybrid(cls, text: str, backend: str, match: re.Match[str]) -> AllocationMode:
+        opening, attn_dims, ffn_dims, closing = match.groups()
+        if bool(opening) != bool(closing):
+            raise ValueError(f"invalid allocation mode {text!r}: unbalanced parentheses; {_HYBRID_HINT}")
+        attn = _parse_dims(text, attn_dims, letters=ATTN_LETTERS, part="attn")
+        ffn = _parse_dims(text, ffn_dims, letters=FFN_LETTERS, part="ffn")
+        split = ExpertSplit(dp=ffn.get("d"), tp=ffn.get("t", 1), pp=ffn.get("p"), ep=ffn.get("e", 1),
+                            dim_order=tuple(ffn))  # fmt: skip
+        return cls(backend=backend, dim_order=tuple(attn), dp=attn.get("d", 1), tp=attn.get("t", 1),
+                   cp=attn.get("c", 1), pp=attn.get("p", 1), ep=split.ep, ffn=split,
+                   parenthesized=bool(opening))  # fmt: skip
 
     def size(self, letter: str) -> int:
         """Size of the dimension named by `letter` (one of `dtcpe`)."""
@@ -91,22 +152,38 @@ class AllocationMode:
 
     @property
     def num_gpus(self) -> int:
-        """GPUs this mode occupies: d * t * c * p (e overlays d)."""
+        """GPUs this mode occupies: d * t * c * p (`e` adds none; the hybrid form: its attn half's)."""
         return self.dp * self.tp * self.cp * self.pp
 
     def format(self) -> str:
         """The mode as `<backend>:<dims>`, in the order it was written."""
-        order = self.dim_order or tuple(k for k in DIM_LETTERS if self.size(k) != 1) or ("d",)
-        return self.backend + ":" + "".join(f"{k}{self.size(k)}" for k in order)
+        letters = ATTN_LETTERS if self.ffn is not None else DIM_LETTERS
+        order = self.dim_order or tuple(k for k in letters if self.size(k) != 1) or ("d",)
+        dims = "".join(f"{k}{self.size(k)}" for k in order)
+        if self.ffn is not None:
+            dims = f"attn:{dims}|ffn:{self.ffn.format()}"
+            dims = f"({dims})" if self.parenthesized else dims
+        return self.backend + ":" + dims
 
     def __str__(self) -> str:
         return self.format()
 
 
-def _parse_dims(text: str, dims: str) -> dict[str, int]:
-    """Dims string -> {letter: size} in written order; raise ValueError on any grammar error."""
+_HYBRID_HINT = (
+    "the MoE hybrid form is '<backend>:(attn:<dims>|ffn:<dims>)' with attn dims from d, t, c, p and ffn "
+    "dims from d, t, p, e, e.g. 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'"
+)
+
+
+def _parse_dims(text: str, dims: str, *, letters: str = DIM_LETTERS, part: str = "") -> dict[str, int]:
+    """Dims string -> {letter: size} in written order; raise ValueError on any grammar error.
+
+    `part` names the half of the hybrid form being read ('attn', 'ffn'), whose letters are `letters`.
+    """
+    hint = _HYBRID_HINT if part else _SYNTAX_HINT
     if not dims:
-        raise ValueError(f"invalid allocation mode {text!r}: no dimensions after ':'; {_SYNTAX_HINT}")
+        where = f"after '{part}:'" if part else "after ':'"
+        raise ValueError(f"invalid allocation mode {text!r}: no dimensions {where}; {hint}")
     sizes: dict[str, int] = {}
     pos = 0
     for match in _DIM_RE.finditer(dims):
@@ -114,7 +191,9 @@ def _parse_dims(text: str, dims: str) -> dict[str, int]:
             break
         letter, digits = match.group(1), match.group(2)
         reason = None
-        if letter not in DIM_LETTERS:
+        if part and letter in DIM_LETTERS and letter not in letters:
+            reason = f"dimension {letter!r} is not allowed in the {part} part"
+        elif letter not in letters:
             reason = f"unknown dimension letter {letter!r}"
         elif letter in sizes:
             reason = f"dimension {letter!r} is repeated"
@@ -123,14 +202,69 @@ def _parse_dims(text: str, dims: str) -> dict[str, int]:
         elif digits.startswith("0"):
             reason = f"size {digits!r} of dimension {letter!r} has a leading zero"
         if reason:
-            raise ValueError(f"invalid allocation mode {text!r}: {reason}; {_SYNTAX_HINT}")
+            raise ValueError(f"invalid allocation mode {text!r}: {reason}; {hint}")
         sizes[letter] = int(digits)
         pos = match.end()
     if pos != len(dims):
         raise ValueError(
-            f"invalid allocation mode {text!r}: cannot read {dims[pos:]!r} as <letter><size>; {_SYNTAX_HINT}"
+            f"invalid allocation mode {text!r}: cannot read {dims[pos:]!r} as <letter><size>; {hint}"
         )
     return sizes
+
+
+_INFERENCE_BACKENDS = ("sglang", "vllm")
+_COMPONENT_RE = re.compile(r"(?:(?P<backend>[a-z]+)(?:\[\w+\]|\(\w+\))?[:.])?(?P<dims>.+)")
+_AREAL_HYBRID_RE = re.compile(r"\(?attn:.*\|ffn:.*")
+
+
+def split_areal_allocation(text: str) -> tuple[str | None, str | None, bool]:
+    """AReaL's combined `allocation_mode` -> (rollout mode, actor mode, whether the actor's backend was
+    chosen from its dims); raise ValueError with the reason.
+
+    `sglang:d4p1t1+fsdp:d4p1t1` -> ('sglang:d4p1t1', 'fsdp:d4p1t1', False). Older forms parse too:
+    `sglang.d4` for `sglang:d4`, `[name]` tags, and training dims without a backend, which AReaL
+    ran on megatron when they hold p or e > 1 (or are the hybrid form) and on fsdp otherwise.
+    Colocation (`|` between engines) is refused: laden runs rollout servers on GPUs of their own.
+    """
+    rollout = actor = None
+    auto = False
+    for part in text.replace(" ", "").split("+"):
+        hybrid = _AREAL_HYBRID_RE.search(part) is not None
+        if "|" in part and not hybrid:
+            raise ValueError(
+                f"'{part}' colocates engines on the same GPUs, but laden runs rollout servers on GPUs of their "
+                "own: write '<rollout>+<actor>' (e.g. sglang:d4+fsdp:d4), or rollout.backend: native:d<N> to "
+                "generate on the training GPUs"
+            )
+        match = _COMPONENT_RE.fullmatch(part)
+        backend = match.group("backend") if match else None
+        if match is None or part in ("eval", "cpu"):
+            raise ValueError(
+                f"cannot read '{part}'; expected '<rollout>:<dims>+<actor>:<dims>', e.g. {_EXAMPLE}"
+            )
+        dims = match.group("dims")
+        if backend == "attn":  # the hybrid form without a backend: `attn:...|ffn:...`
+            backend, dims = None, part
+        if backend in _INFERENCE_BACKENDS:
+            rollout = f"{backend}:{dims}"
+        elif backend is None:
+            actor, auto = f"{_areal_train_backend(dims, hybrid)}:{dims}", True
+        else:
+            actor = f"{backend}:{dims}"
+    return rollout, actor, auto
+
+
+_EXAMPLE = "sglang:d4p1t1+fsdp:d4p1t1"
+
+
+def _areal_train_backend(dims: str, hybrid: bool) -> str:
+    if hybrid:
+        return "megatron"
+    try:
+        mode = AllocationMode.parse(f"fsdp:{dims}")
+    except ValueError:
+        return "fsdp"  # the loader reports the dims
+    return "megatron" if mode.pp > 1 or mode.ep > 1 else "fsdp"
 
 
 def check_alloc(
@@ -138,9 +272,11 @@ def check_alloc(
 ) -> list[str]:
     """Errors for `mode` used as `field` (e.g. `actor.backend`) of an engine with `role`.
 
-    Structural checks: the string parses, the backend is known for the role, every dim of
-    size > 1 is supported by the backend, `e` divides `d`. With `require_implemented`, a
-    structurally valid mode whose backend is not implemented yet is an error too.
+    Structural checks (AReaL's rules): the string parses, the backend is known for the role,
+    every dim of size > 1 is supported by the backend, `e` divides `d * t * c`, and the hybrid
+    form's halves agree. With `require_implemented`, a structurally valid mode that laden cannot
+    run yet is an error too: a backend not implemented, the hybrid form, `p` > 1 on a rollout
+    server, `t` > 1 on the native engine.
     """
     text = mode if isinstance(mode, str) else mode.format()
     if isinstance(mode, str):
@@ -151,20 +287,45 @@ def check_alloc(
     backends = BACKEND_DIMS[role]
     if mode.backend not in backends:
         return [_unknown_backend_error(mode, role=role, field=field, text=text)]
+    if mode.ffn is not None and (role != "actor" or mode.backend not in HYBRID_BACKENDS):
+        return [
+            f"{field}={text!r}: the MoE hybrid form (attn:...|ffn:...) is for the training backends "
+            f"{', '.join(HYBRID_BACKENDS)}; write {mode.backend}:<dims> instead"
+        ]
     errors = _dim_errors(mode, role=role, field=field, text=text)
-    if require_implemented and not errors and mode.backend not in IMPLEMENTED_BACKENDS[role]:
-        errors.append(
+    if mode.ffn is not None:
+        errors += _hybrid_errors(mode, field=field, text=text)
+    if require_implemented and not errors:
+        errors += _not_implemented_errors(mode, role=role, field=field, text=text)
+    return errors
+
+
+def _not_implemented_errors(mode: AllocationMode, *, role: Role, field: str, text: str) -> list[str]:
+    implemented = ", ".join(IMPLEMENTED_BACKENDS[role]) or "none yet"
+    if mode.ffn is not None:
+        return [
+            f"{field}={text!r}: the MoE hybrid form (attn:...|ffn:...) of backend {mode.backend!r} is not "
+            f"implemented yet; implemented {role} backends: {implemented}"
+        ]
+    if mode.backend not in IMPLEMENTED_BACKENDS[role]:
+        return [
             f"{field}={text!r}: backend {mode.backend!r} is not implemented yet; implemented "
-            f"{role} backends: {', '.join(IMPLEMENTED_BACKENDS[role]) or 'none yet'}"
-        )
-    if require_implemented and not errors and mode.backend == "native" and mode.tp > 1:
-        errors.append(
+            f"{role} backends: {implemented}"
+        ]
+    if mode.backend == "native" and mode.tp > 1:
+        return [
             f"{field}={text!r}: the native engine runs one copy on one GPU per process (native:dN: one per "
             "process of the run); its tensor parallel mode (t) is not implemented yet. Use "
             f"native:d{mode.dp}, or a server for tensor parallel generation: vllm:d{mode.dp}t{mode.tp} / "
             f"sglang:d{mode.dp}t{mode.tp}"
-        )
-    return errors
+        ]
+    if role == "rollout" and mode.pp > 1:
+        return [
+            f"{field}={text!r}: pipeline parallel generation (p{mode.pp}) is not supported: laden starts "
+            f"each {mode.backend} server on t GPUs with tensor parallelism only; use "
+            f"{mode.backend}:d{mode.dp}t{mode.tp * mode.pp} (the same GPUs as t), or p1"
+        ]
+    return []
 
 
 def _unknown_backend_error(mode: AllocationMode, *, role: Role, field: str, text: str) -> str:
@@ -189,13 +350,46 @@ def _dim_errors(mode: AllocationMode, *, role: Role, field: str, text: str) -> l
             f"{field}={text!r}: backend {mode.backend!r} does not support {DIM_NAMES[letter]} "
             f"parallelism ({letter}{size}); {where}; remove {letter}{size} or switch backend"
         )
-    if mode.dp % mode.ep != 0:
-        valid = [e for e in range(1, mode.dp + 1) if mode.dp % e == 0]
+    stage = mode.dp * mode.tp * mode.cp  # the GPUs of one pipeline stage
+    if mode.ffn is None and stage % mode.ep != 0:
+        valid = [e for e in range(1, stage + 1) if stage % e == 0]
+        others = (
+            f" times tensor and context sizes t*c={mode.tp * mode.cp} (d*t*c={stage})"
+            if stage != mode.dp
+            else ""
+        )
         errors.append(
             f"{field}={text!r}: expert parallel size e={mode.ep} must divide data parallel size "
-            f"d={mode.dp} (e overlays d); use e in {{{', '.join(map(str, valid))}}}"
+            f"d={mode.dp}{others}: the experts of a pipeline stage are spread over its GPUs; use e in "
+            f"{{{', '.join(map(str, valid))}}}"
         )
     return errors
+
+
+def _hybrid_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
+    """AReaL's rules of the MoE hybrid form: same `p` in both halves, same number of GPUs."""
+    assert mode.ffn is not None
+    ffn, world = mode.ffn, mode.num_gpus
+    pp = mode.pp if ffn.pp is None else ffn.pp
+    if pp != mode.pp:
+        return [
+            f"{field}={text!r}: pipeline parallel sizes differ (attn p{mode.pp}, ffn p{ffn.pp}); both halves "
+            f"run the same pipeline stages: set ffn p{mode.pp} or leave p out of ffn"
+        ]
+    rest = ffn.tp * pp * ffn.ep
+    if ffn.dp is None:
+        if world % rest == 0:
+            return []
+        return [
+            f"{field}={text!r}: the ffn half's t*p*e={rest} does not divide the attn half's {world} GPUs, so no "
+            "expert data-parallel size fills them; choose t, e so that t*p*e divides d*t*c*p of attn"
+        ]
+    if ffn.dp * rest == world:
+        return []
+    return [
+        f"{field}={text!r}: the halves cover different numbers of GPUs (attn d*t*c*p={world}, ffn "
+        f"d*t*p*e={ffn.dp * rest}); they split the same GPUs: make them equal, or leave d out of ffn"
+    ]
 
 
 def valid_head_sizes(num_attention_heads: int, num_key_value_heads: int | None) -> list[int]:

@@ -8,14 +8,21 @@ default where the user meant something else (it is reported alongside the type e
 Type coercion is strict (no bool for int, no float for int) with two reliefs: an int is
 accepted for a float, and a numeric string for a float, because YAML 1.1 reads `1e-5`
 as a string.
+
+AReaL's files load as they are: overrides follow Hydra's forms (`key=value`, `+key=value` adds
+a key, `~key` deletes one), then `${dotted.key}` interpolations are resolved by OmegaConf
+(only when the tree holds one, so plain files never import it), then `laden.config.areal`
+maps AReaL's keys to laden's before the strict typed construction sees the tree.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -24,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from laden.config.areal import from_areal
 from laden.config.schema import LadenConfig
 from laden.config.validate import validate_config
 
@@ -40,8 +48,10 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, job: Job = "any") -> LadenConfig:
-    """Read YAML at `path` (optional), apply `key=value` overrides, validate for `job`.
+    """Read YAML at `path` (optional), apply overrides, resolve `${...}`, validate for `job`.
 
+    Overrides are `key=value` (set), `+key=value` (add a key not set yet), `++key=value` (set)
+    and `~key` / `~key=value` (delete it, the latter only while it holds that value).
     Raises ConfigError listing every problem.
     """
     errors: list[str] = []
@@ -61,6 +71,8 @@ def config_from_dict(data: Mapping[str, Any], *, job: Job = "any") -> LadenConfi
 def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenConfig:
     if job not in ("sft", "rl", "any"):
         raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
+    data = _resolve_interpolations(dict(data), errors)
+    data = from_areal(data, job=job, laden_keys=all_keys(), errors=errors)
     cfg = _build(LadenConfig, data, "", errors)
     _cluster_from_launcher(cfg, data.get("cluster"))
     errors += validate_config(cfg, job=job)
@@ -138,30 +150,65 @@ def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
     return data
 
 
+_OVERRIDE_HINT = (
+    "expected 'dotted.key=value' (set), '+dotted.key=value' (add a key) or '~dotted.key' (delete one), "
+    "e.g. 'actor.mb_spec.max_tokens_per_mb=4096'"
+)
+_NO_VALUE = object()
+
+
 def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
-    """Set `a.b.c=value` into the nested `raw` mapping; the value is parsed as YAML."""
-    key, sep, text = item.partition("=")
+    """Apply one override to the nested `raw` mapping; the value is parsed as YAML."""
+    prefix = next((p for p in ("++", "+", "~") if item.startswith(p)), "")
+    key, sep, text = item[len(prefix) :].partition("=")
     key = key.strip()
     parts = key.split(".")
-    if not sep or not key or not all(parts):
-        errors.append(
-            f"override {item!r}: expected 'dotted.key=value', e.g. 'actor.mb_spec.max_tokens_per_mb=4096'"
-        )
+    if not key or not all(parts) or (not sep and prefix != "~"):
+        errors.append(f"override {item!r}: {_OVERRIDE_HINT}")
         return
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = text  # not YAML (e.g. an unbalanced quote): take the text literally
+    value = _override_value(text) if sep else _NO_VALUE
+    if prefix == "~":
+        _delete(raw, parts, value, item, errors)
+        return
     node = raw
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]
     leaf = parts[-1]
-    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+    if prefix == "+" and leaf in node:
+        errors.append(
+            f"override {item!r}: {key} is already set (to {_show(node[leaf])}); '+' adds a key that is not set "
+            f"yet: write {key}={text} to change it"
+        )
+    elif isinstance(value, dict) and isinstance(node.get(leaf), dict):
         _deep_merge(node[leaf], value)  # `actor.mb_spec={n_mbs: 2}` keeps the file's other keys
     else:
         node[leaf] = value
+
+
+def _override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # not YAML (e.g. an unbalanced quote): take the text literally
+
+
+def _delete(raw: dict[str, Any], parts: list[str], value: Any, item: str, errors: list[str]) -> None:
+    """`~a.b` removes `a.b`; `~a.b=v` removes it only while it holds `v` (Hydra's rule)."""
+    node: Any = raw
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    key = ".".join(parts)
+    if not isinstance(node, dict) or parts[-1] not in node:
+        errors.append(f"override {item!r}: {key} is not set, so there is nothing to delete; check the key")
+    elif value is not _NO_VALUE and node[parts[-1]] != value:
+        errors.append(
+            f"override {item!r}: {key} is {_show(node[parts[-1]])}, not {_show(value)}; '~{key}=value' deletes "
+            f"it only while it holds that value: write ~{key} to delete it whatever it holds"
+        )
+    else:
+        del node[parts[-1]]
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
@@ -170,6 +217,99 @@ def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
             _deep_merge(base[key], value)
         else:
             base[key] = value
+
+
+# ---------------------------------------------------------------------------------------
+# `${...}` interpolation
+
+
+def _resolve_interpolations(raw: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    """`raw` with every `${...}` resolved by OmegaConf (`${actor.path}`, `${oc.env:HOME}`, ...).
+
+    A string that cannot be resolved is reported with its key and removed (its field keeps its
+    default), so the other interpolations are still resolved and every error reported at once.
+    """
+    leaves = [(path, v) for path, v in _leaves(raw, ()) if isinstance(v, str) and "${" in v]
+    if not leaves:
+        return raw
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    data = copy.deepcopy(raw)
+    good = []
+    for path, value in leaves:  # a malformed one would make the whole tree fail to load
+        try:
+            OmegaConf.create({"v": value})
+            good.append((path, value))
+        except OmegaConfBaseException as err:
+            errors.append(f"{_dotted(path)}={value!r}: not a valid interpolation ({_first_line(err)}); "
+                          "write ${dotted.key}, e.g. ${actor.path}")  # fmt: skip
+            _remove(data, path)
+    try:
+        conf = OmegaConf.create(data)
+    except (OmegaConfBaseException, ValueError) as err:
+        errors.append(f"the config cannot be read for resolving its interpolations: {_first_line(err)}")
+        return data
+    for path, value in good:
+        try:
+            node: Any = conf
+            for part in path:
+                node = node[part]  # indexing the last one resolves it
+            resolved = (
+                OmegaConf.to_container(node, resolve=True)
+                if isinstance(node, (DictConfig, ListConfig))
+                else node
+            )
+        except OmegaConfBaseException as err:
+            errors.append(_interpolation_error(path, value, err, raw))
+            _remove(data, path)
+            continue
+        _place(data, path, resolved)
+    return data
+
+
+def _interpolation_error(path: tuple[Any, ...], value: str, err: Exception, raw: dict[str, Any]) -> str:
+    message = _first_line(err)
+    missing = re.search(r"Interpolation key '([^']+)' not found", message)
+    if missing is None:
+        return f"{_dotted(path)}={value!r}: cannot resolve the interpolation ({message})"
+    key = missing.group(1)
+    known = [_dotted(p) for p, _ in _leaves(raw, ())]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    fix = f"did you mean ${{{close[0]}}}?" if close else f"set {key}, or write the value itself"
+    return f"{_dotted(path)}={value!r}: cannot resolve the interpolation: {key} is not set; {fix}"
+
+
+def _leaves(node: Any, path: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:
+    if isinstance(node, dict):
+        return [leaf for k, v in node.items() for leaf in _leaves(v, (*path, k))]
+    if isinstance(node, list):
+        return [leaf for i, v in enumerate(node) for leaf in _leaves(v, (*path, i))]
+    return [(path, node)]
+
+
+def _place(data: Any, path: tuple[Any, ...], value: Any) -> None:
+    for part in path[:-1]:
+        data = data[part]
+    data[path[-1]] = value
+
+
+def _remove(data: Any, path: tuple[Any, ...]) -> None:
+    """Drop a mapping key (its field keeps its default); a list item becomes null (positions stay)."""
+    for part in path[:-1]:
+        data = data[part]
+    if isinstance(data, dict):
+        del data[path[-1]]
+    else:
+        data[path[-1]] = None
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 # ---------------------------------------------------------------------------------------
