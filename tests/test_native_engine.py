@@ -346,3 +346,51 @@ def test_a_sequence_longer_than_the_cache_ends_with_length():
     assert r.stop_reason == "length" and 0 < len(r.output_ids) < 60
     assert r.output_ids == reference_greedy(model, prompt, len(r.output_ids), set())
     assert engine.core.cache.allocator.used() == 0
+
+
+def test_more_samples_than_concurrency_is_refused_and_nothing_leaks():
+    engine = _engine(_model("qwen3"), max_concurrent=2)
+    good = GenerationRequest(rid="ok", input_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=2))
+    bad = GenerationRequest(rid="big", input_ids=(5, 6), sampling=SamplingParams(max_new_tokens=2), n_samples=3)
+    with pytest.raises(ValueError, match="n_samples=3.*max_concurrent=2"):
+        engine.generate_sync([good, bad])
+    assert engine.core.idle and not engine._queues  # the good request was not queued either
+    (r,) = engine.generate_sync([good])
+    assert len(r.output_ids) == 2
+
+
+def test_a_failing_window_aborts_what_is_pending_and_the_engine_recovers():
+    model = _model("qwen3")
+    engine = _engine(model, max_concurrent=4)
+    calls = []
+
+    def hook(phase, batch):
+        calls.append(phase)
+        if len(calls) == 2:
+            raise RuntimeError("kernel failed (injected)")
+
+    engine.core.oom_hook = hook
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate_sync(_requests(_prompts(3), greedy=True, max_new_tokens=6, ignore_eos=True))
+    assert engine.core.idle and engine.core.cache.allocator.used() == 0  # no block leaked
+    engine.core.oom_hook = None
+    prompts = _prompts(2)
+    results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=6, ignore_eos=True))
+    assert [r.output_ids for r in results] == [reference_greedy(model, p, 6, set()) for p in prompts]
+
+
+def test_an_oom_on_a_group_larger_than_the_lowered_concurrency_splits_it():
+    model = _model("qwen3")
+    prompt = _prompts(1)[0]
+    engine = _engine(model, max_concurrent=4)
+    failures = []
+
+    def hook(phase, batch):
+        if phase == "prefill" and len(failures) < 1:
+            failures.append(batch)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    engine.core.oom_hook = hook
+    out = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=5, n_samples=4, ignore_eos=True))
+    assert failures == [1] and engine.core.max_concurrent == 2
+    assert [r.output_ids for r in out] == [reference_greedy(model, prompt, 5, set())] * 4

@@ -373,3 +373,27 @@ def test_trajectory_checks_its_per_token_lists():
     assert t.min_version == 2 and not t.has_eos
     with pytest.raises(ValueError, match="2 completion tokens, 1 log-probs, 2 versions"):
         Trajectory(completion_ids=[5, 6], logprobs=[-1.0], versions=[0, 0], stop_reason="stop", **kw)
+
+
+def test_multi_turn_stops_before_a_turn_that_would_not_fit(tiny_dir, tiny_tokenizer):
+    """A conversation that would outgrow the engine's context ends with its last answer."""
+    import asyncio
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from laden.rl.workflow import MultiTurnWorkflow, render_prompt
+    from laden.rollout import SamplingParams
+    from laden.rollout.native import NativeEngine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_dir), torch_dtype=torch.float32)
+    prompt_len = len(render_prompt({"prompt": "hi"}, tiny_tokenizer).ids)
+    engine = NativeEngine(model, tiny_tokenizer, max_concurrent=2, max_model_len=prompt_len + 12)
+    wf = MultiTurnWorkflow(
+        tokenizer=tiny_tokenizer, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True), reward=lambda **kw: 0.0,
+        max_turns=3,
+    )  # fmt: skip
+    (traj,) = asyncio.run(wf.arun_episode(engine, {"prompt": "hi"}))
+    assert traj.info["turn_rewards"] == [0.0]  # the second turn's prompt alone would exceed the context
+    assert len(traj.completion_ids) == 8

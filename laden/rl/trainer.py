@@ -179,6 +179,7 @@ class _Run:
             )
         self.settings = OptimSettings.from_config(cfg.actor.optimizer, self.total_steps)
         start = self._resume(history, changes)
+        self._drop_newer_weight_versions(start)
         self.rollout = self._rollout_engine(version=start)
         self.objective, self.adv_settings = self._objective()
         from laden.rl.rewards import RewardPool
@@ -394,7 +395,7 @@ class _Run:
         k = cfg.rollout.max_head_offpolicyness
         kept = []
         for g in groups:  # a completion staler than allowed is never trained on
-            fresh = [t for t in g if version - t.min_version <= k]
+            fresh = [t for t in g if not t.completion_ids or version - t.min_version <= k]
             self.counters.stale_dropped += len(g) - len(fresh)
             for t in fresh:
                 self.counters.max_staleness = max(self.counters.max_staleness, version - t.min_version)
@@ -411,6 +412,7 @@ class _Run:
             log.warning(
                 "step %d: every completion was staler than rollout.max_head_offpolicyness=%d", step, k
             )
+            await self._push_weights(step)  # the version advances all the same, so the next batch is fresh
             record.update(reward_mean=float("nan"), trained=0)
             return record
         t0 = time.perf_counter()
@@ -436,6 +438,21 @@ class _Run:
         )  # fmt: skip
         return record
 
+    def _drop_newer_weight_versions(self, start: int) -> None:
+        """Weight versions a killed run published after its last checkpoint are written again."""
+        import shutil
+
+        from laden.weights import WeightUpdateMeta, list_versions, version_dir
+
+        if self.cfg.actor.weight_update_mode != "disk" or not self.rt.is_main:
+            return
+        root = WeightUpdateMeta.from_config(self.cfg).path
+        if root is None or not root.exists():
+            return
+        for v in list_versions(root):
+            if v > start:
+                shutil.rmtree(version_dir(root, v))
+
     def _sleeps_while_training(self) -> bool:
         """Whether the rollout engine frees its KV cache during training: when it shares the trainer's
         GPU and nothing generates meanwhile (`rollout.max_head_offpolicyness: 0`)."""
@@ -455,10 +472,16 @@ class _Run:
             root = meta.path
             assert root is not None
             named = self.engine.named_weights(torch_dtype(cfg.actor.dtype), device="cpu")
-            await asyncio.get_running_loop().run_in_executor(
-                self.train_pool,
-                lambda: write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2),
-            )  # fmt: skip
+
+            def publish() -> None:
+                if self.rt.is_main:
+                    write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
+                else:  # sharded engines gather collectively: every rank iterates, rank 0 writes
+                    for _ in named:
+                        pass
+                self.rt.barrier()
+
+            await asyncio.get_running_loop().run_in_executor(self.train_pool, publish)
             await self.rollout.update_weights(meta, version=version)
             return
         await self.rollout.update_weights(self.engine.named_weights(), version=version)
@@ -485,12 +508,15 @@ class _Run:
         chunks = [groups[i::n] for i in range(n)]
         offsets = {id(t): a for t, a in zip(trajs, adv)}
         metrics: dict[str, float] = {}
-        for chunk in chunks:
-            mbs = self._micro_batches([t for g in chunk for t in g], offsets)
+        # The trainer's log-probs (proximal / old) and the reference's, all under the weights before
+        # this step's first update: later minibatches' ratios then measure how far the policy moved.
+        chunk_mbs = [self._micro_batches([t for g in chunk for t in g], offsets) for chunk in chunks]
+        for mbs in chunk_mbs:
             if cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob:
                 self._recompute_logprobs(mbs)
             if self.ref is not None:
                 self._reference_logprobs(mbs)
+        for mbs in chunk_mbs:
             normalizer = self._sum(self.objective.loss_normalizer(mbs))
             loss = self.engine.forward_backward(mbs, self.objective, normalizer=max(normalizer, 1))
             step_out = self.engine.optimizer_step()

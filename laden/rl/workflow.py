@@ -335,8 +335,8 @@ class MultiTurnWorkflow:
     request (one prefill). The trajectory is the LAST answer: its `prompt_ids` are the whole
     conversation before it, its reward the last turn's reward times `turn_discount ** (turns - 1)`;
     `info["turn_rewards"]` keeps every turn's reward. A conversation ends early on a reward >= 1
-    or an aborted completion. Keep `max_turns * (prompt + max_new_tokens)` within the engine's
-    context length, or later turns come back truncated.
+    or an aborted completion, and before a turn whose prompt would not fit the engine's context
+    (`max_model_len`, where the engine has one): then the last answer that fitted is the trajectory.
     """
 
     tokenizer: Any
@@ -401,8 +401,11 @@ class MultiTurnWorkflow:
     ) -> Trajectory:
         """Continue one conversation from its scored first answer until it is right or out of turns."""
         sample_index, turn_rewards = result.sample_index, [reward]
+        limit = getattr(engine, "max_model_len", None)  # the engine's context, where it says
         while reward < 1.0 and len(turn_rewards) < self.max_turns and result.stop_reason != "abort":
             next_ids = (*result.input_ids, *result.output_ids, *self._feedback_ids(result.output_ids))
+            if limit is not None and len(next_ids) + 1 >= limit:
+                break  # another turn would not fit the context: the conversation ends with this answer
             request = GenerationRequest(rid=self._ids.next(), input_ids=next_ids, sampling=self.sampling)
             ((result, reward),) = await _generate_and_score(engine, request, self._scorer(fields))
             turn_rewards.append(reward)

@@ -108,6 +108,7 @@ class GenerationCore:
     ) -> None:
         self.model, self.cache = model, cache
         self.max_concurrent = max_concurrent
+        self.concurrency_limit = max_concurrent  # as configured (an OOM lowers `max_concurrent` only)
         self.decode_steps = decode_steps
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = tuple(eos_token_ids)
@@ -130,18 +131,30 @@ class GenerationCore:
 
     # ----------------------------------------------------------------- queue
 
-    def add(self, request: GenerationRequest) -> None:
+    def check(self, request: GenerationRequest) -> None:
+        """Raise `ValueError` (naming the request and the fix) for a request this engine cannot run."""
         params = request.sampling
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request.rid!r} has stop strings {params.stop!r} but the engine has no tokenizer; "
                 "give the engine the model's tokenizer, or use stop_token_ids"
             )
+        if request.n_samples > self.concurrency_limit:
+            raise ValueError(
+                f"request {request.rid!r}: n_samples={request.n_samples} completions are more than the engine runs "
+                f"at once (max_concurrent={self.concurrency_limit}, rollout.max_concurrent_rollouts); raise it to at "
+                "least gconfig.n_samples, or lower n_samples"
+            )
         if len(request.input_ids) >= self.model.max_model_len:
             raise ValueError(
                 f"request {request.rid!r}: the prompt has {len(request.input_ids)} tokens, the engine's context "
                 f"is {self.model.max_model_len} (max_model_len); shorten the prompt or raise max_model_len"
             )
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue `request` (its `n_samples` completions as one group: the prompt is prefilled once)."""
+        self.check(request)
+        params = request.sampling
         stop = frozenset() if params.ignore_eos else frozenset((*self.eos_token_ids, *params.stop_token_ids))
         seqs = [Sequence(request=request, sample_index=i, stop_ids=stop) for i in range(request.n_samples)]
         self.waiting.append(_Group(seqs))
@@ -170,6 +183,16 @@ class GenerationCore:
                 self._decode_window(finished)
         except torch.OutOfMemoryError as e:
             self._recover_from_oom(e, admitted)
+        except BaseException:
+            # Anything else: the window's sequences give their blocks back and are put back at the head
+            # of the queue (their tokens kept), so the engine stays consistent for `abort_all` or a retry.
+            seen = {id(s) for s in self.running}
+            stranded = list(self.running) + [
+                s for g in admitted for s in g.seqs if id(s) not in seen and s.blocks
+            ]
+            self.running = []
+            self._requeue([s for s in stranded if s.done is None])
+            raise
         self.stats["windows"] += 1
         return [s.result() for s in finished]
 
@@ -336,6 +359,15 @@ class GenerationCore:
             if n:
                 s.blocks += alloc.allocate(n)
 
+    def abort_all(self) -> list[Sequence]:
+        """Every queued and running sequence, marked `abort` and out of the cache (tokens kept)."""
+        self.requeue_running()
+        pending = [s for g in self.waiting for s in g.seqs]
+        self.waiting.clear()
+        for s in pending:
+            s.done = "abort"
+        return pending
+
     def requeue_running(self) -> None:
         """Every running sequence leaves the cache, keeping its tokens (weights changed, or sleep)."""
         running, self.running = self.running, []
@@ -393,6 +425,7 @@ class GenerationCore:
 
     def _eager_window(self, table, last, positions, generated, st_host: SamplingTensors, steps: int):
         dev = self.device
+        self.model.workspace, self.model.num_splits = None, 1  # the graphs' buffers are sized for them
         table = table.to(dev)
         tokens = last.to(dev)
         positions = positions.to(dev)
@@ -450,7 +483,11 @@ class GenerationCore:
             for s in g.seqs:
                 self.cache.allocator.free(s.blocks)
                 s.blocks = []
-            self.waiting.appendleft(g)
+            if len(g.seqs) > new_limit:  # too many at once now: one sequence per group
+                for s in reversed(g.seqs):
+                    self.waiting.appendleft(_Group([s]))
+            else:
+                self.waiting.appendleft(g)
 
     def oom_advice(self, in_flight: int) -> str:
         fraction = getattr(self, "mem_fraction_static", None)

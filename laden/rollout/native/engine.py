@@ -210,6 +210,11 @@ class NativeEngine:
     def version(self) -> int:
         return self.core.version
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus completion the engine holds (a prompt must be shorter)."""
+        return self.paged.max_model_len
+
     def _ensure_loop_state(self) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -235,13 +240,13 @@ class NativeEngine:
         if len(set(rids)) != len(rids) or any(rid in self._queues for rid in rids):
             raise ValueError("request ids must be unique among the requests in flight")
         queue: asyncio.Queue = asyncio.Queue()
-        expected = 0
-        for r in requests:
-            self._queues[r.rid] = queue
-            expected += r.n_samples
+        expected = sum(r.n_samples for r in requests)
         async with self._lock:  # type: ignore[union-attr]
+            for r in requests:  # `add` checks each request first, so a bad one adds none of them
+                self.core.check(r)
             for r in requests:
                 self.core.add(r)
+                self._queues[r.rid] = queue
         self._work.set()
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
@@ -286,6 +291,7 @@ class NativeEngine:
                 try:
                     results = await self._run(self.core.step)
                 except BaseException as e:  # noqa: BLE001 - reach every waiting caller
+                    self.core.abort_all()  # nothing stays queued behind a request that cannot run
                     for q in set(self._queues.values()):
                         q.put_nowait(e)
                     return
@@ -379,6 +385,8 @@ class NativeEngine:
     async def sleep(self, *, weights: bool = False) -> None:
         self._ensure_loop_state()
         async with self._lock:  # type: ignore[union-attr]
+            if self._sleeping:
+                return
             self._sleeping = True
             assert self._resumed is not None
             self._resumed.clear()
@@ -407,6 +415,8 @@ class NativeEngine:
     async def wake(self) -> None:
         self._ensure_loop_state()
         async with self._lock:  # type: ignore[union-attr]
+            if not self._sleeping:
+                return
             await self._run(self._restore)
             self._sleeping = False
             if not self._paused:
@@ -434,11 +444,7 @@ class NativeEngine:
         self.shutdown()
 
     def _abort_pending(self) -> None:
-        pending = [s for g in self.core.waiting for s in g.seqs] + list(self.core.running)
-        self.core.requeue_running()
-        self.core.waiting.clear()
-        for s in pending:
-            s.done = "abort"
+        for s in self.core.abort_all():
             waiting = self._queues.get(s.request.rid)
             if waiting is not None:
                 waiting.put_nowait(s.result())

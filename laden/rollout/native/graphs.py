@@ -127,7 +127,8 @@ class DecodeGraphs:
         gen = self.core.generator
         if gen is not None and hasattr(graph, "register_generator_state"):
             graph.register_generator_state(gen)
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread (a colocated trainer) may use the GPU while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(size)
         if self.pool is None:
             self.pool = graph.pool()
