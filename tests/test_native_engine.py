@@ -351,7 +351,9 @@ def test_a_sequence_longer_than_the_cache_ends_with_length():
 def test_more_samples_than_concurrency_is_refused_and_nothing_leaks():
     engine = _engine(_model("qwen3"), max_concurrent=2)
     good = GenerationRequest(rid="ok", input_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=2))
-    bad = GenerationRequest(rid="big", input_ids=(5, 6), sampling=SamplingParams(max_new_tokens=2), n_samples=3)
+    bad = GenerationRequest(
+        rid="big", input_ids=(5, 6), sampling=SamplingParams(max_new_tokens=2), n_samples=3
+    )
     with pytest.raises(ValueError, match="n_samples=3.*max_concurrent=2"):
         engine.generate_sync([good, bad])
     assert engine.core.idle and not engine._queues  # the good request was not queued either
@@ -391,6 +393,8 @@ def test_an_oom_on_a_group_larger_than_the_lowered_concurrency_splits_it():
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     engine.core.oom_hook = hook
-    out = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=5, n_samples=4, ignore_eos=True))
+    out = engine.generate_sync(
+        _requests([prompt], greedy=True, max_new_tokens=5, n_samples=4, ignore_eos=True)
+    )
     assert failures == [1] and engine.core.max_concurrent == 2
     assert [r.output_ids for r in out] == [reference_greedy(model, prompt, 5, set())] * 4
