@@ -213,3 +213,25 @@ def test_prompts_longer_than_max_length_are_skipped_and_counted(tmp_path):
     stats = json.loads((result.run_dir / "train_data_stats.json").read_text())
     assert stats["records"] == 64 and 0 < stats["dropped_longer_than_max_length"] < 64
     assert stats["kept"] + stats["dropped_longer_than_max_length"] == 64
+
+
+def test_refills_after_rejections_skip_no_prompt(tmp_path, monkeypatch):
+    """Rejected groups are refilled from the next prompts in data order; the rest are kept for later."""
+    from laden.data import GlobalBatchIterator
+    from laden.rl.workflow import RLVRWorkflow
+
+    seen: list[str] = []
+    episode = RLVRWorkflow.arun_episode
+
+    async def reject_every_third(self, engine, data):
+        seen.append(data["prompt"])
+        return None if len(seen) % 3 == 0 else await episode(self, engine, data)
+
+    monkeypatch.setattr(RLVRWorkflow, "arun_episode", reject_every_third)
+    cfg = _cfg(tmp_path, "total_train_steps=4")
+    result = run_rl(cfg, progress=False)
+    records = [json.loads(line) for line in (ASSETS / "rl_tiny.jsonl").read_text().splitlines()]
+    order = GlobalBatchIterator(len(records), batch_size=8, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)
+    expected = [records[i]["prompt"] for _ in range(len(seen) // 8 + 1) for i in next(order)]
+    assert seen == expected[: len(seen)]  # data order, nothing skipped or repeated
+    assert _metrics(result)[-1]["rejected"] == len(seen) // 3

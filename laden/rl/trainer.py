@@ -135,6 +135,7 @@ class _Run:
         self.cfg, self.rt, self.run = cfg, rt, run
         self.counters = _Counters()
         self._rollout_rng: list[int] | None = None
+        self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laden-train")
 
     # ------------------------------------------------------------------ set-up
@@ -255,7 +256,9 @@ class _Run:
             rank=self.rt.rank,
             keep=_new_hyperparameters(self.engine, self.settings, step),
         )
-        self.batches.load_state_dict(state["data"])
+        data = state["data"]
+        self.batches.load_state_dict(data["batches"])
+        self._carry = [int(i) for i in data.get("carry", [])]
         rl_state = dict(state.get("rl", {}))
         self._rollout_rng = rl_state.pop("rollout_rng", None)
         self.counters.load(rl_state)
@@ -350,7 +353,8 @@ class _Run:
                     await self.progress_cond.wait_for(self._trained_through(b - 1 - k))
                 t0 = time.perf_counter()
                 trajs = await self._collect_batch()
-                await queue.put((trajs, self.batches.state_dict(), time.perf_counter() - t0))
+                data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
+                await queue.put((trajs, data_state, time.perf_counter() - t0))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
@@ -360,13 +364,17 @@ class _Run:
         return lambda: self.steps_done >= step
 
     async def _collect_batch(self) -> list[Any]:
-        """`batch_size` accepted groups (rejected ones are refilled from the next prompts)."""
+        """`batch_size` accepted groups (rejected ones are refilled from the next prompts; the rest of a
+        batch drawn for a refill is kept for the next, so no prompt is skipped)."""
         want = self.cfg.train_dataset.batch_size
         groups: list[list[Any]] = []
         attempts = 0
         rank, world = self.rt.rank, self.rt.world_size
         while len(groups) < want:
-            indices = next(self.batches)[: want - len(groups)]
+            if len(self._carry) < want - len(groups):
+                self._carry += list(next(self.batches))
+            need = want - len(groups)
+            indices, self._carry = self._carry[:need], self._carry[need:]
             if world > 1:  # this rank's share of the global batch; no refill, so the ranks stay in step
                 indices, want = indices[rank::world], 0
             attempts += len(indices)
