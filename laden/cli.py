@@ -11,9 +11,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 EXIT_USAGE = 2
 """Exit status for invalid input (config, data, model directory)."""
@@ -51,14 +52,19 @@ def _load(args: argparse.Namespace, job: Literal["sft", "rl", "any"]):
     return load_config(config, overrides, job=job)
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
+def _run_job(args: argparse.Namespace, job: Literal["sft", "rl"]) -> Any:
+    """Load the config and run the job; its result, or the exit status after Ctrl-C or an unusable
+    run directory (said in one line)."""
     from laden.config import run_dir
+
+    cfg = _load(args, job)
+    directory = run_dir(cfg)
+    from laden.rl.trainer import run_rl
     from laden.sft.trainer import run_sft
 
-    cfg = _load(args, "sft")
-    directory = run_dir(cfg)
+    run: Callable[..., Any] = run_sft if job == "sft" else run_rl
     try:
-        result = run_sft(cfg, progress=not args.no_progress)
+        return run(cfg, progress=not args.no_progress)
     except KeyboardInterrupt:
         _say(f"laden: interrupted; rerun the same command to resume from the last checkpoint in {directory}")
         return EXIT_INTERRUPTED
@@ -68,45 +74,44 @@ def cmd_sft(args: argparse.Namespace) -> int:
             raise
         _say(message)
         return EXIT_OS_ERROR
-    if _is_main_process() and result.already_finished:
-        print(
-            f"done: run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
-            f"loss {result.last_loss}); nothing was trained. Raise total_train_steps to train on, or set trial_name"
-        )
-    elif _is_main_process():
-        print(
-            f"done: {result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; "
-            f"run directory {result.run_dir}"
+
+
+_FINISHED = "nothing was trained. Raise total_train_steps to train on, or set trial_name"
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    result = _run_job(args, "sft")
+    if isinstance(result, int):
+        return result
+    if result.already_finished:
+        _done(f"run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
+              f"loss {result.last_loss}); {_FINISHED}")  # fmt: skip
+    else:
+        _done(
+            f"{result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; run directory {result.run_dir}"
         )
     return 0
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
-    from laden.config import run_dir
-    from laden.rl.trainer import run_rl
-
-    cfg = _load(args, "rl")
-    directory = run_dir(cfg)
-    try:
-        result = run_rl(cfg, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        _say(f"laden: interrupted; rerun the same command to resume from the last checkpoint in {directory}")
-        return EXIT_INTERRUPTED
-    except OSError as exc:
-        message = _run_dir_error(exc, directory)
-        if message is None:
-            raise
-        _say(message)
-        return EXIT_OS_ERROR
+    result = _run_job(args, "rl")
+    if isinstance(result, int):
+        return result
     if result.already_finished:
-        print(f"done: run directory {result.run_dir} already holds a finished run ({result.num_steps} steps); "
-              "nothing was trained. Raise total_train_steps to train on, or set trial_name")  # fmt: skip
+        _done(
+            f"run directory {result.run_dir} already holds a finished run ({result.num_steps} steps); {_FINISHED}"
+        )
     else:
         first = sum(result.rewards[:5]) / max(1, len(result.rewards[:5]))
         last = sum(result.rewards[-5:]) / max(1, len(result.rewards[-5:]))
-        print(f"done: {result.num_steps} steps, mean reward {first:.3f} (first 5) -> {last:.3f} (last 5); "
+        _done(f"{result.num_steps} steps, mean reward {first:.3f} (first 5) -> {last:.3f} (last 5); "
               f"run directory {result.run_dir}")  # fmt: skip
     return 0
+
+
+def _done(line: str) -> None:
+    if _is_main_process():  # under torchrun rank 0 speaks for every rank
+        print(f"done: {line}")
 
 
 def _run_dir_error(exc: OSError, directory: Path) -> str | None:

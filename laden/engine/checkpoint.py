@@ -251,3 +251,30 @@ def load_checkpoint(
     if rng_file.exists():  # a different world size has no file for this rank: keep the seeded state
         set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "trainer.json").read_text())
+
+
+def keep_new_hyperparameters(
+    engine: Any, settings: Any, step: int
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The resume policy: optimizer state and step count from the checkpoint, the schedule and the
+    param groups' hyper-parameters from this run's config (equal to the checkpoint's when unchanged)."""
+    fresh = engine.state_dict()
+    fresh_groups = [{k: v for k, v in g.items()} for g in fresh["optimizer"]["param_groups"]]
+    fresh_schedule = dict(fresh["scheduler"])
+
+    def keep(state: dict[str, Any]) -> dict[str, Any]:
+        lr = settings.lr_at(step)
+        state["optimizer"]["param_groups"] = [{**g, "lr": lr} for g in fresh_groups]
+        saved = state["scheduler"]
+        state["scheduler"] = {**fresh_schedule, "last_epoch": saved["last_epoch"], "_step_count": saved["_step_count"],
+                              "_last_lr": [lr] * len(fresh_schedule.get("base_lrs", [lr]))}  # fmt: skip
+        return state
+
+    return keep
+
+
+def checkpoint_meta(cfg: Any, engine: Any) -> dict[str, Any]:
+    """What a checkpoint records about the engine and optimizer that wrote it (checked on resume)."""
+    return {"backend": cfg.actor.backend, "engine": type(engine).__name__, "dp_size": engine.dp_size,
+            "optimizer": cfg.actor.optimizer.type, "optimizer_dtype": cfg.actor.optimizer_dtype,
+            "dtype": cfg.actor.dtype}  # fmt: skip

@@ -27,10 +27,12 @@ not depend on what a step computes lives here, once:
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -90,6 +92,13 @@ class Runtime:
         value = torch.tensor([int(flag)], dtype=torch.int64)
         torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.host_group)
         return bool(value.item())  # a host tensor: no device sync
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators from the run's `seed`."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def start_runtime() -> Runtime:

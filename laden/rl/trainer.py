@@ -53,9 +53,21 @@ from tqdm.auto import tqdm
 from laden.config import LadenConfig, dump_config, format_config, run_dir
 from laden.config.usage import fields_without_effect
 from laden.data import GlobalBatchIterator, PackedBatch, load_records, pack_samples, partition_microbatches
-from laden.engine.checkpoint import load_checkpoint, save_checkpoint
+from laden.engine.checkpoint import (
+    checkpoint_meta,
+    keep_new_hyperparameters,
+    load_checkpoint,
+    save_checkpoint,
+)
 from laden.engine.rundir import RunDirectory
-from laden.engine.runtime import build_engine, check_world_size, engine_kind, load_model, start_runtime
+from laden.engine.runtime import (
+    build_engine,
+    check_world_size,
+    engine_kind,
+    load_model,
+    seed_everything,
+    start_runtime,
+)
 from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
@@ -141,8 +153,6 @@ class _Run:
     # ------------------------------------------------------------------ set-up
 
     async def main(self, progress: bool) -> RLResult:
-        from laden.sft.trainer import seed_everything
-
         cfg, run = self.cfg, self.run
         history = run.history()
         config_dict = yaml.safe_load(format_config(cfg))
@@ -242,8 +252,6 @@ class _Run:
         return kept
 
     def _resume(self, history, changes) -> int:
-        from laden.sft.trainer import _new_hyperparameters
-
         if history.checkpoint is None or self.cfg.checkpoint.resume == "never":
             for line in changes:
                 log.warning("%s", line)
@@ -254,7 +262,7 @@ class _Run:
             history.checkpoint,
             self.engine,
             rank=self.rt.rank,
-            keep=_new_hyperparameters(self.engine, self.settings, step),
+            keep=keep_new_hyperparameters(self.engine, self.settings, step),
         )
         data = state["data"]
         self.batches.load_state_dict(data["batches"])
@@ -592,9 +600,7 @@ class _Run:
 
     def _save(self, step: int, data_state: dict[str, Any]) -> None:
         cfg = self.cfg
-        meta = {"backend": cfg.actor.backend, "engine": type(self.engine).__name__, "dp_size": self.engine.dp_size,
-                "optimizer": cfg.actor.optimizer.type, "optimizer_dtype": cfg.actor.optimizer_dtype,
-                "dtype": cfg.actor.dtype}  # fmt: skip
+        meta = checkpoint_meta(cfg, self.engine)
         save_checkpoint(
             self.run.ckpt_root, step=step, engine=self.engine,
             trainer_state={"data": data_state, "rl": {**self.counters.state(), **self._rng_state()}}, meta=meta,

@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 from tqdm.auto import tqdm
@@ -41,7 +39,12 @@ from laden.data import (
     pack_samples,
     partition_microbatches,
 )
-from laden.engine.checkpoint import load_checkpoint, save_checkpoint
+from laden.engine.checkpoint import (
+    checkpoint_meta,
+    keep_new_hyperparameters,
+    load_checkpoint,
+    save_checkpoint,
+)
 from laden.engine.rundir import History, RunDirectory
 from laden.engine.runtime import (
     OOMRetry,
@@ -51,6 +54,7 @@ from laden.engine.runtime import (
     engine_kind,
     load_model,
     loss_tokens,
+    seed_everything,
     shard_for_rank,
     start_runtime,
 )
@@ -74,12 +78,6 @@ class SFTResult:
     """Loss of the last step."""
     already_finished: bool = False
     """The run directory held a finished run: nothing was trained or exported."""
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def budget(cfg: LadenConfig) -> int:
@@ -253,7 +251,7 @@ def _resume(cfg, rt: Runtime, run: RunDirectory, engine, batches, history: Histo
         return 0
     step = history.checkpoint_step
     trainer_state = load_checkpoint(
-        history.checkpoint, engine, rank=rt.rank, keep=_new_hyperparameters(engine, settings, step)
+        history.checkpoint, engine, rank=rt.rank, keep=keep_new_hyperparameters(engine, settings, step)
     )
     batches.load_state_dict(trainer_state["data"])
     for line in changes:
@@ -261,24 +259,6 @@ def _resume(cfg, rt: Runtime, run: RunDirectory, engine, batches, history: Histo
     run.keep_metrics_through(step)
     log.info("resumed from %s", history.checkpoint)
     return step
-
-
-def _new_hyperparameters(engine, settings: OptimSettings, step: int):
-    """The resume policy: optimizer state and step count from the checkpoint, the schedule and the
-    param groups' hyper-parameters from this run's config (equal to the checkpoint's when unchanged)."""
-    fresh = engine.state_dict()
-    fresh_groups = [{k: v for k, v in g.items()} for g in fresh["optimizer"]["param_groups"]]
-    fresh_schedule = dict(fresh["scheduler"])
-
-    def keep(state: dict[str, Any]) -> dict[str, Any]:
-        lr = settings.lr_at(step)
-        state["optimizer"]["param_groups"] = [{**g, "lr": lr} for g in fresh_groups]
-        saved = state["scheduler"]
-        state["scheduler"] = {**fresh_schedule, "last_epoch": saved["last_epoch"], "_step_count": saved["_step_count"],
-                              "_last_lr": [lr] * len(fresh_schedule.get("base_lrs", [lr]))}  # fmt: skip
-        return state
-
-    return keep
 
 
 @dataclass(kw_only=True, slots=True)
@@ -347,9 +327,7 @@ class _Loop:
     def save(self, step: int, *, data_state: dict[str, Any] | None = None) -> None:
         """Checkpoint `step`; `data_state`: the data position after it (default: the iterator's now)."""
         cfg, rt = self.cfg, self.rt
-        meta = {"backend": cfg.actor.backend, "engine": type(self.engine).__name__, "dp_size": self.engine.dp_size,
-                "optimizer": cfg.actor.optimizer.type, "optimizer_dtype": cfg.actor.optimizer_dtype,
-                "dtype": cfg.actor.dtype}  # fmt: skip
+        meta = checkpoint_meta(cfg, self.engine)
         save_checkpoint(
             self.run.ckpt_root, step=step, engine=self.engine, trainer_state={"data": data_state or self.batches.state_dict()},
             meta=meta, config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=rt.rank,
