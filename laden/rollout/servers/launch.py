@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from laden.rollout.servers.engine import ServerHandle
 from laden.rollout.servers.process import (
@@ -63,6 +63,26 @@ def built_or_closed(servers: list[ServerHandle], build: Callable[[], T]) -> T:
             if server.process is not None:
                 server.process.close()
         raise
+
+
+def launch_and_build(
+    kind: ServerKind,
+    cfg: Any,
+    *,
+    health_path: str,
+    command: Callable[[str, int], tuple[list[str], dict[str, str]]],
+    dp: int,
+    tp: int,
+    build: Callable[[list[ServerHandle]], T],
+) -> T:
+    """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`), wait
+    until every one is healthy, and `build` the engine on them (the servers end if that fails)."""
+    spec = LaunchSpec(
+        kind=kind, python=cfg.python, host=cfg.host, health_path=health_path, log_dir=cfg.log_dir,
+        startup_timeout_s=cfg.startup_timeout_s, command=command,
+    )  # fmt: skip
+    servers = launch_servers(spec, dp=dp, tp=tp)
+    return built_or_closed(servers, lambda: build(servers))
 
 
 def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:

@@ -32,7 +32,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError
-from laden.rollout.servers.launch import LaunchSpec, attach_servers, built_or_closed, launch_servers
+from laden.rollout.servers.launch import attach_servers, launch_and_build
 from laden.rollout.servers.process import ServerKind
 
 SGLANG = ServerKind(
@@ -286,19 +286,11 @@ class SGLangEngine(ServerEngine):
     ) -> SGLangEngine:
         """Start `dp` SGLang servers of `tp` GPUs each on `model_dir` and wait until all are healthy."""
         cfg = cfg or SGLangServerConfig()
-        spec = LaunchSpec(
-            kind=SGLANG,
-            python=cfg.python,
-            host=cfg.host,
-            health_path="/health_generate",
-            log_dir=cfg.log_dir,
-            startup_timeout_s=cfg.startup_timeout_s,
+        return launch_and_build(
+            SGLANG, cfg, health_path="/health_generate", dp=dp, tp=tp,
             command=lambda python, port: sglang_command(python, str(model_dir), port=port, tp=tp, cfg=cfg),
-        )
-        servers = launch_servers(spec, dp=dp, tp=tp)
-        return built_or_closed(
-            servers, lambda: cls(SGLangDialect(), servers, initial_version=initial_version, **engine_kwargs)
-        )
+            build=lambda servers: cls(SGLangDialect(), servers, initial_version=initial_version, **engine_kwargs),
+        )  # fmt: skip
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, initial_version: int = 0, **engine_kwargs: Any) -> SGLangEngine:

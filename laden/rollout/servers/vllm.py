@@ -42,7 +42,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine, ServerHandle
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError, request_json
-from laden.rollout.servers.launch import LaunchSpec, attach_servers, built_or_closed, launch_servers
+from laden.rollout.servers.launch import attach_servers, launch_and_build
 from laden.rollout.servers.process import ServerKind
 
 VLLM = ServerKind(
@@ -284,17 +284,11 @@ class VLLMEngine(ServerEngine):
     ) -> VLLMEngine:
         """Start `dp` vLLM servers of `tp` GPUs each on `model_dir` and wait until all are healthy."""
         cfg = cfg or VLLMServerConfig()
-        spec = LaunchSpec(
-            kind=VLLM,
-            python=cfg.python,
-            host=cfg.host,
-            health_path="/health",
-            log_dir=cfg.log_dir,
-            startup_timeout_s=cfg.startup_timeout_s,
+        return launch_and_build(
+            VLLM, cfg, health_path="/health", dp=dp, tp=tp,
             command=lambda python, port: vllm_command(python, str(model_dir), port=port, tp=tp, cfg=cfg),
-        )
-        servers = launch_servers(spec, dp=dp, tp=tp)
-        return built_or_closed(servers, lambda: cls._build(servers, initial_version, engine_kwargs))
+            build=lambda servers: cls._build(servers, initial_version, engine_kwargs),
+        )  # fmt: skip
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, initial_version: int = 0, **engine_kwargs: Any) -> VLLMEngine:
