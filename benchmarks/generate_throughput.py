@@ -6,6 +6,7 @@ One JSON line per result (workload, system, batch, output tokens/s, seconds, pea
     python benchmarks/generate_throughput.py --workload B --systems native
     python benchmarks/generate_throughput.py --greedy-check DIR --prompts 20   # a real model: same text as HF
     python benchmarks/generate_throughput.py --smoke                           # CPU, tiny model
+    torchrun --nproc-per-node 2 benchmarks/generate_throughput.py --tp 2       # native:d1t2, rank 0 prints
 
 Workload A (BENCHMARKS.md): Qwen3-0.6B shape, random init, bf16, prompts of 128 random tokens,
 exactly 256 new tokens each (sampling at temperature 1, no early stop), one batch of `--batch`
@@ -15,7 +16,9 @@ log-probability in both (it always does); transformers' paths return none.
 
 Each system runs a warm-up pass (CUDA graphs, Triton and cuBLAS choices, allocator growth)
 before the timed one; the timed pass is one `generate` call over all requests, synchronised at
-both ends. `--greedy-check`: greedy completions of `--prompts` chat prompts from a model
+both ends. `--tp N` (under torchrun with N processes): the native engine tensor parallel over
+the N ranks (`native:d1tN`), the model sharded on the host before it moves to each GPU; only
+rank 0 prints. `--greedy-check`: greedy completions of `--prompts` chat prompts from a model
 directory (fp32, TF32 off) by the native engine and by `model.generate`, compared token by token.
 """
 
@@ -82,7 +85,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
     engine = NativeEngine(
         model, max_concurrent=len(reqs), max_model_len=max_len + 8, mem_fraction_static=args.mem_fraction,
         decode_steps=args.decode_steps, cuda_graphs=None if not args.no_graphs else False,
-        decode_backend=args.decode_backend, seed=0,
+        decode_backend=args.decode_backend, seed=0, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
 
@@ -257,6 +260,32 @@ def greedy_check(args, device) -> None:
                       "device": str(device), "git_commit": git_commit()}))  # fmt: skip
 
 
+def _start_tensor_parallel(args, device: torch.device) -> tuple[torch.device, bool]:
+    """torchrun's processes as one native engine of `args.tp` ranks; (this rank's device, rank 0?)."""
+    from laden.engine.fsdp.launch import init_distributed
+    from laden.rollout.native.tensor_parallel import tensor_parallel_groups
+
+    if args.systems != ["native"] or args.greedy_check is not None:
+        raise SystemExit("--tp runs the native system only (no --greedy-check)")
+    backend = "gloo" if device.type == "cpu" else None
+    rank, world, _, local = init_distributed(backend)
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp} needs torchrun --nproc-per-node {args.tp} (this run has {world})")
+    args.tensor_parallel = tensor_parallel_groups(args.tp)
+    return (local if device.type == "cuda" else device), rank == 0
+
+
+def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
+    """`build_model`; under tensor parallel built on the host and sharded before it moves to the GPU."""
+    if tp is None:
+        return build_model(shape, device, dtype)
+    from laden.rollout.native.tensor_parallel import ShardLayout
+
+    model = build_model(shape, torch.device("cpu"), dtype)
+    ShardLayout(model.config, rank=tp.rank, size=tp.size).shard_model(model)
+    return model.to(device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["A", "B"], default="A")
@@ -275,8 +304,12 @@ def main() -> None:
     )
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--greedy-tokens", type=int, default=64)
+    ap.add_argument("--tp", type=int, default=1, help="native tensor parallel size (run under torchrun)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    args.tensor_parallel, is_main = None, True
+    if args.tp > 1:
+        device, is_main = _start_tensor_parallel(args, device)
     if args.greedy_check is not None:
         greedy_check(args, device)
         return
@@ -288,14 +321,14 @@ def main() -> None:
     for batch in batches:
         reqs = workload(args.workload, batch, shape["vocab_size"], args.smoke)
         for system in args.systems:
-            model = build_model(shape, device, dtype)
+            model = _build(shape, device, dtype, args.tensor_parallel)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             record: dict[str, Any] = {
                 "bench": "generate_throughput", "workload": args.workload, "system": system, "batch": batch,
                 "shape": "tiny" if args.smoke else args.shape, "dtype": str(dtype).removeprefix("torch."),
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "prompt_tokens": sum(len(p) for p, _ in reqs), "git_commit": git_commit(),
+                "prompt_tokens": sum(len(p) for p, _ in reqs), "git_commit": git_commit(), "tp": args.tp,
             }  # fmt: skip
             try:
                 record.update(SYSTEMS[system](model, reqs, args, device))
@@ -303,7 +336,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one system's failure is a result line, not the end
                 record.update(error=f"{type(e).__name__}: {e}"[:500])
             record["peak_gpu_gib"] = _peak_gib(device)
-            print(json.dumps(record), flush=True)
+            if is_main:
+                print(json.dumps(record), flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

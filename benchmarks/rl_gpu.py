@@ -29,7 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import QWEN3_SHAPES, git_commit  # noqa: E402
 
 GIB = 1 << 30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def shape_dir(shape: str, tokenizer: Path, root: Path = Path("runs")) -> Path:
@@ -98,9 +103,13 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
+    import logging
+
     import torch
 
     from laden.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     from laden.rl.trainer import run_rl
 
     overrides = list(args.overrides)
@@ -113,7 +122,7 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem_cap_gib * GIB / total), 0)
     host = HostPeak()
     t0 = time.perf_counter()
-    result = run_rl(cfg, progress=False)
+    result = run_rl(cfg, progress=True)
     wall = time.perf_counter() - t0
     host_peak = host.stop()
     metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]

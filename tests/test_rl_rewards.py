@@ -98,6 +98,28 @@ def test_math_reward(completion, answer, reward):
     assert math_reward("q", completion, [1], [2], answer=answer) == reward
 
 
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("97 * 81", 0.0),  # restating the question: math-verify alone evaluates it to the answer
+        ("\\boxed{97 \\times 81}", 0.0),
+        ("97 * 81 = 7857", 1.0),
+        ("The answer is 7,857.", 1.0),
+        ("\\boxed{7857}", 1.0),
+        ("7858", 0.0),
+    ],
+)
+def test_math_reward_number_format_needs_a_numeral(completion, reward):
+    pytest.importorskip("math_verify", reason="math_reward needs math-verify: pip install math-verify")
+    assert math_reward("q", completion, [1], [2], answer="7857", answer_format="number") == reward
+
+
+def test_math_reward_rejects_an_unknown_answer_format():
+    pytest.importorskip("math_verify", reason="math_reward needs math-verify: pip install math-verify")
+    with pytest.raises(ValueError, match="answer_format='numeric'"):
+        math_reward("q", "7", [1], [2], answer="7", answer_format="numeric")
+
+
 def test_math_reward_works_off_the_main_thread():
     pytest.importorskip("math_verify", reason="math_reward needs math-verify: pip install math-verify")
     with concurrent.futures.ThreadPoolExecutor(1) as executor:

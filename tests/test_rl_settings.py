@@ -294,11 +294,12 @@ def test_sft_names_set_ppo_fields_as_taking_effect_in_rl():
     assert fields_without_effect(load_config(None, SFT, job="sft"), job="sft", engine="fsdp") == []
 
 
-def test_unimplemented_fields_are_listed_when_set():
+def test_gae_fields_without_a_critic_are_listed_when_set():
     assert check_rl_fields_implemented(_rl()) == []
-    assert {name for name, _ in NOT_YET_IMPLEMENTED} == {"actor.discount", "actor.gae_lambda"}
+    assert NOT_YET_IMPLEMENTED == ()
     (line,) = check_rl_fields_implemented(_rl("actor.discount=0.99"))
-    assert line.startswith("actor.discount=0.99 is ignored: `laden rl` does not implement it yet")
-    assert line.endswith("set actor.discount: 1.0")
+    assert line.startswith("actor.discount=0.99 is ignored without a critic: every token's return is")
+    assert "add a critic section" in line and line.endswith("set actor.discount: 1.0")
     assert len(check_rl_fields_implemented(_rl("actor.discount=0.99", "actor.gae_lambda=0.95"))) == 2
+    assert check_rl_fields_implemented(_rl("actor.discount=0.99", "actor.gae_lambda=0.95", "critic={}")) == []
     assert check_rl_fields_implemented(_rl("actor.recompute_logprob=true")) == []  # the trainer does it

@@ -78,7 +78,7 @@ def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
             pass
 
     class Engine:
-        def named_weights(self):
+        def named_weights(self, dtype=None, *, device=None, trained_only=False):
             return iter(())
 
     class Rewards:
@@ -235,3 +235,13 @@ def test_refills_after_rejections_skip_no_prompt(tmp_path, monkeypatch):
     expected = [records[i]["prompt"] for _ in range(len(seen) // 8 + 1) for i in next(order)]
     assert seen == expected[: len(seen)]  # data order, nothing skipped or repeated
     assert _metrics(result)[-1]["rejected"] == len(seen) // 3
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [("native:d1t2", "tensor-parallel native engine"), ("vllm:d1", "does not start them yet")],
+)
+def test_rollout_backends_laden_rl_cannot_drive_are_refused(tmp_path, backend, message):
+    cfg = _cfg(tmp_path, f"rollout.backend={backend}", "cluster.n_gpus_per_node=4")
+    with pytest.raises(ValueError, match=message):
+        rl_trainer._refuse_unimplemented(cfg, 1)

@@ -36,7 +36,7 @@ def test_native_engine_from_the_config(tiny_dir, tiny_tokenizer):
 
 def test_default_concurrency_and_the_refused_modes(tiny_dir):
     assert max_concurrent_rollouts(_cfg(tiny_dir)) == 256
-    with pytest.raises(ValueError, match="native:d1t2.*not implemented yet.*vllm:d1t2"):
+    with pytest.raises(ValueError, match="each copy on 2 processes.*torchrun --nproc-per-node 2"):
         build_rollout_engine(_cfg(tiny_dir, "rollout.backend=native:d1t2"), device="cpu")
     with pytest.raises(ValueError, match="one copy per process.*torchrun --nproc-per-node 2"):
         build_rollout_engine(

@@ -50,7 +50,8 @@ IMPLEMENTED_BACKENDS: dict[Role, tuple[str, ...]] = {
     "rollout": ("native", "vllm", "sglang"),
 }
 """Backends that laden can run today, per role: the two training engines; the embedded native
-engine (`native:d1`) and the vLLM and SGLang servers (started when installed)."""
+engine (`native:dN`, `native:dNtM` tensor parallel) and the vLLM and SGLang servers (started when
+installed)."""
 
 _SYNTAX_HINT = (
     "expected '<backend>:<dims>' with dims from d (data), t (tensor), c (context), "
@@ -276,7 +277,7 @@ def check_alloc(
     every dim of size > 1 is supported by the backend, `e` divides `d * t * c`, and the hybrid
     form's halves agree. With `require_implemented`, a structurally valid mode that laden cannot
     run yet is an error too: a backend not implemented, the hybrid form, `p` > 1 on a rollout
-    server, `t` > 1 on the native engine.
+    server.
     """
     text = mode if isinstance(mode, str) else mode.format()
     if isinstance(mode, str):
@@ -311,13 +312,6 @@ def _not_implemented_errors(mode: AllocationMode, *, role: Role, field: str, tex
         return [
             f"{field}={text!r}: backend {mode.backend!r} is not implemented yet; implemented "
             f"{role} backends: {implemented}"
-        ]
-    if mode.backend == "native" and mode.tp > 1:
-        return [
-            f"{field}={text!r}: the native engine runs one copy on one GPU per process (native:dN: one per "
-            "process of the run); its tensor parallel mode (t) is not implemented yet. Use "
-            f"native:d{mode.dp}, or a server for tensor parallel generation: vllm:d{mode.dp}t{mode.tp} / "
-            f"sglang:d{mode.dp}t{mode.tp}"
         ]
     if role == "rollout" and mode.pp > 1:
         return [

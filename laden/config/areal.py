@@ -9,9 +9,10 @@ interpolation, before the strict loader) in four passes:
    with the closest key; unknown keys in laden's own sections are left to the loader.
 2. AReaL keys with a laden meaning are mapped: `allocation_mode` -> `rollout.backend` and
    `actor.backend`, `saver.freq_steps` -> `checkpoint.save_freq_steps`, `recover.mode` ->
-   `checkpoint.resume`, `actor.init_from_scratch` -> `actor.init_from_config`, the token-mask
+   `checkpoint.resume`, `actor.init_from_scratch` -> `actor.init_from_config` (the critic's
+   likewise; its `is_critic: true` is what laden's `critic` section is), the token-mask
    form of `actor.rejection_sampling` -> `actor.behav_imp_weight_cap`, `async_training: false`
-   -> `rollout.max_head_offpolicyness: 0`. Features laden does not have (LoRA, SAPO, M2PO, a
+   -> `rollout.max_head_offpolicyness: 0`. Features laden does not have (SAPO, M2PO, a
    teacher, ...) are errors that say so.
 3. Copies (`rollout.experiment_name: ${experiment_name}`, `tokenizer_path: ${actor.path}`,
    `rollout.consumer_batch_size: ${train_dataset.batch_size}`, ...) are dropped when they equal
@@ -200,7 +201,7 @@ AREAL_KEYS: KeyTree = _keys(
     rollout=_ROLLOUT,
     actor=_PPO_ACTOR,
     ref=_PPO_ACTOR,
-    critic=_PPO_ACTOR,
+    critic=_TRAIN_ENGINE | _keys("ppo_n_minibatches eps_clip mask_no_eos_with_zero"),
     teacher=_PPO_ACTOR | _keys("allocation_mode rl_loss_weight distill_loss_weight"),
 )
 """Every key of AReaL's experiment configs (`areal/api/cli_args.py`: SFT, PPO/GRPO and their
@@ -248,8 +249,11 @@ def _serves(backend: str) -> Callable[[_Run], bool]:
 
 
 _GROUPS: tuple[_Group, ...] = (
-    _Group("actor.lora_rank actor.lora_alpha actor.target_modules actor.peft_type actor.sapo_tau_* rollout.use_lora "
-           "sglang.*lora* vllm.*lora*", "read only with actor.use_lora / use_sapo_loss, which laden refuses", _never),
+    _Group("actor.sapo_tau_*", "read only with actor.use_sapo_loss, which laden refuses", _never),
+    _Group("gconfig.lora_name", "laden's weight updates carry the LoRA-merged weights (actor.use_lora), which "
+           "the rollout engine serves as a plain model: no adapter is loaded or named", _rl),
+    _Group("sglang.*lora*", "laden's weight updates carry the LoRA-merged weights (actor.use_lora), which SGLang "
+           "serves as a plain model: it loads no adapter", _serves("sglang")),
     _Group("sglang.*", "laden starts each SGLang server itself: the model at actor.path, --tp from rollout.backend, "
            "--mem-fraction-static from sglang.mem_fraction_static, the model's own context length; SGLang's other "
            "options are not passed", _serves("sglang")),
@@ -258,8 +262,21 @@ _GROUPS: tuple[_Group, ...] = (
            "are not passed", _serves("vllm")),
     _Group("ref", "laden's reference model for actor.kl_ctl is the initial weights of actor.path, loaded a second "
            "time on the actor's engine (actor.backend, actor.mb_spec, actor.dtype)", lambda run: run.rl and run.kl),
-    _Group("critic", "laden has no critic (value model) yet: advantages are the shaped rewards normalised by "
-           "actor.adv_norm (GRPO-style), not GAE estimates, so PPO trains without a value model", _rl),
+    _Group("critic.attn_impl critic.temperature critic.pad_to_maximum critic.grad_reduce_dtype critic.use_kernels "
+           "critic.ds_auto_tp critic.init_critic_from_actor critic.weight_update_mode critic.offload "
+           "critic.optimizer.offload", "laden's critic runs with the actor's attention kernel and model patches "
+           "(actor.attn_impl), packs micro-batches without padding, starts from critic.path (default actor.path) "
+           "with a zero value head, offloads nothing between steps, and its weights never reach the rollout "
+           "engine", _rl),
+    _Group("critic.lora_rank critic.lora_alpha critic.target_modules critic.peft_type", "read only with "
+           "critic.use_lora, which laden refuses", _never),
+    _Group("critic.megatron critic.archon", "the megatron and archon engines are not implemented in laden; "
+           "critic.backend names the engine that runs", _rl),
+    _Group("critic.fsdp.*", "laden's fsdp engine chooses its own wrapping and sharding", _rl),
+    _Group("critic.mb_spec.*", "laden splits a batch into the fewest micro-batches of at most "
+           "critic.mb_spec.max_tokens_per_mb tokens (at least critic.mb_spec.n_mbs), without grouping or rounding",
+           _rl),
+    _Group("critic.optimizer.*", "laden does not scale the loss (it has no fp16 loss scaler)", _rl),
     _Group("eval_gconfig", "laden rl does not evaluate yet", _rl),
     _Group("evaluator", "laden sft computes the loss on valid_dataset at the end of every epoch and of training; "
            "laden rl does not evaluate yet", lambda run: run.evaluator),
@@ -325,6 +342,7 @@ _COPIES: tuple[_Copy, ...] = (
     _Copy("rollout.tokenizer_path", "actor.path", lambda run: run.rl),
     _Copy("rollout.consumer_batch_size", "train_dataset.batch_size", lambda run: run.rl),
     _Copy("actor.max_new_tokens", "gconfig.max_new_tokens", lambda run: run.rl),
+    _Copy("rollout.use_lora", "actor.use_lora", lambda run: run.rl),
     *(
         _Copy(f"{section}.{key}", source, _serves(section))
         for section, key, source in (
@@ -342,16 +360,19 @@ _COPIES: tuple[_Copy, ...] = (
 _MAPPED = (
     "allocation_mode", "async_training", "saver.freq_steps", "recover.mode", "actor.init_from_scratch",
     "actor.disable_dropout", "actor.rejection_sampling", "actor.behave_imp_weight_cap",
-    "actor.behave_imp_weight_mode",
+    "actor.behave_imp_weight_mode", "critic.is_critic", "critic.init_from_scratch", "critic.disable_dropout",
 )  # fmt: skip
 """AReaL keys whose values land in laden's fields (or are checked against the model)."""
 
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("actor.use_lora", bool, "LoRA is not implemented yet: laden trains all weights; remove actor.use_lora"),
     ("actor.use_sapo_loss", bool, "SAPO's loss is not implemented yet; remove it for the PPO clip loss (actor.eps_clip)"),
     ("actor.m2_threshold", lambda v: v is not None, "M2PO is not implemented yet; remove actor.m2_threshold"),
     ("actor.enable_tree_training", bool, "tree training is not implemented yet; remove it (laden packs sequences)"),
-    ("actor.is_critic", bool, "training a critic or reward model is not implemented yet; remove actor.is_critic"),
+    ("actor.is_critic", bool, "training the actor as a value or reward model is not implemented yet (PPO's value "
+     "model is the critic section); remove actor.is_critic"),
+    ("critic.use_lora", bool, "LoRA on the critic is not implemented: laden trains all of the value model's weights; "
+     "remove critic.use_lora"),
+    ("critic.enable_tree_training", bool, "tree training is not implemented yet; remove it (laden packs sequences)"),
     ("actor.prox_logp_method", lambda v: v not in (None, "recompute"),
      "only 'recompute' is implemented (the decoupled loss recomputes the proximal log-probs); set it to recompute"),
     ("teacher", lambda v: v is not None, "distillation from a teacher model is not implemented yet; remove the teacher section"),
@@ -411,7 +432,8 @@ def from_areal(
     _unsupported(data, errors)
     _map_allocation_mode(data, errors)
     run = _run_of(data, job)
-    for rule in (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, _map_rejection):
+    rules = (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, _map_rejection, _map_critic)  # fmt: skip
+    for rule in rules:
         rule(data, errors)
     for dotted in ("gconfig.stop", "actor.mb_spec.n_mbs", "sglang.mem_fraction_static"):
         if _get(data, dotted, 0) is None:  # AReaL's null: the engine's default, which laden has too
@@ -667,23 +689,52 @@ def _map_init(data: dict[str, Any], errors: list[str]) -> None:
 
 def _map_dropout(data: dict[str, Any], errors: list[str]) -> None:
     """`disable_dropout: true` is laden's behaviour when the model has no dropout; else say it is kept."""
-    if _pop(data, "actor.disable_dropout") is not True:
-        return
-    path = _get(data, "actor.path", "")
+    for section in ("actor", "critic"):
+        if _pop(data, f"{section}.disable_dropout") is True:
+            path = _get(data, f"{section}.path", "") or _get(data, "actor.path", "")
+            _warn_dropout(section, path)
+
+
+def _warn_dropout(section: str, path: Any) -> None:
     config, _ = read_model_config(path) if isinstance(path, str) and path else (None, None)
     dropouts = {
         k: v
-        for section in (config or {}, (config or {}).get("text_config") or {})
-        for k, v in section.items()
+        for part in (config or {}, (config or {}).get("text_config") or {})
+        for k, v in part.items()
         if ("dropout" in k or k.endswith("_pdrop")) and isinstance(v, (int, float)) and v > 0
     }
     if dropouts:
         shown = ", ".join(f"{k}={v}" for k, v in dropouts.items())
         log.warning(
-            "actor.disable_dropout=true: an AReaL setting without effect in laden; laden trains with the dropout "
+            "%s.disable_dropout=true: an AReaL setting without effect in laden; laden trains with the dropout "
             "of %s/config.json (%s): set those to 0.0 there to train without dropout",
+            section,
             path,
             shown,
+        )
+
+
+def _map_critic(data: dict[str, Any], errors: list[str]) -> None:
+    """AReaL's `critic` section: `is_critic: true` is what laden's critic is, `init_from_scratch` is
+    `critic.init_from_config`, and a bare `backend: fsdp` (older files) names the actor's allocation."""
+    is_critic = _pop(data, "critic.is_critic")
+    if is_critic is False:
+        errors.append(
+            "critic.is_critic=false: laden's critic section always trains a value model; remove critic.is_critic, "
+            "or set critic: null to train without a critic"
+        )
+    init = _pop(data, "critic.init_from_scratch")
+    if init is not _MISSING:
+        _assign(data, "critic.init_from_config", init, f"critic.init_from_scratch={_short(init)}", errors)
+    bare, actor = _get(data, "critic.backend", None), _get(data, "actor.backend", "")
+    if bare not in ("fsdp", "megatron", "archon"):
+        return
+    if isinstance(actor, str) and actor.partition(":")[0] == bare:
+        _put(data, "critic.backend", actor)
+    else:
+        errors.append(
+            f"critic.backend={bare!r} names an engine without parallel sizes and actor.backend={actor!r} is not a "
+            f"{bare} allocation; write critic.backend: {bare}:d<N> (e.g. {bare}:d4), or leave it out for the actor's"
         )
 
 

@@ -192,6 +192,16 @@ class ActorConfig:
     tiled_mlp_tokens: int | None = None
     """Long-context memory: run each decoder MLP over sequence tiles of this many tokens (recomputed in
     backward) and let RMSNorms keep their input, not fp32 copies, for backward; None = off."""
+    use_lora: bool = False
+    """Train LoRA adapters (peft; `pip install 'laden[lora]'`) instead of the weights: only the adapters get gradients and optimizer states, the frozen base stays in `dtype`; weight updates and the export carry the merged weights."""
+    lora_rank: int = 32
+    """Rank r of each adapter pair, with `use_lora` (AReaL's default)."""
+    lora_alpha: float = 16.0
+    """Adapter scale numerator: each projection becomes W + (lora_alpha / lora_rank) * B A, with `use_lora` (AReaL's default)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Linear layers to adapt with `use_lora`, by name (e.g. [q_proj, v_proj]); [] or [all-linear] = every linear layer but the output head."""
+    peft_type: str = "lora"
+    """The parameter-efficient method of `use_lora`; only `lora` is implemented."""
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024
@@ -227,9 +237,9 @@ class ActorConfig:
     mask_no_eos_with_zero: bool = False
     """Truncated completions (no EOS) get advantage 0 before `adv_norm`."""
     discount: float = 1.0
-    """Discount of future rewards (GAE gamma); not implemented yet (no critic): every token's return is its completion's reward."""
+    """Discount of future rewards per token (GAE's gamma), in [0, 1]; read with a `critic` only (without one every token's return is its completion's reward)."""
     gae_lambda: float = 1.0
-    """GAE lambda; not implemented yet (no critic): the advantage is the normalised reward."""
+    """GAE's lambda, in [0, 1]: 1 = Monte Carlo returns minus the critic's value, 0 = one-step TD errors; read with a `critic` only."""
     kl_ctl: float = 0.0
     """Coefficient of a per-token KL(pi || pi_ref) loss term; 0 = off, no reference model (AReaL's default is 0.1)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -256,6 +266,38 @@ class ActorConfig:
         default_factory=lambda: NormConfig(mean_level="group", std_level="group")
     )
     """Normalisation of the advantages, token-weighted; default group mean and std (GRPO); a mapping given here starts from `NormConfig`'s batch defaults; null = off."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """PPO's value model (AReaL's `critic`): the actor's architecture with a one-output head, trained with the clipped value loss; its values give GAE advantages (`actor.discount`, `actor.gae_lambda`), normalised by `actor.adv_norm` over tokens. Unset fields follow the actor's; attention kernel and model patches always do."""
+
+    path: str = ""
+    """Hugging Face model directory whose decoder the critic starts from (the value head starts at zero); '' = `actor.path`."""
+    init_from_config: bool | None = None
+    """Initialise the decoder randomly from `path`/config.json (seeded) instead of loading its weights; null = `actor.init_from_config`."""
+    backend: str = ""
+    """Training allocation `<backend>:<dims>` (fsdp or roundpipe), in the actor's processes: the same d and c, t=1; '' = `actor.backend`."""
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Compute dtype of weights and activations; null = `actor.dtype`."""
+    optimizer_dtype: Literal["float32", "bfloat16"] | None = None
+    """Storage dtype of master weights and optimizer states; null = `actor.optimizer_dtype`."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in backward instead of keeping them; null = `actor.gradient_checkpointing`."""
+    ppo_n_minibatches: int = 1
+    """Critic optimizer steps per RL step: the batch's prompt groups are split into this many minibatches (AReaL's default is 4)."""
+    eps_clip: float = 0.5
+    """Value clip: a token's loss is the larger of (v - R)^2 / 2 and that of v clipped to within eps_clip of its value before the step; > 0 (AReaL's default)."""
+    mask_no_eos_with_zero: bool = False
+    """Truncated completions (no EOS) leave the value loss (their values are still used for GAE)."""
+    mb_spec: MicroBatchSpec | None = None
+    """Micro-batching of the critic's forward/backward; null = `actor.mb_spec`."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer and learning-rate schedule; null = `actor.optimizer`; a mapping given here starts from `OptimizerConfig`'s defaults."""
+    fsdp: FSDPConfig | None = None
+    """Knobs of the `fsdp` backend; null = `actor.fsdp`."""
+    roundpipe: RoundPipeConfig | None = None
+    """Knobs of the `roundpipe` backend; null = `actor.roundpipe`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,6 +348,9 @@ class CheckpointConfig:
     """Save a checkpoint every this many optimizer steps; None = only at the end."""
     keep_last: int = 2
     """Checkpoints kept in the run directory; older ones are deleted."""
+    save_at_end: bool = True
+    """Write a checkpoint after the last step; false for runs whose training state would not fit on the
+    disk (a systems benchmark): the run then resumes from its last `save_freq_steps` checkpoint."""
     resume: Literal["auto", "never"] = "auto"
     """`auto`: resume from the newest checkpoint in the run directory; `never`: start fresh."""
     export_hf: bool = True
@@ -348,6 +393,8 @@ class LadenConfig:
     """Rollout sampling settings."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The trained model and its engine."""
+    critic: CriticConfig | None = None
+    """PPO's value model (`laden rl`); null = no critic: GRPO-style advantages from the rewards alone; `critic: {}` = one on the actor's settings."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The generation engine."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from laden.config.alloc import AllocationMode
 from laden.config.docs import sections
 from laden.config.loader import config_to_dict
 from laden.config.schema import LadenConfig
@@ -43,6 +44,7 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
         (name, frozenset({"rl"}), _RL_REWARDS)
         for name in ("reward_fn", "workflow", "reward_timeout_s", "reward_workers")
     ),
+    ("critic", frozenset({"rl"}), "`laden rl` (PPO's value model)"),
 )
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe"}
 
@@ -81,11 +83,12 @@ def _defaults() -> dict[str, Any]:
 def fields_without_effect(cfg: LadenConfig, *, job: str, engine: str) -> list[str]:
     """One line per field set away from its default that `job` on `engine` does not read."""
     defaults = _defaults()
+    critic = _critic_engine(cfg, engine)
     lines = []
     for name, value in flatten(config_to_dict(cfg)).items():
         if value == defaults.get(name):
             continue
-        where = _where(name, job, engine)
+        where = _where(name, job, engine) or _critic_where(name, critic)
         if where is not None:
             lines.append(
                 f"{name}={value!r} has no effect in `laden {job}` on the {engine} engine; it takes effect in {where}"
@@ -100,4 +103,21 @@ def _where(name: str, job: str, engine: str) -> str | None:
     for other, section in _ENGINE_SECTIONS.items():
         if other != engine and name.startswith(section + "."):
             return f"actor.backend={other}:..."
+    return None
+
+
+def _critic_engine(cfg: LadenConfig, engine: str) -> str:
+    """The engine kind the critic trains on: `critic.backend`'s, else the actor's."""
+    if cfg.critic is None or not cfg.critic.backend:
+        return engine
+    try:
+        return AllocationMode.parse(cfg.critic.backend).backend
+    except ValueError:
+        return engine  # reported by validation
+
+
+def _critic_where(name: str, critic_engine: str) -> str | None:
+    for other in _ENGINE_SECTIONS:
+        if other != critic_engine and name.startswith(f"critic.{other}."):
+            return f"critic.backend={other}:..."
     return None

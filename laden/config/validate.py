@@ -106,6 +106,8 @@ _RANGES: dict[str, str] = {
     "actor.optimizer.min_lr_ratio": "unit",
     "actor.optimizer.gradient_clipping": "nonneg",
     "actor.fsdp.optim_step_prefetch_layers": "nonneg",
+    "actor.lora_rank": "pos",
+    "actor.lora_alpha": "gt0",
     "actor.roundpipe.num_microbatch": "pos",
     "actor.roundpipe.model_memory_limit": "gt0",
     "rollout.max_concurrent_rollouts": "pos",
@@ -118,6 +120,11 @@ _RANGES: dict[str, str] = {
     "checkpoint.keep_last": "pos",
 }
 """Range rule per numeric field; None values (optional fields left unset) are skipped."""
+_RANGES |= {"critic.ppo_n_minibatches": "pos", "critic.eps_clip": "gt0"} | {
+    "critic" + dotted.removeprefix("actor"): kind
+    for dotted, kind in _RANGES.items()
+    if dotted.startswith(("actor.mb_spec.", "actor.optimizer.", "actor.fsdp.", "actor.roundpipe."))
+}  # the critic's engine sections, as the actor's
 
 
 def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> list[str]:
@@ -136,11 +143,14 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _fused_errors(cfg)
     errors += _import_path_errors(cfg)
     errors += _ppo_errors(cfg)
+    errors += _lora_errors(cfg)
+    errors += _critic_errors(cfg, rl=rl)
     if rl:
         errors += _rl_errors(cfg)
     errors += _fileroot_errors(cfg)
     errors += _model_errors(cfg, rl=rl)
     _warn_optimizer(cfg)
+    _warn_lora(cfg)
     _warn_ignored_sections(cfg)
     _warn_ppo(cfg, rl=rl)
     return errors
@@ -329,6 +339,44 @@ def _import_path_errors(cfg: LadenConfig) -> list[str]:
     return errors
 
 
+def _lora_errors(cfg: LadenConfig) -> list[str]:
+    """`actor.use_lora`: LoRA is the one method, on projections that are not tensor-parallel DTensors."""
+    a = cfg.actor
+    errors = []
+    if a.peft_type != "lora":
+        errors.append(
+            f"actor.peft_type={a.peft_type!r}: only 'lora' is implemented (peft's LoRA adapters); set "
+            "actor.peft_type: lora"
+        )
+    if any(not isinstance(m, str) or not m.strip() for m in a.target_modules):
+        errors.append(
+            f"actor.target_modules={a.target_modules!r} holds an empty name; list module names such as "
+            "[q_proj, v_proj], or [] for every linear layer"
+        )
+    mode = _parse_or_none(a.backend)
+    if a.use_lora and mode is not None and mode.tp > 1:
+        errors.append(
+            f"actor.use_lora=true with actor.backend={a.backend!r}: tensor parallelism shards the plain linear "
+            "projections that LoRA wraps; use t=1 (e.g. "
+            f"{mode.backend}:d{mode.dp * mode.tp}" + (f"c{mode.cp}" if mode.cp > 1 else "") + "), or "
+            "actor.use_lora: false"
+        )
+    return errors
+
+
+def _warn_lora(cfg: LadenConfig) -> None:
+    a, default = cfg.actor, type(cfg.actor)()
+    names = ("lora_rank", "lora_alpha", "target_modules")
+    changed = [f for f in names if getattr(a, f) != getattr(default, f)]
+    if changed and not a.use_lora:
+        warnings.warn(
+            f"actor.{{{', '.join(changed)}}} are ignored without actor.use_lora: true (the whole model trains); "
+            "set actor.use_lora: true to train LoRA adapters, or remove them",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _ppo_errors(cfg: LadenConfig) -> list[str]:
     """Fields of the PPO loss and reward shaping that only make sense together."""
     a = cfg.actor
@@ -349,6 +397,44 @@ def _ppo_errors(cfg: LadenConfig) -> list[str]:
                 "actor.overlong_penalty_factor=null is required by actor.overlong_reward_penalty=true (the "
                 "penalty at gconfig.max_new_tokens); set it, e.g. actor.overlong_penalty_factor: 1.0"
             )
+    return errors
+
+
+def _critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    """The critic trains in the actor's processes, on the same data split, unsharded over tensors."""
+    c = cfg.critic
+    if c is None:
+        return []
+    errors = check_alloc(c.backend, role="actor", field="critic.backend") if c.backend else []
+    critic, actor = _parse_or_none(c.backend or cfg.actor.backend), _parse_or_none(cfg.actor.backend)
+    if errors or critic is None or actor is None:
+        return errors  # actor.backend's own errors are reported by `_alloc_errors`
+    shown = f"critic.backend={c.backend!r}" if c.backend else f"critic.backend='' ({cfg.actor.backend!r})"
+    if actor.tp > 1:
+        errors.append(
+            f"actor.backend={cfg.actor.backend!r} with a critic: the critic trains in the actor's processes and its "
+            "one-output value head has no tensor-parallel split; use t=1 in actor.backend (e.g. "
+            f"{actor.backend}:d{actor.dp * actor.tp}), or remove the critic section"
+        )
+    elif critic.tp > 1:
+        errors.append(
+            f"{shown} splits the critic over t={critic.tp} tensor-parallel ranks, but its one-output value head "
+            f"has no tensor-parallel split; set critic.backend: {critic.backend}:d{actor.dp}"
+            + (f"c{actor.cp}" if actor.cp > 1 else "")
+        )
+    elif (critic.dp, critic.cp, critic.num_gpus) != (actor.dp, actor.cp, actor.num_gpus):
+        errors.append(
+            f"{shown} must train in the actor's processes on the actor's share of each batch: d={actor.dp} and "
+            f"c={actor.cp} as actor.backend={cfg.actor.backend!r} has; set critic.backend: "
+            f"{critic.backend}:d{actor.dp}" + (f"c{actor.cp}" if actor.cp > 1 else "") + ", or leave it ''"
+        )
+    budget = None if c.mb_spec is None else c.mb_spec.max_tokens_per_mb
+    need = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+    if rl and budget is not None and budget < need:
+        errors.append(
+            f"critic.mb_spec.max_tokens_per_mb={budget} is smaller than train_dataset.max_length + "
+            f"gconfig.max_new_tokens = {need}; set it to at least {need}"
+        )
     return errors
 
 

@@ -17,7 +17,8 @@ over the global batch however it is split across micro-batches, ranks or calls
 objectives of `laden.rl` are others.
 
 `forward` runs the model without gradients and returns per-token tensors (log-probs of the
-labels, entropies) for each micro-batch: what RL needs for its old and reference log-probs.
+labels, entropies; a value model's values) for each micro-batch: what RL needs for its old and
+reference log-probs and its critic's values.
 `named_weights` yields the model one Hugging Face tensor at a time, gathered from shards or
 read from a host store, so neither an export nor a weight update ever holds a second copy of
 the model. `offload()` / `onload()` release and restore the accelerator memory an engine
@@ -26,7 +27,7 @@ holds between uses, so a colocated rollout engine can have it while generation r
 
 Checkpoint state (`state_dict` / `load_state_dict`) has one layout for every engine, keyed by
 Hugging Face parameter names, so a run resumes under another engine or data-parallel size:
-`{"model": {name: master weight}, "optimizer": laden.optim.named_state(...), "scheduler":
+`{"model": {name: master weight of each trainable parameter}, "optimizer": laden.optim.named_state(...), "scheduler":
 LambdaLR state, "version": int}`. Sharded engines return DTensors (a distributed checkpoint
 reshards them); the tensors are the live ones where possible, so loading writes in place.
 
@@ -44,8 +45,11 @@ import torch
 
 from laden.data.batch import PackedBatch
 
-ForwardOutput = Literal["logprobs", "entropy"]
+ForwardOutput = Literal["logprobs", "entropy", "values"]
 FORWARD_OUTPUTS: tuple[ForwardOutput, ...] = ("logprobs", "entropy")
+"""What `forward` returns unless asked: a language model's outputs."""
+KNOWN_FORWARD_OUTPUTS: tuple[ForwardOutput, ...] = ("logprobs", "entropy", "values")
+"""Everything `forward` can return; `values` is a value model's (`laden.model.value_head`)."""
 
 
 class Objective(Protocol):
@@ -118,12 +122,17 @@ class TrainEngine(Protocol):
         """Per micro-batch, each requested output as a `[T]` fp32 host tensor, without gradients.
 
         `logprobs[j]`: log-probability of `labels[j]` under `softmax(logits[j] / temperature)`
-        (0 where the label is -100); `entropy[j]`: entropy of that distribution.
+        (0 where the label is -100); `entropy[j]`: entropy of that distribution. `values[j]`: a
+        value model's output at token j (every token, whatever its label; needs a one-row head).
         """
         ...
 
     def named_weights(
-        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        device: torch.device | str | None = None,
+        trained_only: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's Hugging Face state, `(name, tensor)` one full tensor at a time.
 
@@ -131,7 +140,9 @@ class TrainEngine(Protocol):
         the compute dtype; `device`: where the tensor is handed out (default: where the engine
         has it, the host for host-resident engines). Sharded engines gather collectively:
         every rank must iterate to the end. A tensor handed out may be reused for the next one:
-        copy it to keep it.
+        copy it to keep it. A LoRA model (`actor.use_lora`) is handed out merged, under the base
+        model's names (`laden.model.lora`); `trained_only`: only the tensors training changes (its
+        adapted projections; every tensor of a model trained whole), what a weight update sends.
         """
         ...
 

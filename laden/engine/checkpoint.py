@@ -10,7 +10,9 @@ A checkpoint is a directory `step_<N>/`:
   data-parallel size, optimizer type, dtypes, laden's checkpoint format), `config.yaml` (the
   resolved config of the run that wrote it);
 - `rng_rank<R>.pt`: Python, NumPy and torch generators of every rank (tensors, ints and lists,
-  loaded with `weights_only=True`).
+  loaded with `weights_only=True`);
+- one subdirectory per further trained engine of the run (`critic/`: PPO's value model), each
+  with its own `model*`, `optimizer*`, `optimizer_groups.json`, `scheduler.json` and `version.json`.
 
 Nothing is unpickled on load: safetensors, JSON and a `weights_only` load, so a run directory
 from someone else cannot run code. Because tensors are stored whole under their names, any
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +203,12 @@ def save_checkpoint(
     keep_last: int,
     rank: int = 0,
     barrier: Callable[[], None] = lambda: None,
+    others: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Atomically write checkpoint `step` under `ckpt_root` (every rank calls this) and prune old ones."""
+    """Atomically write checkpoint `step` under `ckpt_root` (every rank calls this) and prune old ones.
+
+    `others`: further engines trained by the run, each written to the subdirectory of its name.
+    """
     final = ckpt_root / f"{_PREFIX}{step}"
     tmp = ckpt_root / f".tmp_{_PREFIX}{step}"
     if rank == 0:
@@ -212,6 +218,10 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
     save_engine(engine, tmp, rank=rank)
+    for name, other in (others or {}).items():
+        if rank == 0:  # only rank 0 writes into it
+            (tmp / name).mkdir()
+        save_engine(other, tmp / name, rank=rank)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -243,10 +253,25 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: Path, engine: Any, *, rank: int = 0, keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    path: Path,
+    engine: Any,
+    *,
+    rank: int = 0,
+    keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    others: Mapping[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]] | None]] | None = None,
 ) -> dict[str, Any]:
-    """Restore the engine and this rank's RNG state; return the trainer state."""
+    """Restore the engine and this rank's RNG state; return the trainer state.
+
+    `others`: `{name: (engine, keep)}` of the further engines `save_checkpoint` wrote.
+    """
     load_engine(engine, path, keep=keep)
+    for name, (other, other_keep) in (others or {}).items():
+        if not (path / name).is_dir():
+            raise ValueError(
+                f"checkpoint {path} holds no {name} state (it was written by a run without one); resume with "
+                f"the config that wrote it, or set trial_name to a new name to start a new run"
+            )
+        load_engine(other, path / name, keep=other_keep)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.exists():  # a different world size has no file for this rank: keep the seeded state
         set_rng_state(torch.load(rng_file, weights_only=True))

@@ -53,7 +53,11 @@ _MAY_CHANGE = (
     "actor.optimizer.lr", "actor.optimizer.weight_decay", "actor.optimizer.beta1", "actor.optimizer.beta2",
     "actor.optimizer.eps", "actor.optimizer.momentum", "actor.optimizer.lr_scheduler_type",
     "actor.optimizer.warmup_steps_proportion", "actor.optimizer.min_lr_ratio", "actor.optimizer.gradient_clipping",
-    "experiment_name", "trial_name",
+    "experiment_name", "trial_name", "critic.backend", "critic.dtype", "critic.gradient_checkpointing",
+    "critic.mb_spec", "critic.fsdp", "critic.roundpipe", "critic.optimizer.lr", "critic.optimizer.weight_decay",
+    "critic.optimizer.beta1", "critic.optimizer.beta2", "critic.optimizer.eps", "critic.optimizer.momentum",
+    "critic.optimizer.lr_scheduler_type", "critic.optimizer.warmup_steps_proportion", "critic.optimizer.min_lr_ratio",
+    "critic.optimizer.gradient_clipping",
 )  # fmt: skip
 
 

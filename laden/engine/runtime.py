@@ -7,8 +7,9 @@ not depend on what a step computes lives here, once:
   gloo on CPUs), else one plain process; `Runtime` knows the rank, the device, and runs a
   piece of work on rank 0 with its outcome (an error included) shared with every rank;
 - `load_model`: per-rank loading (`actor.fsdp.memory_efficient_load`: rank 0 reads the
-  weights, the others build a meta skeleton), the model patches (`laden.model.patches`) for
-  the engine that will run it, and the model's head rules;
+  weights, the others build a meta skeleton), LoRA adapters (`actor.use_lora`, `laden.model.lora`),
+  the model patches (`laden.model.patches`) for the engine that will run it, and the model's
+  head rules;
 - `build_engine`: the engine `actor.backend` names, with the same optimizer settings,
   objective and patches whatever the engine;
 - `shard_for_rank` / `loss_tokens`: each data-parallel rank's token-balanced share of a global
@@ -154,8 +155,31 @@ def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
 
         model = load_causal_lm(cfg.actor.path, **kwargs)
     check_model(cfg, model)
+    adapt_model(cfg, model)
     patch_model(cfg, model)
     return model
+
+
+def adapt_model(cfg: LadenConfig, model: nn.Module) -> None:
+    """`actor.use_lora`: peft's LoRA adapters injected (seeded by `seed`), everything else frozen,
+    before the patches (which leave adapted projections alone) and before an engine wraps it."""
+    from laden.model.lora import LoraSettings, apply_lora
+
+    settings = LoraSettings.from_actor(cfg.actor)
+    if settings is None:
+        return
+    try:
+        num_adapted = apply_lora(model, settings, seed=cfg.seed)
+    except ImportError as err:
+        raise ImportError(
+            f"actor.use_lora=true needs the optional `peft` package ({err}); pip install 'laden[lora]'"
+        ) from err
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info(
+        "actor.use_lora: %d projections adapted (rank %d, alpha %g), %.2fM of %.1fM parameters trainable",
+        num_adapted, settings.rank, settings.alpha, trainable / 1e6, total / 1e6,
+    )  # fmt: skip
 
 
 def check_model(cfg: LadenConfig, model: nn.Module) -> None:

@@ -7,7 +7,7 @@ reference path of `actor.chunked_loss: false`). Every engine runs it the same wa
 what makes `actor.chunked_loss` and `actor.loss_chunk_size` mean the same under each of them.
 
 `token_outputs` computes what `TrainEngine.forward` returns (log-probs of the labels and
-entropies, `[T]` fp32) from the same inputs, chunked the same way.
+entropies, `[T]` fp32; a value model's values) from the same inputs, chunked the same way.
 
 RL's objectives (`laden.rl`) have the same signature; they read per-token `batch.fields`.
 """
@@ -26,6 +26,7 @@ from laden.model.loss import (
     chunked_token_logprobs_and_entropy,
     linear_cross_entropy,
 )
+from laden.model.value_head import token_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +67,20 @@ def token_outputs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
 ) -> dict[str, torch.Tensor]:
-    """The requested per-token outputs (`logprobs`, `entropy`), each `[T]` fp32, without `[T, V]` logits."""
-    unknown = sorted(set(outputs) - {"logprobs", "entropy"})
+    """The requested per-token outputs, each `[T]` fp32, without `[T, V]` logits.
+
+    `logprobs` and `entropy` of a language model's head; `values`, a value model's (its one-row
+    head, `laden.model.value_head`), at every token whatever its label.
+    """
+    unknown = sorted(set(outputs) - {"logprobs", "entropy", "values"})
     if unknown:
-        raise ValueError(f"outputs {unknown} are not known; ask for 'logprobs' and/or 'entropy'")
+        raise ValueError(f"outputs {unknown} are not known; ask for 'logprobs', 'entropy' or 'values'")
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [T, H]
-    logp, entropy = chunked_token_logprobs_and_entropy(
-        hidden, head_weight, labels.reshape(-1), chunk_size=chunk_size, temperature=temperature
-    )
-    values = {"logprobs": logp, "entropy": entropy}
-    return {name: values[name] for name in outputs}
+    out: dict[str, torch.Tensor] = {}
+    if "values" in outputs:
+        out["values"] = token_values(hidden, head_weight)
+    if "logprobs" in outputs or "entropy" in outputs:
+        out["logprobs"], out["entropy"] = chunked_token_logprobs_and_entropy(
+            hidden, head_weight, labels.reshape(-1), chunk_size=chunk_size, temperature=temperature
+        )
+    return {name: out[name] for name in outputs}

@@ -51,6 +51,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -161,6 +162,7 @@ def math_reward(
     prompt_ids: Sequence[int],
     completion_ids: Sequence[int],
     answer: Any,
+    answer_format: str = "expression",
     **data_fields: Any,
 ) -> float:
     """1.0 when the completion's final answer equals `answer` (by `math-verify`), else 0.0.
@@ -169,6 +171,11 @@ def math_reward(
     or `\\boxed{}`. `math-verify` extracts the completion's answer (`\\boxed{}` first, then
     "the answer is ...", then the last expression) and compares symbolically and numerically.
     A reference it cannot parse raises `ValueError` (a data problem, not a wrong answer).
+
+    `answer_format` (a data field, default `expression`): `number` demands that the extracted
+    answer be a numeral (sign, digits, thousands commas, decimals), not an expression equal to
+    the reference. Arithmetic tasks need it: math-verify evaluates what it extracts, so a
+    completion that restates the question ("97 * 81") would otherwise score as "7857".
 
     `math-verify` bounds its own parsing time with `SIGALRM`, which only the main thread may
     use; called from another thread, those limits are turned off (`RewardPool`'s timeout
@@ -187,8 +194,19 @@ def math_reward(
             f"math_reward: math-verify cannot parse the reference answer {answer!r}; "
             "give the dataset's answer field as a number or a LaTeX expression"
         )
+    if answer_format not in ("expression", "number"):
+        raise ValueError(
+            f"math_reward: answer_format={answer_format!r} is not 'expression' or 'number'; fix the "
+            "dataset's answer_format field"
+        )
     predicted = math_verify.parse(completion, **parse_kw)
+    if answer_format == "number" and not (predicted and _NUMERAL.fullmatch(str(predicted[-1]).strip())):
+        return 0.0
     return 1.0 if math_verify.verify(gold, predicted, **verify_kw) else 0.0
+
+
+_NUMERAL = re.compile(r"[+-]?\d{1,3}(,\d{3})*(\.\d+)?|[+-]?\d+(\.\d+)?")
+"""What `answer_format: number` accepts as math-verify's extracted answer text."""
 
 
 def reasoning_gym_reward(

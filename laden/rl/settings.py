@@ -1,4 +1,4 @@
-"""The RL settings of a `LadenConfig`: the PPO loss, the advantages, and what `laden rl` ignores yet.
+"""The RL settings of a `LadenConfig`: the PPO loss, the advantages, the value loss, and what `laden rl` ignores.
 
 The config holds AReaL's flat `actor.*` names (so AReaL's YAML sets them); the RL modules take
 small frozen settings that validate themselves (`PPOSettings`, `AdvantageSettings`). This module is
@@ -19,25 +19,30 @@ from typing import Any
 from laden.config.loader import yaml_scalar
 from laden.config.schema import LadenConfig, NormConfig
 from laden.rl.advantages import AdvantageSettings, NormSettings
+from laden.rl.critic import ValueSettings
 from laden.rl.objectives import PPOSettings
 
-NOT_YET_IMPLEMENTED: tuple[tuple[str, str], ...] = (
-    (
-        "actor.discount",
-        "there is no critic yet, so every token's return is its completion's reward (discount 1)",
-    ),
-    (
-        "actor.gae_lambda",
-        "there is no critic yet, so the advantage is the shaped, normalised reward (lambda 1)",
-    ),
-)
+NOT_YET_IMPLEMENTED: tuple[tuple[str, str], ...] = ()
 """(dotted field, why it has no effect) for fields that `laden rl` parses but does not implement yet;
 remove an entry when the trainer implements its field."""
+
+READ_WITH_A_CRITIC: tuple[tuple[str, str], ...] = (
+    ("actor.discount", "every token's return is its completion's reward (discount 1)"),
+    ("actor.gae_lambda", "the advantage is the completion's shaped, normalised reward (lambda 1)"),
+)
+"""(dotted field, what happens instead) for the GAE fields, which only a `critic` gives a meaning
+in laden (AReaL runs GAE on zero values without a critic, discounting the reward over the tokens)."""
 
 
 def ppo_settings(cfg: LadenConfig) -> PPOSettings:
     """The PPO-family loss of `cfg.actor` (every `PPOSettings` field has an `actor.*` field of that name)."""
     return PPOSettings(**_same_names(PPOSettings, cfg.actor))
+
+
+def value_settings(cfg: LadenConfig) -> ValueSettings:
+    """The critic's value loss (every `ValueSettings` field has a `critic.*` field of that name)."""
+    assert cfg.critic is not None, "value_settings needs a critic section"
+    return ValueSettings(**_same_names(ValueSettings, cfg.critic))
 
 
 def norm_settings(norm: NormConfig | None) -> NormSettings | None:
@@ -57,7 +62,8 @@ def advantage_settings(cfg: LadenConfig) -> AdvantageSettings:
 
 
 def check_rl_fields_implemented(cfg: LadenConfig) -> list[str]:
-    """One warning line per field of `NOT_YET_IMPLEMENTED` that `cfg` sets away from its default."""
+    """One warning line per field of `NOT_YET_IMPLEMENTED` that `cfg` sets away from its default, and
+    per field of `READ_WITH_A_CRITIC` set so without a critic."""
     defaults = LadenConfig()
     lines = []
     for dotted, why in NOT_YET_IMPLEMENTED:
@@ -66,6 +72,14 @@ def check_rl_fields_implemented(cfg: LadenConfig) -> list[str]:
             lines.append(
                 f"{dotted}={yaml_scalar(value)} is ignored: `laden rl` does not implement it yet ({why}); "
                 f"remove it or set {dotted}: {yaml_scalar(default)}"
+            )
+    for dotted, instead in READ_WITH_A_CRITIC if cfg.critic is None else ():
+        value, default = _resolve(cfg, dotted), _resolve(defaults, dotted)
+        if value != default:
+            lines.append(
+                f"{dotted}={yaml_scalar(value)} is ignored without a critic: {instead}; add a critic section "
+                f"(`critic: {{}}` trains a value model on the actor's settings) for GAE advantages, or set "
+                f"{dotted}: {yaml_scalar(default)}"
             )
     return lines
 

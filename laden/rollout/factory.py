@@ -4,6 +4,10 @@
 `rollout.max_concurrent_rollouts` (or the top-level `max_concurrent_rollouts`),
 `native.mem_fraction_static`, `sglang.mem_fraction_static`, and `seed`; the context length
 is the prompt budget (`train_dataset.max_length`) plus `gconfig.max_new_tokens`.
+
+`native:dNtM` runs under torchrun with N*M processes: N engines of M consecutive ranks, each a
+tensor parallel engine (`laden.rollout.native.tensor_parallel`); its weights are sharded on the
+host before they move to the GPU, so no rank holds the whole model on its device.
 """
 
 from __future__ import annotations
@@ -46,11 +50,14 @@ def build_rollout_engine(
         raise ValueError("; ".join(errors))
     mode = AllocationMode.parse(cfg.rollout.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if mode.backend == "native" and mode.dp != world:
+    if mode.backend == "native" and mode.dp * mode.tp != world:
+        n = mode.dp * mode.tp
+        per = (
+            "one copy per process" if mode.tp == 1 else f"each copy on {mode.tp} processes (tensor parallel)"
+        )
         raise ValueError(
-            f"rollout.backend={cfg.rollout.backend!r}: the native engine runs one copy per process, and this run "
-            f"has {world} process(es); launch {mode.dp} (torchrun --nproc-per-node {mode.dp}) or set "
-            f"rollout.backend: native:d{world}"
+            f"rollout.backend={cfg.rollout.backend!r}: the native engine runs {per}, and this run has {world} "
+            f"process(es); launch {n} (torchrun --nproc-per-node {n}) or set rollout.backend: native:d{world}"
         )
     path = Path(model_dir or cfg.actor.path) if (model_dir or cfg.actor.path) else None
     if mode.backend == "native":
@@ -60,6 +67,14 @@ def build_rollout_engine(
         from laden.rollout.native import NativeEngine
 
         dtype = torch_dtype(cfg.actor.dtype)
+        tp = None
+        if mode.tp > 1:
+            from laden.engine.fsdp.launch import init_distributed
+            from laden.rollout.native.tensor_parallel import tensor_parallel_groups
+
+            _, _, _, local = init_distributed()
+            device = device or local
+            tp = tensor_parallel_groups(mode.tp)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model is None:
             if path is None:
@@ -73,11 +88,15 @@ def build_rollout_engine(
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
+        if tp is not None:  # on the host: the device never holds the whole model
+            from laden.rollout.native.tensor_parallel import ShardLayout
+
+            ShardLayout(model.config, rank=tp.rank, size=tp.size).shard_model(model)
         model = model.to(device=dev, dtype=dtype)
         kwargs.setdefault("max_model_len", cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens)
         return NativeEngine(
             model, tokenizer, max_concurrent=max_concurrent_rollouts(cfg),
-            mem_fraction_static=cfg.native.mem_fraction_static, seed=cfg.seed, **kwargs,
+            mem_fraction_static=cfg.native.mem_fraction_static, seed=cfg.seed, tensor_parallel=tp, **kwargs,
         )  # fmt: skip
     from laden.rollout.servers import start_server_engine
 

@@ -222,7 +222,7 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     loop = _Loop(cfg=cfg, rt=rt, run=run, engine=engine, samples=samples, valid=valid, batches=batches,
                  total_steps=total_steps)  # fmt: skip
     losses = loop.train(start_step, progress)
-    if start_step < total_steps:
+    if start_step < total_steps and cfg.checkpoint.save_at_end:
         loop.save(total_steps)
     if cfg.checkpoint.export_hf:
         engine.export_hf(run.path / "hf", tokenizer=tokenizer)

@@ -6,6 +6,9 @@
   (`init_weight_group` in `group`; `send_weights`, `receive_into`, `receive`);
 - `inplace`: a colocated engine's tensors overwritten with `copy_` (`fill_in_place`).
 
+A `PartialUpdate` carries only some weights (a LoRA run's adapted projections); disk and in
+place accept it and leave the others as they are.
+
 Every transport takes what `TrainEngine.named_weights` yields, one tensor at a time, and none
 holds a second copy of the model.
 """
@@ -27,6 +30,7 @@ from laden.weights.meta import (
     default_backend,
     free_port,
 )
+from laden.weights.partial import PartialUpdate
 from laden.weights.xccl import (
     IncomingWeights,
     TransferStats,
@@ -42,6 +46,7 @@ __all__ = [
     "Collective",
     "IncomingWeights",
     "IncompleteVersionError",
+    "PartialUpdate",
     "TransferStats",
     "WeightGroup",
     "WeightSpec",

@@ -1,7 +1,8 @@
 """Weight versions on disk: the trainer writes `root/v00000042/`, rollout engines read it.
 
 A version is a directory of safetensors shards plus `manifest.json` (every tensor's name,
-shape, dtype, byte size and shard, each shard's byte size and optionally its sha256). The
+shape, dtype, byte size and shard, each shard's byte size and optionally its sha256, and
+whether it is a `PartialUpdate`: only some of the model's weights, e.g. LoRA's). The
 writer builds it under a hidden temporary name in `root`, fsyncs every file and the
 directory, and renames it into place, so a version directory either is complete or does
 not exist: a writer killed at any point leaves only its temporary directory, which
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from laden.weights.partial import PartialUpdate
 
 FORMAT = "laden-weights/1"
 MANIFEST = "manifest.json"
@@ -149,7 +152,8 @@ def write_weights(
     newest `keep_last` versions (keep at least 2 while engines may still be reading the previous
     one). `checksum`: record each shard's sha256 (read back once; `read_weights` verifies it).
     `on_shard(index, path)`: called after each shard is durable on disk (progress, tests).
-    Writing a version that exists is an error: versions are written once.
+    Writing a version that exists is an error: versions are written once. A `PartialUpdate`
+    is recorded as partial, and read back as one.
     """
     _check_write_args(version, shard_mb, keep_last)
     root = Path(root)
@@ -175,7 +179,7 @@ def write_weights(
             shards.add(name, _owned_host_copy(t, dtype))
             del t  # the source may reuse it for the next tensor
         shards.flush()
-        _write_manifest(tmp, version, shards)
+        _write_manifest(tmp, version, shards, partial=isinstance(named_weights, PartialUpdate))
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -207,10 +211,11 @@ def _owned_host_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor
     return out
 
 
-def _write_manifest(tmp: Path, version: int, shards: _Shards) -> None:
+def _write_manifest(tmp: Path, version: int, shards: _Shards, *, partial: bool) -> None:
     manifest = {
         "format": FORMAT,
         "version": version,
+        "partial": partial,
         "total_bytes": sum(t["nbytes"] for t in shards.tensors),
         "shards": shards.files,
         "tensors": shards.tensors,
@@ -265,12 +270,14 @@ def read_weights(
     The version is checked against its manifest first (every shard present with its recorded
     size and checksum, every tensor in its shard with its shape and dtype), so a torn or
     damaged version raises `IncompleteVersionError` here, before any tensor is handed out; a
-    missing one raises `FileNotFoundError`. Each tensor is a fresh one on `device`.
+    missing one raises `FileNotFoundError`. Each tensor is a fresh one on `device`. A version
+    written from a `PartialUpdate` comes back as one (receivers keep the weights it lacks).
     """
     directory = version_dir(root, version)
     manifest = _read_manifest(directory, root, version)
     _verify(directory, manifest)
-    return _iter_tensors(directory, manifest, str(torch.device(device)))
+    tensors = _iter_tensors(directory, manifest, str(torch.device(device)))
+    return PartialUpdate(tensors) if manifest.get("partial") else tensors
 
 
 def _read_manifest(directory: Path, root: str | Path, version: int) -> dict[str, Any]:

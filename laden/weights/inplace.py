@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from laden.weights.partial import PartialUpdate
+
 __all__ = ["fill_in_place"]
 
 _MAX_LISTED = 5
@@ -42,8 +44,9 @@ def fill_in_place(
     `params`: the engine's tensors by Hugging Face name (parameters included). Each source must
     have its destination's shape (a dtype difference is cast by `copy_`, through a temporary);
     a name `params` lacks or a name given twice is an error, and with `strict` so is a name of
-    `params` the source never gave. Errors name the tensor; the ones before it were already
-    copied. `overlap`: see the module docstring.
+    `params` the source never gave, unless the source is a `PartialUpdate` (it leaves them out
+    on purpose). Errors name the tensor; the ones before it were already copied. `overlap`: see
+    the module docstring.
     """
     pairs = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
     copied: set[str] = set()
@@ -62,7 +65,7 @@ def fill_in_place(
         del src  # before the next one is made
     for device in pending:
         _wait(device)  # deliberate sync: the sources may change once this returns
-    if strict:
+    if strict and not isinstance(named_weights, PartialUpdate):
         _check_all_copied(params, copied)
     return num_bytes
 

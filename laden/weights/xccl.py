@@ -330,16 +330,24 @@ def receive_into(group: Collective, params: Mapping[str, torch.Tensor]) -> Trans
     return header.stats()
 
 
-def receive(group: Collective, *, device: torch.device | str | None = None) -> IncomingWeights:
+def receive(
+    group: Collective,
+    *,
+    device: torch.device | str | None = None,
+    expect: Mapping[str, torch.Tensor] | None = None,
+) -> IncomingWeights:
     """Receive one update (rank > 0) as fresh tensors: an iterator of `(name, tensor)`, each handed
     out once its last byte arrived. Consume it to the end (the sender waits for every rank).
 
     `device`: where the tensors are made (default: the group's device). The metadata is read
-    here; `version` and `specs` are known before the first tensor.
+    here; `version` and `specs` are known before the first tensor. `expect`: the names, shapes
+    and dtypes this receiver takes (meta tensors will do; a tensor parallel engine gives its
+    shards' whole shapes); an update that differs is refused before any byte moves, as in
+    `receive_into`.
     """
     _check_receiver(group, "receive")
     header = _broadcast_header(group, None)
-    _agree(group, header, problem=None)
+    _agree(group, header, problem=None if expect is None else _mismatch(header, expect))
     return IncomingWeights(group, header, torch.device(device) if device is not None else group.device)
 
 

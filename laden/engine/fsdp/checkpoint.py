@@ -1,6 +1,6 @@
 """Checkpoint state of the `fsdp` engine in the shared layout, and distributed-checkpoint helpers.
 
-`engine_state` is what `FSDPEngine.state_dict()` returns: `{"model": {name: parameter},
+`engine_state` is what `FSDPEngine.state_dict()` returns: `{"model": {name: trained parameter},
 "optimizer": laden.optim.named_state(...), "scheduler": ..., "version": int}`, keyed by the
 Hugging Face parameter names, holding the live tensors (sharded DTensors under FSDP, with the
 host-resident states of `ShardedAdamW` wrapped as DTensors laid out like their parameters).
@@ -42,7 +42,7 @@ def engine_state(
     version: int,
 ) -> dict[str, Any]:
     """The shared checkpoint layout over the live tensors (see the module docstring)."""
-    params = dict(model.named_parameters())  # tied weights once, under the first name
+    params = trained_parameters(model)
     fqn_state_dict = getattr(optimizer, "fqn_state_dict", None)
     if fqn_state_dict is not None:  # ShardedAdamW: host states wrapped like their parameters
         optim_state = fqn_state_dict(model)
@@ -64,7 +64,7 @@ def load_engine_state(
     state: Mapping[str, Any],
 ) -> int:
     """Copy a checkpoint in the shared layout into the engine's tensors; return its `version`."""
-    params = dict(model.named_parameters())
+    params = trained_parameters(model)
     _check_names(set(params), set(state["model"]))
     for name, p in params.items():
         src, dst = _local(_own_slice(state["model"][name], p)), _local(p)
@@ -82,12 +82,19 @@ def load_engine_state(
     return int(state["version"])
 
 
+def trained_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """`{name: parameter}` of what training changes (tied weights once, under the first name): every
+    parameter, or a LoRA model's adapters (its frozen base is the one loaded from `actor.path`)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def _check_names(expected: set[str], saved: set[str]) -> None:
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if missing or unexpected:
         raise KeyError(
             f"the checkpoint's model parameters do not match this model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; resume with the model the checkpoint was written for"
+            f"unexpected {unexpected[:5]}; resume with the model (and actor.use_lora settings) the checkpoint "
+            "was written for"
         )
 
 

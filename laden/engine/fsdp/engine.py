@@ -53,6 +53,7 @@ from laden.engine.fsdp.loss import ObjectiveRoot
 from laden.engine.fsdp.offload import StorageOffload
 from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, check_head_rule, decoder_layers
 from laden.engine.fsdp.ulysses import gather_row, shard_batch
+from laden.model.lora import adapted_modules, merged_weights, peft_adapter_state
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from laden.model.objective import CrossEntropy, token_outputs
 from laden.optim import OptimSettings, ShardedStep, build_optimizer, clip_grad_norm_, param_groups_with_decay
@@ -137,7 +138,12 @@ class FSDPEngine:
             load.release_params_to_meta(model)
         elif full_state_dict is not None:
             raise ValueError("full_state_dict is only used with memory_efficient_load=True under torchrun")
-        load.cast_params_(model, self.storage_dtype)
+        if self.tp > 1 and adapted_modules(model):
+            raise ValueError(
+                f"a LoRA model (actor.use_lora) cannot train with tensor parallelism (t={self.tp}): its plans "
+                "shard plain nn.Linear projections; use t=1"
+            )
+        load.cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
         if self.cp > 1:
             from laden.engine.fsdp.ulysses import enable_ulysses
 
@@ -398,9 +404,14 @@ class FSDPEngine:
     # ----------------------------------------------------------------- weights
 
     def named_weights(
-        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        device: torch.device | str | None = None,
+        trained_only: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's Hugging Face state one full tensor at a time (`hf_state_names` order).
+        """The model's Hugging Face state one full tensor at a time (`hf_state_names` order); a LoRA
+        model's merged (`laden.model.lora.merged_weights`; `trained_only`: its adapted projections alone).
 
         DTensors are gathered with `full_tensor()` (an all-gather every rank joins: all ranks must
         iterate to the end), then cast to `dtype` (default: the compute dtype) and moved to
@@ -411,29 +422,36 @@ class FSDPEngine:
         """
         self._check_onloaded("named_weights")
         self._reshard()
-        return self._iter_weights(dtype or self.compute_dtype, device)
+        return self._iter_weights(dtype or self.compute_dtype, device, trained_only)
 
     def _iter_weights(
-        self, dtype: torch.dtype, device: torch.device | str | None
+        self, dtype: torch.dtype, device: torch.device | str | None, trained_only: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
         from laden.model.hf.export import hf_state_names
 
         state = self.model.state_dict()
-        for name in hf_state_names(self.model):
+
+        def fetch(name: str, dt: torch.dtype, dev: torch.device | str | None) -> torch.Tensor:
             with torch.no_grad():  # not across the yield: the caller's grad mode is its own
-                out = _full_tensor(state[name], dtype, device)
+                return _full_tensor(state[name], dt, dev)
+
+        names = hf_state_names(self.model)
+        for name, out in merged_weights(self.model, names, fetch, dtype, device, trained_only=trained_only):
             yield name, out
             del out  # before the next gather
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Hugging Face directory in the compute dtype, through `named_weights` (rank 0 writes)."""
+        """Hugging Face directory in the compute dtype, through `named_weights` (rank 0 writes); a LoRA
+        model merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
         from laden.model.hf.export import export_hf
 
         write = not self.distributed or dist.get_rank() == 0
         weights = self.named_weights(self.compute_dtype)
+        adapter = peft_adapter_state(self.state_dict()["model"]) if adapted_modules(self.model) else None
         export_hf(
-            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write
-        )
+            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
+            adapter=adapter,
+        )  # fmt: skip
         if self.distributed:
             dist.barrier()  # the export is complete on disk when any rank returns
 

@@ -311,9 +311,14 @@ class RoundPipeEngine:
 
     # ---- weights, memory, state -------------------------------------------------------------
     def named_weights(
-        self, dtype: torch.dtype | None = None, *, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        device: torch.device | str | None = None,
+        trained_only: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's Hugging Face state (`hf_state_names`), one tensor at a time, from the masters.
+        """The model's Hugging Face state (`hf_state_names`), one tensor at a time, from the masters; a
+        LoRA model's merged (`laden.model.lora.merged_weights`; `trained_only`: its adapted projections).
 
         `dtype`: floating tensors' dtype (default: the compute dtype); `device`: default the host.
         Drains the host jobs first, so the weights are those of every step applied; works while
@@ -329,6 +334,7 @@ class RoundPipeEngine:
             dtype or self.compute_dtype,
             device,
             upload_buf=self._newest_upload_buf(),
+            trained_only=trained_only,
         )
 
     def _newest_upload_buf(self) -> int:
@@ -347,14 +353,19 @@ class RoundPipeEngine:
         return 1 - read_buf if self.optim_step == "async" else read_buf
 
     def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes."""
+        """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes.
+        A LoRA model is written merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
         from laden.model.hf.export import export_hf
+        from laden.model.lora import adapted_modules, peft_adapter_state
 
         write = self.dp_rank == 0
         weights = self.named_weights(self.compute_dtype) if write else iter(())
+        lora = write and adapted_modules(self.model)
+        adapter = peft_adapter_state(self.state_dict()["model"]) if lora else None
         export_hf(
-            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write
-        )
+            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
+            adapter=adapter,
+        )  # fmt: skip
 
     def offload(self) -> None:
         """Release what the engine holds for its next step beside the host state; idempotent.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from laden.data.batch import PackedBatch
-from laden.engine.base import FORWARD_OUTPUTS, Objective
+from laden.engine.base import KNOWN_FORWARD_OUTPUTS, Objective
 from laden.model.objective import token_outputs
 from laden.model.split import LMHeadOutput
 
@@ -106,7 +106,7 @@ class TokenOutputsLoss:
 def check_outputs(outputs: Sequence[str]) -> list[str]:
     """The requested forward outputs as a list; a ValueError names any unknown one."""
     names = list(outputs)
-    unknown = sorted(set(names) - set(FORWARD_OUTPUTS))
+    unknown = sorted(set(names) - set(KNOWN_FORWARD_OUTPUTS))
     if unknown:
-        raise ValueError(f"outputs {unknown} are not known; ask for any of {list(FORWARD_OUTPUTS)}")
+        raise ValueError(f"outputs {unknown} are not known; ask for any of {list(KNOWN_FORWARD_OUTPUTS)}")
     return names

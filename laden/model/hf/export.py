@@ -17,6 +17,7 @@ disk, say) never sees a half-written export.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import shutil
@@ -28,6 +29,8 @@ import torch
 __all__ = ["ShardWriter", "export_hf", "hf_state_names", "host_copy"]
 
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5 * 2**30
+ADAPTER_DIRNAME = "adapter"
+"""Where an export keeps a LoRA model's adapters (peft's layout), beside the merged weights."""
 
 
 def hf_state_names(model: torch.nn.Module) -> list[str]:
@@ -120,6 +123,19 @@ class ShardWriter:
         )
 
 
+def _write_adapter(
+    model: torch.nn.Module, out: Path, adapter: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> None:
+    from laden.model.lora import adapter_config
+
+    out.mkdir()
+    shards = ShardWriter(out, max_bytes, stem="adapter_model")
+    for name, t in adapter:
+        shards.add(name, host_copy(t))
+    shards.finish()
+    adapter_config(model).save_pretrained(out)
+
+
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move `tmp` to `out`; an existing export at `out` is swapped out by rename, then deleted."""
     if not out.exists():
@@ -150,6 +166,7 @@ def export_hf(
     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     write: bool = True,
+    adapter: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write `model`'s weights (in `dtype`), config, generation config and `tokenizer` to `out_dir`.
 
@@ -159,6 +176,10 @@ def export_hf(
     `full_tensor()`, a collective: under torch.distributed every rank calls this with its own
     iterator and only the rank with `write=True` writes (the others only consume the iterator).
     `model` supplies the config; its parameters may be empty or on the meta device then.
+    `adapter`: a LoRA model's adapters in peft's layout (`laden.model.lora.peft_adapter_state`),
+    written beside the weights as the directory `adapter/` that `peft.PeftModel.from_pretrained`
+    loads (`adapter_model.safetensors` in their own dtype, `adapter_config.json`), gathered as
+    `weights` are.
     """
     out = Path(out_dir)
     _check_out_dir(out, max_shard_size_bytes)
@@ -166,7 +187,7 @@ def export_hf(
         state = model.state_dict()
         weights = ((name, state[name]) for name in hf_state_names(model))
     if not write:
-        for _, t in weights:
+        for _, t in itertools.chain(weights, adapter or ()):
             if hasattr(t, "full_tensor"):
                 t.full_tensor()  # the collective every rank joins; the writer keeps the result
         return out
@@ -187,6 +208,8 @@ def export_hf(
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if adapter is not None:
+            _write_adapter(model, tmp / ADAPTER_DIRNAME, adapter, max_shard_size_bytes)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ import torch
 
 from laden.model.attention import AttnImpl, set_attention
 
-__all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer"]
+__all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer", "skeleton_causal_lm"]
 
 _WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
 _VOCAB_PATTERNS = (
@@ -79,6 +79,38 @@ def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def skeleton_causal_lm(path: str, *, dtype: torch.dtype, attn_impl: AttnImpl = "auto"):
+    """The model of `path`/config.json with zero parameters: no weight file read and no random init
+    (a memset instead), for a copy whose every parameter the caller fills next, such as the rollout
+    engine's policy, which the trainer's weights overwrite. Buffers computed from the config (rotary
+    frequencies) are real. A `.gguf` path falls back to `load_causal_lm`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = _resolve(path, None)
+    if gguf_file is not None or not (directory / "config.json").is_file():
+        return load_causal_lm(path, dtype=dtype, attn_impl=attn_impl, gguf_file=gguf_file)
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with _no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    set_attention(model.eval(), attn_impl)
+    return model
+
+
+def _no_init_weights():
+    """transformers' context that skips weight initialisation (its module moved in version 5)."""
+    import contextlib
+
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return __import__(module, fromlist=["no_init_weights"]).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
 
 
 def load_causal_lm(

@@ -19,6 +19,13 @@ On an out-of-memory error in a window the core frees the window's work, halves
 `max_concurrent`, puts the affected sequences back at the head of the queue and goes on; at
 one sequence it raises `GenerationOOMError` with the knobs to change (nothing is lost: the
 sequences keep their tokens).
+
+Tensor parallel (`laden.rollout.native.tensor_parallel`): the leader's core runs all of the above
+and sends each device phase's inputs (`send`) before running it; a follower's core runs only
+the device phases it receives (`follow`). Only the leader samples: each decode step's token ids
+are broadcast on the device (`next_tokens`). An out-of-memory error in a tensor parallel window
+is not recovered (the other ranks wait inside the layer's all-reduce): it raises
+`GenerationOOMError` with the knobs to change.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from laden.rollout.base import GenerationRequest, GenerationResult, SamplingPara
 from laden.rollout.native.kv_cache import KVCache
 from laden.rollout.native.model import DecodeMeta, PagedModel, PrefillMeta
 from laden.rollout.native.sampler import SamplingTensors, build_sampling_tensors, sample
+from laden.rollout.native.tensor_parallel import Message, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +113,11 @@ class GenerationCore:
         tokenizer=None,
         seed: int = 0,
         oom_hook: Callable[[str, int], None] | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.model, self.cache = model, cache
+        self.tp = tensor_parallel
+        self._unsent: list[GenerationResult] = []  # tensor parallel leader: results for the next message
         self.max_concurrent = max_concurrent
         self.concurrency_limit = max_concurrent  # as configured (an OOM lowers `max_concurrent` only)
         self.decode_steps = decode_steps
@@ -182,19 +193,70 @@ class GenerationCore:
             if self.running:
                 self._decode_window(finished)
         except torch.OutOfMemoryError as e:
-            self._recover_from_oom(e, admitted)
+            if self.tp is None:
+                self._recover_from_oom(e, admitted)
+            else:
+                self._strand(admitted)
+                raise GenerationOOMError(
+                    f"out of GPU memory in a tensor parallel window (not recovered: every rank takes part in "
+                    f"each layer). {self.oom_advice(self.num_pending)}"
+                ) from e
         except BaseException:
-            # Anything else: the window's sequences give their blocks back and are put back at the head
-            # of the queue (their tokens kept), so the engine stays consistent for `abort_all` or a retry.
-            seen = {id(s) for s in self.running}
-            stranded = list(self.running) + [
-                s for g in admitted for s in g.seqs if id(s) not in seen and s.blocks
-            ]
-            self.running = []
-            self._requeue([s for s in stranded if s.done is None])
+            self._strand(admitted)
             raise
         self.stats["windows"] += 1
-        return [s.result() for s in finished]
+        results = [s.result() for s in finished]
+        if self.tp is not None:
+            self._unsent += results
+        return results
+
+    def _strand(self, admitted: list[_Group]) -> None:
+        """After a failed window: its sequences give their blocks back and are put back at the head of
+        the queue (their tokens kept), so the engine stays consistent for `abort_all` or a retry."""
+        seen = {id(s) for s in self.running}
+        stranded = list(self.running) + [
+            s for g in admitted for s in g.seqs if id(s) not in seen and s.blocks
+        ]
+        self.running = []
+        self._requeue([s for s in stranded if s.done is None])
+
+    # ----------------------------------------------------------------- tensor parallel
+
+    def send(self, kind: str, payload: Any = None, results: list[GenerationResult] | None = None) -> None:
+        """Leader: a message to the followers, with the results finished since the last one. A no-op
+        without tensor parallel and on a follower."""
+        if self.tp is None or not self.tp.is_leader:
+            return
+        unsent, self._unsent = self._unsent + (results or []), []
+        self.tp.send(Message(kind, payload, unsent))
+
+    def follow(self, message: Message) -> None:
+        """Follower: run the device phase the leader sent (its own KV cache, its heads)."""
+        if message.kind == "prefill":
+            self.run_prefill(*message.payload)
+        elif message.kind == "decode":
+            self.run_decode(*message.payload)
+            self.stats["windows"] += 1
+        else:
+            raise RuntimeError(
+                f"a tensor parallel follower's core runs prefill and decode, not {message.kind!r}"
+            )
+
+    def next_tokens(
+        self, logits: torch.Tensor | None, st: SamplingTensors, generated: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample`; under tensor parallel the leader samples and broadcasts the token ids (followers
+        have no logits and get zero log-probs, which nobody reads). No host sync."""
+        if self.tp is None:
+            assert logits is not None
+            return sample(logits, st, generated, self.generator)
+        if logits is not None:
+            tokens, logprobs = sample(logits, st, generated, self.generator)
+        else:
+            tokens = torch.empty_like(generated)
+            logprobs = torch.zeros(generated.shape, dtype=torch.float32, device=generated.device)
+        self.tp.broadcast(tokens)
+        return tokens, logprobs
 
     def _admit(self) -> list[_Group]:
         admitted: list[_Group] = []
@@ -266,27 +328,12 @@ class GenerationCore:
         if self.oom_hook is not None:
             self.oom_hook("prefill", len(bounds) - 1)
         dev = self.device
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        meta = PrefillMeta(
-            positions=torch.tensor(positions, device=dev),
-            slots=torch.tensor(slots, device=dev),
-            cu_seqlens=torch.tensor(bounds, device=dev, dtype=torch.int32),
-            bounds=bounds,
-            max_len=max(lengths),
-            last=torch.tensor([b - 1 for b in bounds[1:]], device=dev),
-        )
-        logits = self.model.prefill(torch.tensor(ids, device=dev), meta, self.cache.k, self.cache.v)
+        copies = self._partial_block_copies(rows)
+        self.send("prefill", (ids, positions, slots, bounds, copies))
+        logits = self.run_prefill(ids, positions, slots, bounds, copies)
+        assert logits is not None
         self.stats["prefill_tokens"] += len(ids)
-        # Completions that share a prompt copy its partial last block, then sample from the same row.
-        expanded = []
-        for r, seqs in enumerate(rows):
-            lead = seqs[0]
-            plen = lead.num_tokens
-            if len(seqs) > 1 and plen % self.cache.block_size:
-                partial = plen // self.cache.block_size
-                for s in seqs[1:]:
-                    self.cache.copy_block(lead.blocks[partial], s.blocks[partial])
-            expanded += [r] * len(seqs)
+        expanded = [r for r, seqs in enumerate(rows) for _ in seqs]  # completions of a prompt share its row
         flat = [s for seqs in rows for s in seqs]
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in flat], dev)
         generated = torch.tensor([len(s.output) for s in flat], device=dev)
@@ -297,6 +344,42 @@ class GenerationCore:
             self.running.append(s)
             self._append(s, t, lp)
         self._retire(finished)
+
+    def _partial_block_copies(self, rows: list[list[Sequence]]) -> list[tuple[int, int]]:
+        """(source, destination) blocks: completions that share a prompt copy its partial last block."""
+        bs = self.cache.block_size
+        copies = []
+        for seqs in rows:
+            lead = seqs[0]
+            if len(seqs) > 1 and lead.num_tokens % bs:
+                partial = lead.num_tokens // bs
+                copies += [(lead.blocks[partial], s.blocks[partial]) for s in seqs[1:]]
+        return copies
+
+    def run_prefill(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        bounds: list[int],
+        copies: list[tuple[int, int]],
+    ) -> torch.Tensor | None:
+        """The device side of a prefill: the packed prompts through the model, then the block copies;
+        the logits at each prompt's last token (None on a tensor parallel follower)."""
+        dev = self.device
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        meta = PrefillMeta(
+            positions=torch.tensor(positions, device=dev),
+            slots=torch.tensor(slots, device=dev),
+            cu_seqlens=torch.tensor(bounds, device=dev, dtype=torch.int32),
+            bounds=bounds,
+            max_len=max(lengths),
+            last=torch.tensor([b - 1 for b in bounds[1:]], device=dev),
+        )
+        logits = self.model.prefill(torch.tensor(ids, device=dev), meta, self.cache.k, self.cache.v)
+        for src, dst in copies:
+            self.cache.copy_block(src, dst)
+        return logits
 
     def _append(self, s: Sequence, token: int, logprob: float) -> None:
         s.output.append(token)
@@ -402,13 +485,9 @@ class GenerationCore:
         positions = torch.tensor([s.num_tokens - 1 for s in seqs])
         generated = torch.tensor([len(s.output) for s in seqs])
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in seqs], torch.device("cpu"))
+        self.send("decode", (table, last, positions, generated, st, steps))
         t1 = time.perf_counter()
-        out = None
-        if self.graphs is not None and self.graphs.fits(b):
-            out = self.graphs.run(table, last, positions, generated, st, steps, self.generator)
-        tokens, logprobs = (
-            out if out is not None else self._eager_window(table, last, positions, generated, st, steps)
-        )
+        tokens, logprobs = self.run_decode(table, last, positions, generated, st, steps)
         self.stats["decode_steps"] += steps
         t2 = time.perf_counter()
         tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host sync
@@ -422,6 +501,14 @@ class GenerationCore:
         st_["decode_launch_s"] += t2 - t1
         st_["decode_wait_s"] += t3 - t2
         st_["host_s"] += (t1 - t0) + (time.perf_counter() - t3)
+
+    def run_decode(self, table, last, positions, generated, st: SamplingTensors, steps: int):
+        """The device side of a decode window (host inputs): CUDA graph replays where a graph fits,
+        eager steps otherwise; (tokens, logprobs) `[steps, B]` on the device."""
+        out = None
+        if self.graphs is not None and self.graphs.fits(last.shape[0]):
+            out = self.graphs.run(table, last, positions, generated, st, steps, self.generator)
+        return out if out is not None else self._eager_window(table, last, positions, generated, st, steps)
 
     def _eager_window(self, table, last, positions, generated, st_host: SamplingTensors, steps: int):
         dev = self.device
@@ -442,7 +529,7 @@ class GenerationCore:
                 positions=pos, slots=slots, block_tables=table, context_lens=(pos + 1).to(torch.int32)
             )
             logits = self.model.decode(tokens, meta, self.cache.k, self.cache.v)
-            tokens, lp = sample(logits, st, generated, self.generator)
+            tokens, lp = self.next_tokens(logits, st, generated)
             out_t.append(tokens)
             out_lp.append(lp)
             positions = positions + 1

@@ -18,6 +18,13 @@ tokens and leave the KV cache: their keys and values are recomputed under the ne
 prefill of prompt plus tokens so far) when they continue, so a resumed completion is exactly
 what the new weights produce from its prefix. `sleep(weights=True)` frees them too (a
 colocated trainer holds the same weights) and the next update after `wake()` refills them.
+
+Tensor parallel (`tensor_parallel=`, `rollout.backend: native:d1t2`): the engine's t ranks each
+hold a shard of the weights (`laden.rollout.native.tensor_parallel`: the layout, and why rank 0
+alone schedules) and every method is a collective call: each rank calls it in the same order
+with the same arguments, an update with the full tensors (each rank slices its own). Rank 0 runs
+the engine as above and sends each window's device phases; the other ranks run them
+(`laden.rollout.native.follower`). Every rank's `generate` returns rank 0's completions.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from laden.rollout.base import GenerationRequest, GenerationResult
@@ -37,6 +45,7 @@ from laden.rollout.native.attention import pick_decode_backend
 from laden.rollout.native.core import GenerationCore
 from laden.rollout.native.kv_cache import KVCache
 from laden.rollout.native.model import PagedModel
+from laden.rollout.native.tensor_parallel import ShardLayout, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,8 @@ class NativeEngine:
     compile: run each layer's norms, projections, rotary embedding and MLP as one
         `torch.compile`'d graph per side of the attention (default: on CUDA), so a decode step is
         a few kernels per layer instead of dozens; off, the same math runs eagerly.
+    tensor_parallel: this rank's group of an engine over t ranks (`tensor_parallel_groups`); the
+        model may come whole (it is sharded here) or already sharded (`ShardLayout.shard_model`).
     """
 
     def __init__(
@@ -81,6 +92,7 @@ class NativeEngine:
         decode_backend: str = "auto",
         compile: bool | None = None,
         seed: int = 0,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(
@@ -94,12 +106,20 @@ class NativeEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        self.tp = tp
+        self.layout = None if tp is None else ShardLayout(model.config, rank=tp.rank, size=tp.size)
         self.paged = PagedModel(
             model,
             max_model_len=max_model_len,
             decode_backend=pick_decode_backend(device, dtype, decode_backend),
             compile=device.type == "cuda" if compile is None else compile,
+            tensor_parallel=tp,
         )
+        if self.layout is not None:
+            self.layout.shard_model(model)
+            # xccl: one receiver per GPU of the rollout allocation (WeightUpdateMeta.from_fsdp_xccl)
+            self.weight_group_rank = 1 + dist.get_rank()
         cfg = model.config
         block_size = block_size or (32 if device.type == "cuda" else 16)
         self.block_size = block_size
@@ -117,7 +137,7 @@ class NativeEngine:
         self.core = GenerationCore(
             self.paged, cache, max_concurrent=max_concurrent, decode_steps=self.decode_steps,
             max_prefill_tokens=self.max_prefill_tokens, eos_token_ids=_eos_ids(model, tokenizer),
-            tokenizer=tokenizer, seed=seed,
+            tokenizer=tokenizer, seed=seed, tensor_parallel=tp,
         )  # fmt: skip
         self.core.mem_fraction_static = mem_fraction_static  # type: ignore[attr-defined]
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
@@ -125,7 +145,12 @@ class NativeEngine:
             from laden.rollout.native.graphs import DecodeGraphs
 
             self.core.graphs = DecodeGraphs.capture(self.core, max_batch=max_concurrent)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laden-native")
+        # the worker thread's current CUDA device is the engine's (Triton and graph capture use it)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="laden-native",
+            initializer=(lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None,
+        )
         self._lock: asyncio.Lock | None = None
         self._resumed: asyncio.Event | None = None
         self._work: asyncio.Event | None = None
@@ -135,6 +160,11 @@ class NativeEngine:
         self._sleeping = False
         self._weights_released = False
         self._closed = False
+        self._follower = None
+        if tp is not None and not tp.is_leader:
+            from laden.rollout.native.follower import Follower
+
+            self._follower = Follower(self)
         log.info(
             "native engine: %d KV blocks of %d tokens (%.2f GiB, %d tokens), up to %d sequences, decode %s%s",
             num_blocks - 1, block_size, cache.nbytes / 2**30, (num_blocks - 1) * block_size, max_concurrent,
@@ -146,17 +176,19 @@ class NativeEngine:
     def _plan_blocks(self, kv_cache_tokens: int | None) -> int:
         bs = self.block_size
         if kv_cache_tokens is not None:
-            return math.ceil(kv_cache_tokens / bs) + 1
-        if self.device.type != "cuda":
-            per_seq = math.ceil(self.paged.max_model_len / bs) + 1
-            return self.max_concurrent * per_seq + 1
-        return self._profile_blocks()
+            blocks = math.ceil(kv_cache_tokens / bs) + 1
+        elif self.device.type != "cuda":
+            blocks = self.max_concurrent * (math.ceil(self.paged.max_model_len / bs) + 1) + 1
+        else:
+            blocks = self._profile_blocks()
+        return blocks if self.tp is None else self.tp.min_int(blocks)  # every rank: the same block ids
 
     def _profile_blocks(self) -> int:
         """Blocks that fit in `mem_fraction_static` of the GPU after weights and the activations of a
         profiling pass at the largest prefill and decode batch."""
         from laden.rollout.native.model import DecodeMeta, PrefillMeta
 
+        cfg: Any = self.model.config
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
@@ -181,7 +213,7 @@ class NativeEngine:
         )  # fmt: skip
         logits = self.paged.decode(torch.zeros(b, dtype=torch.long, device=dev), dmeta, probe.k, probe.v)
         # the sampler's [B, V] fp32 temporaries (log-probs, probabilities, the race, a sort)
-        extra = 6 * logits.numel() * 4
+        extra = 6 * b * int(cfg.vocab_size) * 4
         del logits, probe
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) + extra
@@ -234,6 +266,10 @@ class NativeEngine:
                 "the native engine's weights were released by sleep(weights=True): call "
                 "update_weights(source, version) after wake() before generating"
             )
+        if self._follower is not None:
+            async for result in self._follower.generate(requests):
+                yield result
+            return
         self._ensure_loop_state()
         assert self._work is not None
         rids = [r.rid for r in requests]
@@ -276,6 +312,9 @@ class NativeEngine:
         finally:
             if self._driver is not None:
                 await self._driver
+            if self._follower is not None:
+                await self._follower.drain()
+                self._follower.reset()
             self._lock = self._resumed = self._work = None
             self._driver = None
 
@@ -287,30 +326,56 @@ class NativeEngine:
                 if self._paused or self._sleeping:
                     continue
                 if self.core.idle:
+                    await self._send("idle")  # the followers stop listening
                     return
                 try:
                     results = await self._run(self.core.step)
                 except BaseException as e:  # noqa: BLE001 - reach every waiting caller
                     self.core.abort_all()  # nothing stays queued behind a request that cannot run
+                    await self._send("error", f"{type(e).__name__}: {e}")
                     for q in set(self._queues.values()):
                         q.put_nowait(e)
                     return
+                # Tensor parallel: the followers' copies of these results ride on the next message; when
+                # nothing is left it is sent now, before a caller sees them (and may end the event loop).
+                done = self.tp is not None and self.core.idle
+                if done:
+                    await self._send("idle")
             for r in results:
                 waiting = self._queues.get(r.rid)
                 if waiting is not None:
                     waiting.put_nowait(r)
+            if done:
+                return  # no await since the lock was released: no request was queued meanwhile
 
     async def pause(self) -> None:
+        if self._follower is not None:
+            await self._follower.call("pause")
+            return
         self._ensure_loop_state()
         assert self._lock is not None and self._resumed is not None
         self._paused = True
         self._resumed.clear()
         async with self._lock:  # the window in progress ends first
-            pass
+            await self._send("pause")
+
+    async def _send(
+        self, kind: str, payload: Any = None, results: list[GenerationResult] | None = None
+    ) -> None:
+        """Tensor parallel leader: a message to the followers, from the worker thread (ordered with the
+        windows' messages). A no-op otherwise."""
+        if self.tp is not None:
+            await self._run(self.core.send, kind, payload, results)
 
     async def resume(self) -> None:
+        if self._follower is not None:
+            await self._follower.call("resume")
+            return
         self._ensure_loop_state()
         assert self._resumed is not None
+        if self.tp is not None:
+            async with self._lock:  # type: ignore[union-attr]
+                await self._send("resume")
         self._paused = False
         if not self._sleeping:
             self._resumed.set()
@@ -319,14 +384,21 @@ class NativeEngine:
 
     async def update_weights(self, source: Any, version: int) -> None:
         """New weights between windows (pause first for a token-exact boundary under load)."""
+        if self._follower is not None:
+            await self._follower.call("update", source, version)
+            return
         self._ensure_loop_state()
         async with self._lock:  # type: ignore[union-attr]
             await self._run(self._load_weights, source, version)
 
     def _load_weights(self, source: Any, version: int) -> None:
+        self.core.send("update", version)  # tensor parallel leader: the followers update here too
         if self._weights_released:
             self._restore_weight_storage()
-        self._apply_source(source, self.named_parameters(), version)
+        if self.layout is not None:
+            self._apply_sharded(source, self.named_parameters(), version)
+        else:
+            self._apply_source(source, self.named_parameters(), version)
         # The cached keys and values of the sequences in flight came from the old weights: they are
         # prefilled again (prompt and tokens so far) under the new ones when they next run.
         self.core.requeue_running()
@@ -361,6 +433,29 @@ class NativeEngine:
         else:
             fill_in_place(source, params)
 
+    def _apply_sharded(self, source: Any, params: dict[str, torch.Tensor], version: int) -> None:
+        """`_apply_source` under tensor parallel: the source gives whole tensors, one at a time (a
+        disk version, an xccl broadcast, pairs); this rank copies its slice of each in place."""
+        from pathlib import Path
+
+        from laden.weights import WeightUpdateMeta, fill_in_place, read_weights, receive
+
+        assert self.layout is not None
+        pairs: Any = source
+        if isinstance(source, WeightUpdateMeta) and source.type == "xccl":
+            pairs = receive(self._weight_group(source), expect=self.layout.full_specs(params))
+        elif isinstance(source, WeightUpdateMeta) and source.type == "disk":
+            assert source.path is not None
+            pairs = read_weights(source.path, version, device=self.device)
+        elif isinstance(source, WeightUpdateMeta):
+            raise ValueError(
+                "an inplace WeightUpdateMeta carries no tensors: pass the trainer's "
+                "named_weights(...) to update_weights in the same process"
+            )
+        elif isinstance(source, (str, Path)):
+            pairs = read_weights(source, version, device=self.device)
+        fill_in_place(self.layout.slices(pairs), params)
+
     def _weight_group(self, meta: Any):
         """The xccl group of `meta`, joined once as rank `weight_group_rank` (default 1)."""
         from laden.weights import init_weight_group
@@ -380,11 +475,19 @@ class NativeEngine:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Synchronous in-place update (the engine idle or paused)."""
-        self._load_weights(named, self.core.version if version is None else version)
+        version = self.core.version if version is None else version
+        if self._follower is not None:
+            self._follower.load_weights_now(named, version)
+        else:
+            self._load_weights(named, version)
 
     async def sleep(self, *, weights: bool = False) -> None:
+        if self._follower is not None:
+            await self._follower.call("sleep")
+            return
         self._ensure_loop_state()
         async with self._lock:  # type: ignore[union-attr]
+            await self._send("sleep", weights)
             if self._sleeping:
                 return
             self._sleeping = True
@@ -413,8 +516,12 @@ class NativeEngine:
             p.data = torch.empty(shape, dtype=dtype, device=self.device)
 
     async def wake(self) -> None:
+        if self._follower is not None:
+            await self._follower.call("wake")
+            return
         self._ensure_loop_state()
         async with self._lock:  # type: ignore[union-attr]
+            await self._send("wake")
             if not self._sleeping:
                 return
             await self._run(self._restore)
@@ -435,19 +542,26 @@ class NativeEngine:
         they have; the KV cache and graphs are freed."""
         if self._closed:
             return
+        if self._follower is not None:
+            await self._follower.call("close")
+            self.shutdown()
+            return
         self._closed = True
         if self._resumed is not None:
             self._resumed.set()
         if self._driver is not None:
             await asyncio.wait([self._driver])
-        self._abort_pending()
+        aborted = self._abort_pending()
+        await self._send("close", results=aborted)
         self.shutdown()
 
-    def _abort_pending(self) -> None:
-        for s in self.core.abort_all():
-            waiting = self._queues.get(s.request.rid)
+    def _abort_pending(self) -> list[GenerationResult]:
+        aborted = [s.result() for s in self.core.abort_all()]
+        for r in aborted:
+            waiting = self._queues.get(r.rid)
             if waiting is not None:
-                waiting.put_nowait(s.result())
+                waiting.put_nowait(r)
+        return aborted
 
     def shutdown(self) -> None:
         """Free the device memory the engine holds (KV cache, graphs) and its worker thread, now."""

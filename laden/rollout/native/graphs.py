@@ -11,7 +11,10 @@ sink block, so they compute garbage that nobody reads. Graphs read their inputs 
 buffers (written once per window) and write the sampled tokens and log-probs to static
 outputs, copied out after each replay. A graph holds the addresses of the weights and the KV
 cache: after either is reallocated (`sleep` / `wake`) they are captured again. Graphs for
-top-k / top-p or `min_new_tokens` rows are captured when a batch first needs them.
+top-k / top-p or `min_new_tokens` rows are captured when a batch first needs them. Under tensor
+parallel every rank captures its own graphs, the layers' all-reduces and the step's token
+broadcast inside them (NCCL collectives are capturable); the ranks capture and replay the same
+sizes in the same order, since they run the same windows.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from laden.rollout.native.model import DecodeMeta
-from laden.rollout.native.sampler import SamplingTensors, sample
+from laden.rollout.native.sampler import SamplingTensors
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ class DecodeGraphs:
             positions=pos, slots=slots, block_tables=self.table[:size], context_lens=(pos + 1).to(torch.int32)
         )
         logits = model.decode(self.tokens[:size], meta, self.core.cache.k, self.core.cache.v)
-        tokens, lp = sample(logits, self._st(size), self.generated[:size], self.core.generator)
+        tokens, lp = self.core.next_tokens(logits, self._st(size), self.generated[:size])
         self.tokens[:size].copy_(tokens)
         self.out_lp[:size].copy_(lp)
         self.positions[:size].add_(1)

@@ -7,6 +7,10 @@ layer's projections (with Qwen3's q/k norms, Qwen2's biases), rotary embeddings 
 built once from the model's `rotary_emb`, the new keys and values written into the cache slots
 of their tokens, then prefill or decode attention (`laden.rollout.native.attention`). Norms and
 MLPs are the model's modules. Only the rows whose next token is wanted go through the LM head.
+
+Under tensor parallel (`laden.rollout.native.tensor_parallel`) the model holds this rank's heads
+and MLP features; the output and down projections are all-reduced between the compiled pieces
+(no collective inside a `torch.compile` graph), and only the leader runs the LM head.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from laden.rollout.native.attention import (
     decode_attention_varlen,
     prefill_attention,
 )
+from laden.rollout.native.tensor_parallel import TensorParallel, local_heads
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -106,6 +111,15 @@ def attention_outputs(x, o, wo, bo, ln_w, ln_eps: float, wg, wu, wd):
     return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
 
 
+def parallel_mlp(x, attn, bo, ln_w, ln_eps: float, wg, wu, wd):
+    """Tensor parallel: the attention's all-reduced output (and its bias, added once) into the
+    residual, post-attention RMSNorm, and this rank's partial sum of the MLP (its share of the
+    intermediate features); returns (residual, partial MLP output)."""
+    x = x + attn if bo is None else x + attn + bo
+    h = _rms(x, ln_w, ln_eps)
+    return x, F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
 def _eps_or_none(norm: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
         value = getattr(norm, name, None)
@@ -130,6 +144,7 @@ class PagedModel:
         max_model_len: int,
         decode_backend: DecodeBackend = "torch",
         compile: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -155,6 +170,11 @@ class PagedModel:
         self.head_dim = int(attn.head_dim)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.tp = tensor_parallel
+        if tensor_parallel is not None:  # this rank's heads (its weights are sharded by the engine)
+            size = tensor_parallel.size
+            self.num_heads, self.num_kv_heads = local_heads(self.num_heads, self.num_kv_heads, size)
+        self.computes_logits = tensor_parallel is None or tensor_parallel.is_leader
         self.scale = float(getattr(attn, "scaling"))  # noqa: B009
         self.max_model_len = max_model_len
         self.decode_backend: DecodeBackend = decode_backend
@@ -162,11 +182,26 @@ class PagedModel:
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope()
         self.functional = self._functional_ok()
-        self._attn_in, self._attn_out = attention_inputs, attention_outputs
+        if tensor_parallel is not None:
+            self._check_parallel()
+        self._attn_in, self._attn_out, self._mlp = attention_inputs, attention_outputs, parallel_mlp
         if compile and self.functional:
             # dynamic: one graph for every token count (prefill and each captured decode batch)
             self._attn_in = torch.compile(attention_inputs, dynamic=True)
             self._attn_out = torch.compile(attention_outputs, dynamic=True)
+            if tensor_parallel is not None:  # the all-reduces run between the compiled pieces
+                self._mlp = torch.compile(parallel_mlp, dynamic=True)
+
+    def _check_parallel(self) -> None:
+        mlp = self.layers[0].mlp
+        projections = ("gate_proj", "up_proj", "down_proj")
+        biased = self.functional and any(getattr(mlp, p).bias is not None for p in projections)
+        if not self.functional or biased:
+            raise ValueError(
+                f"tensor parallel generation runs the standard {', '.join(SUPPORTED_MODEL_TYPES)} layers (RMSNorms, "
+                "a SiLU gated MLP without biases); this model's differ: use rollout.backend: native:d<N> (t=1), "
+                "or vllm / sglang for tensor parallel"
+            )
 
     def _functional_ok(self) -> bool:
         """Whether the layers are the families' standard modules (RMSNorms with an epsilon, a SiLU
@@ -231,6 +266,8 @@ class PagedModel:
 
     def _layer_out(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         o = o.reshape(o.shape[0], -1)
+        if self.tp is not None:
+            return self._parallel_out(layer, x, o)
         if not self.functional:
             x = x + layer.self_attn.o_proj(o)
             return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -239,6 +276,19 @@ class PagedModel:
             x, o, a.o_proj.weight, a.o_proj.bias, ln.weight, _eps(ln),
             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
         )  # fmt: skip
+
+    def _parallel_out(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Row-parallel output and down projections, each all-reduced over the tensor parallel ranks."""
+        assert self.tp is not None
+        a, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        attn = F.linear(o, a.o_proj.weight)  # [N, H]: this rank's heads' share
+        self.tp.all_reduce(attn)
+        x, part = self._mlp(
+            x, attn, a.o_proj.bias, ln.weight, _eps(ln), mlp.gate_proj.weight, mlp.up_proj.weight,
+            mlp.down_proj.weight,
+        )  # fmt: skip
+        self.tp.all_reduce(part)
+        return x + part
 
     def _qkv(self, layer: nn.Module, h: torch.Tensor, positions: torch.Tensor):
         attn = layer.self_attn
@@ -271,14 +321,15 @@ class PagedModel:
         meta: PrefillMeta,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Run packed prompts, fill their cache slots; fp32 logits `[P, V]` at each prompt's last token."""
+    ) -> torch.Tensor | None:
+        """Run packed prompts, fill their cache slots; fp32 logits `[P, V]` at each prompt's last token
+        (None on a tensor parallel follower: the leader samples)."""
 
         def attend(i, q, k, v):
             return prefill_attention(q, k, v, meta.cu_seqlens, meta.bounds, meta.max_len, self.scale)
 
         x = self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend)
-        return self.logits(x[meta.last])
+        return self.logits(x[meta.last]) if self.computes_logits else None
 
     @torch.no_grad()
     def decode(
@@ -287,13 +338,15 @@ class PagedModel:
         meta: DecodeMeta,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """One token per sequence; fp32 logits `[B, V]`. No host sync (CUDA graph safe)."""
+    ) -> torch.Tensor | None:
+        """One token per sequence; fp32 logits `[B, V]` (None on a tensor parallel follower). No host
+        sync (CUDA graph safe)."""
 
         def attend(i, q, k, v):
             return self._decode_attention(q, k_caches[i], v_caches[i], meta)
 
-        return self.logits(self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend))
+        x = self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend)
+        return self.logits(x) if self.computes_logits else None
 
     def _decode_attention(self, q, k_cache, v_cache, meta: DecodeMeta) -> torch.Tensor:
         if self.decode_backend == "triton":

@@ -24,7 +24,7 @@ buffer the last update wrote; the other one, which the next step reads, is one u
 A shared master already is an upload copy, the current one, and is handed out as before.
 
 `model_state` and `load_model_state` are the `"model"` part of the engine's checkpoint
-layout (one entry per `model.named_parameters()` name, tied weights once), holding the live
+layout (one entry per trainable `model.named_parameters()` name, tied weights once), holding the live
 tensors so that a checkpointer loads into them in place.
 """
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from laden.engine.roundpipe.host.store import HostParam, HostStore
 from laden.model.hf.export import hf_state_names
+from laden.model.lora import merged_weights
 
 
 def _by_param(store: HostStore) -> dict[int, HostParam]:
@@ -58,17 +59,21 @@ def named_weights(
     device: torch.device | str | None,
     *,
     upload_buf: int | None = None,
+    trained_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` for every name of `hf_state_names(model)`, floating tensors in `dtype`.
+    """`(name, tensor)` for every name of `hf_state_names(model)`, floating tensors in `dtype`; a LoRA
+    model's merged view (`laden.model.lora.merged_weights`; `trained_only`: its adapted projections).
 
     `upload_buf`: the upload buffer that holds the newest weights (see the module docstring);
     given, a separate master's parameter asked for in its compute dtype comes from it."""
     state = model.state_dict(keep_vars=True)  # the live parameters and buffers, no copies
     by_param = _by_param(store)
-    for name in hf_state_names(model):
-        # Converted inside the yield expression: the iterator keeps no reference to a tensor it
-        # handed out while it makes the next one.
-        yield name, _handout(_source(state[name], by_param, dtype, upload_buf), dtype, device)
+
+    def fetch(name: str, dt: torch.dtype, dev: torch.device | str | None) -> torch.Tensor:
+        return _handout(_source(state[name], by_param, dt, upload_buf), dt, dev)
+
+    # Handed out as made: the iterator keeps no reference to a tensor it handed out while it makes the next.
+    yield from merged_weights(model, hf_state_names(model), fetch, dtype, device, trained_only=trained_only)
 
 
 def _source(
@@ -90,24 +95,29 @@ def _handout(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | N
 
 
 def model_state(store: HostStore, model: nn.Module) -> dict[str, torch.Tensor]:
-    """`{name: live master}` for each `model.named_parameters()` name (a frozen one: the parameter).
+    """`{name: live master}` for each trainable `model.named_parameters()` name: what training changes
+    (a LoRA model's adapters; its frozen base is the one loaded from `actor.path`).
 
     The master parameters themselves: in the asynchronous step an update may re-point a shared
     master at the other upload buffer, and the parameter object follows it."""
     by_param = _by_param(store)
-    return {name: _live(p, by_param) for name, p in model.named_parameters()}
+    return {name: _live(p, by_param) for name, p in model.named_parameters() if p.requires_grad}
 
 
 @torch.no_grad()
 def load_model_state(store: HostStore, model: nn.Module, saved: Mapping[str, Any]) -> None:
-    """Write `saved` (plain tensors or DTensors, by `model.named_parameters()` name) into the masters
-    and frozen parameters; tensors that already are the live ones are left alone. The caller
-    refreshes the upload copies afterwards."""
+    """Write `saved` (plain tensors or DTensors, by trainable `model.named_parameters()` name, as
+    `model_state` has them) into the masters; tensors that already are the live ones are left alone.
+    The caller refreshes the upload copies afterwards."""
     by_param = _by_param(store)
-    missing = [name for name, _ in model.named_parameters() if name not in saved]
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, _ in trained if name not in saved]
     if missing:
-        raise KeyError(f"the checkpoint holds no weights for {missing}; it was written for another model")
-    for name, p in model.named_parameters():
+        raise KeyError(
+            f"the checkpoint holds no weights for {missing[:5]}; it was written for another model (or other "
+            "actor.use_lora settings)"
+        )
+    for name, p in trained:
         target = _live(p, by_param)
         value = saved[name]
         value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor: gathered

@@ -1,0 +1,57 @@
+"""Trajectories as training micro-batches: prompt + completion sequences packed to a token budget.
+
+Each trajectory is one sequence, its prompt then its completion; the completion's tokens carry the
+loss. Per-token fields are given per completion token (`fields[name][i]` holds one value per token
+of `trajs[i].completion_ids`) and land in the labels' layout (`laden.data.pack_samples`): the value
+of completion token t sits at the position that predicts it, the one whose hidden state is the
+state before token t. The policy's micro-batches carry `advantages` and `old_logprobs`; the
+critic's carry `old_values` and `returns`, and read their values back per position with
+`laden.data.unpack` in the order of `bins`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from laden.data import PackedBatch, pack_samples, partition_microbatches
+
+
+def pack_trajectories(
+    trajs: Sequence[Any],
+    fields: Mapping[str, Sequence[Sequence[float]]],
+    *,
+    max_tokens_per_mb: int,
+    n_mbs: int,
+    algorithm: Literal["ffd", "kk"],
+    device: torch.device,
+    loss: Sequence[bool] | None = None,
+) -> tuple[list[PackedBatch], list[list[int]]]:
+    """(micro-batches on `device`, the trajectory indices each one holds, in packing order).
+
+    loss: per trajectory, whether its completion tokens carry loss (default all); a trajectory
+    without loss still packs, so its positions still get outputs from `TrainEngine.forward`.
+    """
+    samples: list[tuple[list[int], list[int]]] = []
+    packed_fields: dict[str, list[list[float]]] = {name: [] for name in fields}
+    for i, t in enumerate(trajs):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        on = 1 if loss is None or loss[i] else 0
+        samples.append(([*t.prompt_ids, *t.completion_ids], [0] * p + [on] * c))
+        for name, values in fields.items():
+            packed_fields[name].append([0.0] * p + [float(x) for x in values[i]])
+    bins = partition_microbatches(
+        [len(ids) for ids, _ in samples],
+        max_tokens_per_mb=max_tokens_per_mb,
+        n_mbs=n_mbs,
+        algorithm=algorithm,
+    )
+    batches = []
+    for b in bins:
+        batch = pack_samples(
+            [samples[i] for i in b], fields={k: [v[i] for i in b] for k, v in packed_fields.items()}
+        )
+        batches.append(batch.to(device, non_blocking=True))
+    return batches, [list(b) for b in bins]
