@@ -14,12 +14,16 @@ moved to `device`: simple and exact, at the cost of one host copy of the weights
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from laden.model.attention import AttnImpl, set_attention
+
+log = logging.getLogger(__name__)
 
 __all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer", "skeleton_causal_lm"]
 
@@ -74,10 +78,14 @@ def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    log.info("initialising %s from its config.json (seed %d, %s) on the host", directory, seed, dtype)
+    t0 = time.perf_counter()
     # Seeded inside a forked RNG: same seed -> same weights, and the caller's RNG stream is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    log.info("initialised %.2fB parameters in %.1f s", sum(p.numel() for p in model.parameters()) / 1e9,
+             time.perf_counter() - t0)  # fmt: skip
     return model.eval()
 
 
