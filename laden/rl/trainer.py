@@ -144,11 +144,17 @@ def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
             "of the batch; use t=1 (native:dN, one engine per process) for laden rl. The tensor-parallel "
             "engine itself works (laden.rollout.build_rollout_engine under torchrun)"
         )
-    if backend != "native":
+    if backend != "native" and world_size > 1:
         problems.append(
-            f"rollout.backend={cfg.rollout.backend!r}: laden rl drives the embedded native engine today; the "
-            "vllm and sglang servers run as rollout engines (laden.rollout.servers) but laden rl does not start "
-            "them yet; set rollout.backend: native:d1"
+            f"rollout.backend={cfg.rollout.backend!r} under {world_size} processes: laden rl starts the servers from "
+            "one trainer process; run it in one process (a d>1 rollout allocation still serves every trainer "
+            "request), or use rollout.backend: native:dN with one engine per process"
+        )
+    if backend != "native" and cfg.actor.weight_update_mode != "disk":
+        problems.append(
+            f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode="
+            f"{cfg.actor.weight_update_mode!r}: laden rl hands servers their new weights as versioned "
+            "directories; set actor.weight_update_mode: disk"
         )
     from laden.rl.settings import check_rl_fields_implemented
 
@@ -213,6 +219,8 @@ class _Run:
         start = self._resume(history, changes)
         self._drop_newer_weight_versions(start)
         self.rollout = self._rollout_engine(version=start)
+        if self._serves():  # the servers loaded actor.path: the trainer's weights replace them
+            await self._push_weights(start)
         self.objective, self.adv_settings = self._objective()
         from laden.rl.rewards import RewardPool
         from laden.rl.workflow import load_workflow
@@ -305,6 +313,10 @@ class _Run:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self._serves():  # vLLM / SGLang servers, started on actor.path (given the first weights by main)
+            engine = build_rollout_engine(cfg, tokenizer=self.tokenizer, initial_version=version)
+            log.info("rollout servers %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
+            return engine
         # every parameter is overwritten by the trainer's below: no second read or random init
         copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype))
         engine = build_rollout_engine(cfg, model=copy, tokenizer=self.tokenizer, device=self.rt.device)
@@ -509,8 +521,19 @@ class _Run:
 
     def _sleeps_while_training(self) -> bool:
         """Whether the rollout engine frees its KV cache during training: when it shares the trainer's
-        GPU and nothing generates meanwhile (`rollout.max_head_offpolicyness: 0`)."""
-        return self.rt.device.type == "cuda" and self.cfg.rollout.max_head_offpolicyness == 0
+        GPU (the native engine; servers run on GPUs of their own) and nothing generates meanwhile
+        (`rollout.max_head_offpolicyness: 0`)."""
+        return (
+            self.rt.device.type == "cuda"
+            and self.cfg.rollout.max_head_offpolicyness == 0
+            and not self._serves()
+        )
+
+    def _serves(self) -> bool:
+        """Whether the rollout engine is vLLM or SGLang servers (not the native engine in this process)."""
+        from laden.rollout.servers import SERVER_BACKENDS
+
+        return self.cfg.rollout.backend.split(":", 1)[0] in SERVER_BACKENDS
 
     def _sleep_releases_weights(self) -> bool:
         """Whether the rollout engine frees its weights too when it sleeps during training: with the
@@ -534,7 +557,7 @@ class _Run:
         `disk`: a version directory under the run directory (written atomically, shards of
         `actor.weight_chunked_mem_mb`), which the engine loads. `xccl` with the native engine in this
         process: the tensors are copied in place (one process needs no broadcast)."""
-        from laden.weights import WeightUpdateMeta, write_weights
+        from laden.weights import WeightUpdateMeta, version_dir, write_weights
 
         cfg = self.cfg
         if cfg.actor.weight_update_mode == "disk":
@@ -542,9 +565,13 @@ class _Run:
             root = meta.path
             assert root is not None
             named = self._update_source(torch_dtype(cfg.actor.dtype), device="cpu")
+            # a resumed run's first push: its checkpoint's version is on disk already
+            exists = version_dir(root, version).is_dir()
 
             def publish() -> None:
-                if self.rt.is_main:
+                if exists:
+                    pass
+                elif self.rt.is_main:
                     write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
                 else:  # sharded engines gather collectively: every rank iterates, rank 0 writes
                     for _ in named:
@@ -552,7 +579,9 @@ class _Run:
                 self.rt.barrier()
 
             await asyncio.get_running_loop().run_in_executor(self.train_pool, publish)
-            await self.rollout.update_weights(meta, version=version)
+            # servers load a directory of safetensors; the native engine finds the version under the root
+            source = version_dir(root, version) if self._serves() else meta
+            await self.rollout.update_weights(source, version=version)
             return
         await self.rollout.update_weights(self._update_source(), version=version)
 
