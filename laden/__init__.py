@@ -1,7 +1,7 @@
 """laden: fine-tune and RL-tune language models bigger than the GPU, without OOM crashes.
 
 The library API of the pipeline trainer (`RoundPipe`, `RoundPipeRunConfig`,
-`ModelExecutePlan`) is importable from the top level; it is loaded lazily so that
+`ModelExecutePlan`, `GradScaler`, `OptimizerCtx`, the recompute helpers) is importable from the top level; it is loaded lazily so that
 `import laden` stays cheap for the CLI.
 """
 
@@ -13,15 +13,32 @@ _LAZY = {
     "RoundPipe": "laden.engine.roundpipe",
     "RoundPipeRunConfig": "laden.engine.roundpipe",
     "ModelExecutePlan": "laden.engine.roundpipe",
+    "GradScaler": "laden.engine.roundpipe.grad_scaler",
+    "OptimizerCtx": "laden.engine.roundpipe.context",
+    "save_for_recompute": "laden.engine.roundpipe.context",
+    "doing_recompute": "laden.engine.roundpipe.context",
+    "get_recompute_data": "laden.engine.roundpipe.context",
 }
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "optim":  # `laden.optim.Adam` after a bare `import laden`, as with the API it mirrors
+        return importlib.import_module("laden.optim")
     raise AttributeError(f"module 'laden' has no attribute {name!r}")
 
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "ModelExecutePlan", "__version__"]
+__all__ = [
+    "GradScaler",
+    "ModelExecutePlan",
+    "OptimizerCtx",
+    "RoundPipe",
+    "RoundPipeRunConfig",
+    "__version__",
+    "doing_recompute",
+    "get_recompute_data",
+    "save_for_recompute",
+]

@@ -133,7 +133,8 @@ class RoundPipeConfig:
     """GiB of GPU memory the plan may use (stage weights, gradient accumulators, activations; a prefetched
     stage beside the computing one); None = 60% of what this process may allocate on the GPU."""
     pin_model: Literal["alloc", "register", "off"] = "alloc"
-    """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand)."""
+    """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand: frozen weights
+    loaded memory-mapped in the compute dtype stay file-backed, so a LoRA model may exceed host memory; slowest)."""
     optim_step: Literal["sync", "async"] = "sync"
     """`sync`: exact step; `async`: one-step-stale update overlapped with the next step."""
     compile: bool = False

@@ -25,10 +25,15 @@ exist. `LMHeadOutput.logits` builds them for callers that want them (inference).
 the roundpipe planner can size stages by weights and activations; it is an analytic count
 of what the transformers layers save for backward, not a measurement.
 
-Supported: the Qwen3, Qwen2, Llama and Mistral families as laid out by transformers 5.x
-(`model.model.embed_tokens/layers/norm/rotary_emb`, `model.lm_head`, decoder layers called
-with `position_embeddings=(cos, sin)`). Anything else is refused with a ValueError rather
-than split by guesswork.
+Supported: the Qwen3, Qwen2, Llama and Mistral families and the mixture-of-experts Qwen3-MoE
+and GPT-OSS, as laid out by transformers 5.x (`model.model.embed_tokens/layers/norm/rotary_emb`,
+`model.lm_head`, decoder layers called with `position_embeddings=(cos, sin)`; GPT-OSS's attention
+sinks and per-layer sliding windows live inside its layers and `config.layer_types`). Anything
+else is refused with a ValueError rather than split by guesswork. The mixture-of-experts models'
+load-balancing loss is not computed: Hugging Face adds it only with `config.output_router_logits`
+(off in the released checkpoints), and it couples every layer's routing statistics over the whole
+batch, which a pipeline streaming one micro-batch and one stage at a time does not hold; such a
+config is refused (set `output_router_logits=False`).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ __all__ = [
     "split_causal_lm",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gpt_oss")
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _PACKED_IMPLS = (LADEN_VARLEN, LADEN_VARLEN_KERNEL)  # attention kept per document by cu_seq_lens
 
@@ -233,6 +238,13 @@ def split_causal_lm(model: nn.Module) -> SplitModel:
             f"{type(model).__name__} lacks {missing or ['lm_head']}; laden.model.split expects the "
             "transformers 5.x layout model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
         )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{type(model).__name__} has config.output_router_logits=True, so its own forward adds the "
+            "router load-balancing loss, which laden.model.split does not compute (it couples every layer's "
+            "routing over the whole batch); set model.config.output_router_logits = False to train on the "
+            "language-model loss alone, as the released checkpoints do"
+        )
     if getattr(model.lm_head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}'s lm_head has a bias; the chunked loss assumes none")
     steps: list[nn.Module] = [EmbedStep(base.embed_tokens)]
@@ -322,7 +334,7 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
     q = heads * head_dim
     kv = getattr(config, "num_key_value_heads", None) or heads
     kv *= head_dim
-    inter = config.intermediate_size
+    inter = _mlp_width(config, layer)
     per_token = b * (5 * hidden + 4 * q + 4 * kv + 4 * inter) + 4 * (2 * hidden + q + kv + heads)
     tile_bytes = 0
     mlp = getattr(layer, "mlp", None)
@@ -343,6 +355,17 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
         if norm is not None and lean.applied(norm):
             per_token -= 4 * width
     return per_token, tile_bytes
+
+
+def _mlp_width(config: Any, layer: nn.Module | None) -> int:
+    """Intermediate values per token of a layer's MLP: a mixture of experts runs `num_experts_per_tok`
+    experts of `moe_intermediate_size` (Qwen3-MoE) or `intermediate_size` (GPT-OSS) each per token
+    (its router's few logits per token are left out); a dense MLP runs `intermediate_size`."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or not hasattr(mlp, "experts"):
+        return config.intermediate_size
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return config.num_experts_per_tok * width
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -3,11 +3,13 @@
 - `OptimSettings` (from `actor.optimizer`), `build_optimizer` (the one builder, every engine),
   `build_lr_scheduler`, `clip_grad_norm_`, `param_groups_with_decay`.
 - `named_state` / `load_named_state`: optimizer state by parameter name, the checkpoint layout.
+- `Adam`: `roundpipe.optim.Adam`'s arguments (the RoundPipe-compatible API's host Adam/AdamW).
 - `AdamWBF16`: `actor.optimizer.type: adam_bf16` (8 bytes per param, Kahan-compensated).
 - `HostAdamW`, `adamw_step_`, `adamw_bf16_kahan_step_`: the CPU update of the offloaded
   engines (a vectorized C++ kernel built on first use, with a PyTorch fallback).
 """
 
+from laden.optim.adam import Adam
 from laden.optim.adam_bf16 import AdamWBF16
 from laden.optim.adamw_foreach import adamw_foreach_, adamw_kahan_foreach_, adamw_scalars
 from laden.optim.build import (
@@ -23,6 +25,7 @@ from laden.optim.settings import OptimSettings
 from laden.optim.state import init_state, load_named_state, named_state
 
 __all__ = [
+    "Adam",
     "AdamWBF16",
     "HostAdamW",
     "OptimSettings",

@@ -38,9 +38,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from laden.engine.roundpipe.autograd import attach_graph, begin_graph, needs_graph
 from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
+from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer
 from laden.engine.roundpipe.distributed import host_grad_group
+from laden.engine.roundpipe.hf_outputs import host_output, is_split_lm, pop_hf_options, with_hf_labels
 from laden.engine.roundpipe.host.store import PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
@@ -102,6 +106,8 @@ class RoundPipe(nn.Module):
         self.optim_dtype = optim_dtype
         self.grad_reduce = grad_reduce
         self._last_inbox = 0
+        self._original_model: nn.Module | None = None
+        self._initialized = True  # from here on, new public attributes are written to the model
 
     # ---- what ModelExecutePlan.auto asks -----------------------------------------------
     @property
@@ -125,21 +131,43 @@ class RoundPipe(nn.Module):
         return self.pipe.layer_activation_bytes(num_tokens)
 
     # ---- optimizer parameters ----------------------------------------------------------
-    def optim_named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """(name, master weight) for every trainable parameter: build the optimizer on these.
 
+        remove_duplicate: False lists a tied parameter under each of its names (one master).
         The masters are created by this call (not lazily by the iterator).
         """
         self.pipe.store.ensure_masters()
-        named = [
-            (f"{prefix}.{hp.name}" if prefix else hp.name, hp.master)
-            for hp in self.pipe.store.params
-            if hp.master is not None
-        ]
-        return iter(named)  # type: ignore[arg-type]
+        params = [hp for hp in self.pipe.store.params if hp.master is not None]
+        if remove_duplicate:
+            pairs = [(hp.name, hp.master) for hp in params]
+        else:
+            masters = {id(hp.param): hp.master for hp in params}
+            pairs = [
+                (n, masters[id(p)])
+                for n, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in masters
+            ]
+        return iter([(f"{prefix}.{n}" if prefix else n, m) for n, m in pairs])  # type: ignore[misc]
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.optim_named_parameters())
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
+        if doing_optimizer():
+            return self.optim_parameters()
+        return super().parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's named parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
+        if doing_optimizer():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     # ---- compute -----------------------------------------------------------------------
     def forward_backward(
@@ -150,49 +178,67 @@ class RoundPipe(nn.Module):
         loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
-    ) -> torch.Tensor | list[torch.Tensor]:
+    ) -> Any:
         """Forward, loss and backward over all micro-batches; returns the summed micro-batch losses.
 
         `loss_fn(outputs, labels)` runs on the device for each micro-batch and returns a
         tensor (or a sequence of tensors, summed separately). Gradients accumulate in host
-        memory across calls until `step`.
+        memory across calls until `step`. `return_outputs=True` returns `(loss_sum, outputs)`,
+        the outputs detached and merged by the config's `merge_output`; both are placed on its
+        `output_device`.
         """
-        if return_outputs:
-            raise ValueError("return_outputs=True is not supported; call the model (forward) for outputs")
         cfg = resolve(run_config, self.model_run_config, num_devices=self.num_devices)
         inputs, labels = split_microbatches(
             tuple(input_args), dict(input_kwargs or {}), label, cfg.num_microbatch,
             split_input=cfg.split_input, split_label=cfg.split_label,
         )  # fmt: skip
+        hf = with_hf_labels(inputs, labels, loss_fn) if is_split_lm(self.pipe) else None
+        if hf is not None:  # labels= / num_items_in_batch= / return_logits= in input_kwargs
+            labels, loss_fn = hf
         plan = cfg.execute_plan or ModelExecutePlan.auto(
             "fused", self, tokens_per_microbatch=num_tokens(inputs), recompute_grain=cfg.recompute_grain
         )
         run = self.pipe.run_call(
             inputs=inputs, labels=labels, loss_fn=loss_fn, plan=plan, grain=cfg.recompute_grain,
-            backward=True, preserve_rng=cfg.preserve_rng_state,
+            backward=True, preserve_rng=cfg.preserve_rng_state, keep_outputs=return_outputs,
         )  # fmt: skip
         self._last_inbox = self.pipe.read_buf
-        return sum_losses(run)
+        loss = to_device(sum_losses(run), cfg.output_device)
+        if not return_outputs:
+            return loss
+        outputs = merge_outputs([h.host_tree() for h in run.outputs if h is not None], cfg.merge_output)
+        return loss, to_device(outputs, cfg.output_device)
 
     def forward(
         self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
     ) -> Any:
-        """Inference over micro-batches (no graph is recorded: use `forward_backward` to train).
+        """The model's outputs over micro-batches; under grad mode they carry a graph whose backward
+        runs the pipeline's backward (`autograd.py`: one forward more than `forward_backward`).
 
         Runs on the weights the next `forward_backward` would use (after asynchronous steps,
         those of one update earlier; call `synchronize()` first for the newest). A causal LM
-        returns its logits.
+        returns a `CausalLMOutputWithPast` (`.logits`, and `.loss` when `labels` are passed;
+        `hf_outputs.py`). Buffers written in forward persist (`buffers.py`).
         """
         cfg = resolve(roundpipe_run_config, self.model_run_config, num_devices=self.num_devices)
+        split_lm = is_split_lm(self.pipe)
+        hf_options = pop_hf_options(kwargs) if split_lm else None
         inputs, _ = split_microbatches(args, kwargs, None, cfg.num_microbatch, split_input=cfg.split_input)
+        graph = begin_graph(self, inputs, cfg) if needs_graph(self, cfg) else None
         plan = cfg.execute_plan or ModelExecutePlan.auto(
             "infer", self, tokens_per_microbatch=num_tokens(inputs)
         )
         run = self.pipe.run_call(
             inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain,
-            backward=False, preserve_rng=False,
+            backward=False, preserve_rng=False, saved_buffers=None if graph is None else graph.saved_buffers,
         )  # fmt: skip
-        return merge_outputs([h.host_tree() for h in run.outputs if h is not None])
+        per_mb = [h.host_tree() for h in run.outputs if h is not None]
+        outputs = merge_outputs(per_mb, cfg.merge_output)
+        if graph is not None:
+            outputs = attach_graph(graph, per_mb, outputs)
+        if split_lm:
+            outputs = host_output(outputs, hf_options)
+        return to_device(outputs, cfg.output_device)
 
     # ---- optimizer step ----------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
@@ -236,7 +282,8 @@ class RoundPipe(nn.Module):
                     grad.add_(hp.master.grad)  # gradients the user kept from earlier steps
                 hp.master.grad = grad
                 hp.filled[buf] = False
-        step_fn(*args, **kwargs)
+        with OptimizerCtx():  # model.parameters() in step_fn: the masters
+            step_fn(*args, **kwargs)
         pipe.refresh_uploads(groups, buf)
         if not is_async and store.num_upload_buffers == 2:
             pipe.refresh_uploads(groups, 1 - buf)  # an exact step leaves no stale buffer behind
@@ -278,8 +325,49 @@ class RoundPipe(nn.Module):
             hp.filled = [False, False]
             hp.param.grad = None
 
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Forward attribute reads and writes to `original_model` (the module a split model came from)."""
+        object.__setattr__(self, "_original_model", original_model)
+
+    def _target(self) -> nn.Module:
+        return self.__dict__.get("_original_model") or self.__dict__["_modules"]["model"]
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_modules"]["model"], name)
+            return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction, writes of new public attributes go to the wrapped model (reads come
+        from there too); the wrapper's own attributes, private names and submodules stay here."""
+        if self.__dict__.get("_initialized") and _forwarded(self, name):
+            setattr(self._target(), name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_initialized") and _forwarded(self, name):
+            delattr(self._target(), name)
+        else:
+            super().__delattr__(name)
+
+
+def _forwarded(wrapper: RoundPipe, name: str) -> bool:
+    """Whether an attribute write on the wrapper belongs to the wrapped model."""
+    own = wrapper.__dict__
+    return not (
+        name.startswith("_")
+        or name in own
+        or hasattr(type(wrapper), name)
+        or name in own["_modules"]
+        or name in own["_parameters"]
+        or name in own["_buffers"]
+    )
+
+
+def to_device(tree: Any, device: torch.device | None) -> Any:
+    """`tree`'s tensors moved to `device` (None: left on the host)."""
+    if device is None:
+        return tree
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)

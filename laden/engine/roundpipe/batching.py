@@ -18,6 +18,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from laden.engine.roundpipe.microbatch_spec import (
+    PackedOutputs,
+    leaf_rules,
+    merge_leaf,
+    num_chunks,
+    split_leaf,
+)
+
 
 def batch_size_of(tree: Any) -> int | None:
     for leaf in pytree.tree_leaves(tree):
@@ -48,7 +56,9 @@ def split_microbatches(
     split_label: Callable | None = None,
 ) -> tuple[list[tuple[tuple, dict[str, Any]]], list[Any]]:
     """Per micro-batch `(args, kwargs)` and labels (see the module docstring)."""
-    if split_input is not None:
+    if split_input is not None and not callable(split_input):
+        inputs = split_by_spec((tuple(args), dict(kwargs)), split_input, num_microbatch, "input")
+    elif split_input is not None:
         args_list, kwargs_list = split_input(args, kwargs, num_microbatch)
         if not (
             isinstance(args_list, list)
@@ -59,6 +69,8 @@ def split_microbatches(
                 "split_input must return two lists of equal length (args per micro-batch, kwargs)"
             )
         inputs = [(tuple(a), dict(k)) for a, k in zip(args_list, kwargs_list)]
+    elif _has_packed((args, kwargs)):
+        inputs = split_by_spec((tuple(args), dict(kwargs)), None, num_microbatch, "input")
     else:
         batch = batch_size_of((args, kwargs))
         if batch is None or min(num_microbatch, batch) <= 1:
@@ -66,7 +78,9 @@ def split_microbatches(
         else:
             inputs = split_tree((tuple(args), dict(kwargs)), min(num_microbatch, batch), batch)
     num = len(inputs)
-    if split_label is not None:
+    if split_label is not None and not callable(split_label):
+        labels = split_by_spec(label, split_label, num, "label", exact=True)
+    elif split_label is not None:
         labels = split_label(label, num)
         if not (isinstance(labels, list) and len(labels) == num):
             raise ValueError(f"split_label must return a list of {num} labels (one per micro-batch)")
@@ -104,16 +118,38 @@ def _is_token_ids(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and not leaf.is_floating_point()
 
 
-def merge_outputs(outputs: list[Any]) -> Any:
-    """Concatenate micro-batch outputs along dim 0 (tensors with a batch dim); others from the first."""
+def merge_outputs(outputs: list[Any], merge: Any = True) -> Any:
+    """One output from the micro-batch outputs, by `merge` (`RoundPipeRunConfig.merge_output`).
+
+    True: tensors with a batch dim are concatenated along dim 0, scalar tensors averaged,
+    other values must agree. A function gets the list of outputs. A spec places markers
+    (`microbatch_spec.merge_leaf`). False: each leaf becomes a `PackedOutputs` list.
+    """
+    if merge is not True and callable(merge):
+        return merge(list(outputs))
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    tree = flat[0][1]
+    columns = [[leaves[i] for leaves, _ in flat] for i in range(len(flat[0][0]))]
+    if merge is False:
+        return pytree.tree_unflatten([PackedOutputs(col) for col in columns], tree)
     if len(outputs) == 1:
         return outputs[0]
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    merged = []
-    for i, first in enumerate(flat[0][0]):
-        if isinstance(first, torch.Tensor) and first.ndim > 0:
-            merged.append(torch.cat([leaves[i] for leaves, _ in flat], dim=0))
-        else:
-            merged.append(first)
-    return pytree.tree_unflatten(merged, spec)
+    specs = (
+        [None] * len(columns) if merge is True else [s for _, s in leaf_rules(outputs[0], merge, "output")]
+    )
+    return pytree.tree_unflatten([merge_leaf(col, s) for col, s in zip(columns, specs)], tree)
+
+
+def split_by_spec(tree: Any, spec: Any, num_microbatch: int, where: str, *, exact: bool = False) -> list[Any]:
+    """`tree` split into micro-batches by a spec of markers (`microbatch_spec`); `exact`: into exactly
+    `num_microbatch` pieces (labels follow the inputs' count)."""
+    rules = leaf_rules(tree, spec, where)
+    auto_batch = batch_size_of(tree)
+    num = num_microbatch if exact else num_chunks(rules, num_microbatch, auto_batch)
+    columns = [split_leaf(leaf, marker, num, auto_batch) for leaf, marker in rules]
+    tree_spec = pytree.tree_structure(tree)
+    return [pytree.tree_unflatten([col[i] for col in columns], tree_spec) for i in range(num)]
+
+
+def _has_packed(tree: Any) -> bool:
+    return any(isinstance(leaf, PackedOutputs) for leaf in pytree.tree_leaves(tree))

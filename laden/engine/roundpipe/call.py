@@ -76,6 +76,11 @@ class CallSpec:
     inbox: int
     required: list[int]
     carried: frozenset[int] = frozenset()  # tied parameters whose gradient stays on the device
+    # Buffers (`buffers.py`): whether forward passes copy persistent buffers back to the host, and
+    # the values the backward stages upload instead of the host buffers (filled by forward stages).
+    write_buffers: bool = True
+    saved_buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    keep_outputs: bool = False  # the fused stage parks its outputs too (`return_outputs=True`)
 
 
 @dataclass(eq=False)
@@ -121,6 +126,8 @@ class Run:
     carried: dict[int, torch.Tensor] = field(default_factory=dict)  # see `Residency.carried`
     buffers: HostBuffers | None = None  # the pipeline's reusable host buffers for parked data
     shared: Shared = field(default_factory=Shared)  # tensors parked and fetched once per call
+    # What layers passed to `save_for_recompute` in forward, by (layer, micro-batch) (`context`).
+    recompute_data: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spec, num_layers = self.spec, len(self.store.layers)

@@ -19,12 +19,16 @@ recomputes and backpropagates one layer at a time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
+from laden.engine.roundpipe import buffers
 from laden.engine.roundpipe.call import StageTask, capture_rng, restored_rng
+from laden.engine.roundpipe.context import forward_scope, recompute_scope
 from laden.engine.roundpipe.device import Lane
 from laden.engine.roundpipe.residency import (
     Residency,
@@ -60,9 +64,12 @@ def prepare(task: StageTask, lane: Lane) -> Residency:
         for hp in store.layers[layer].foreign
         if hp.index in run.spec.carried
     )
+    if run.spec.write_buffers and task.kind != "backward":  # before any write-back: what recomputes see
+        buffers.snapshot_host(store, task.layers, run.spec.saved_buffers)
     res = upload_stage(
-        store, lane, task.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried
-    )
+        store, lane, task.layers, buf=buf, trainable=trainable, carry_out=carry_out, carried=run.carried,
+        buffer_source=run.spec.saved_buffers if task.kind == "backward" else None,
+    )  # fmt: skip
     prefetch_first(task, lane)
     return res
 
@@ -140,11 +147,14 @@ def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
                         park(lane, x, into=run.saved[(layer, mb)], pool=run.buffers, shared=run.shared)
                     if spec.preserve_rng:
                         run.rng[(layer, mb)] = capture_rng(lane)
-                x = call_layer(res, layer, x)
+                with _forward_scope(run, layer, mb):
+                    x = call_layer(res, layer, x)
             if task.final:
                 run.outputs[mb] = park(lane, _host_output(x))
             else:
                 park(lane, x, into=run.acts[(stop, mb)], pool=run.buffers, shared=run.shared)
+    if spec.write_buffers:
+        buffers.write_back(run.store, lane, res.modules, task.layers)
     release(res)
 
 
@@ -165,27 +175,34 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
         with spec.autocast.enter(), lane.on(lane.compute):
             if not spec.backward:
                 with torch.no_grad():
-                    losses = _losses(loss_fn(_run_layers(res, task.layers, x), label))
+                    out = _run_layers(res, task.layers, x)
+                    losses = _losses(loss_fn(out, label))
                 grad_in = None
             elif spec.grain == "stage":
                 with torch.enable_grad():
-                    losses = _losses(loss_fn(_run_layers(res, task.layers, x), label))
+                    out = _run_layers(res, task.layers, x)
+                    losses = _losses(loss_fn(out, label))
                     torch.autograd.backward(losses)
                 grad_in = input_grads(x)
             else:
-                losses, grad_in = _fused_layerwise(task, lane, res, x, label)
+                losses, grad_in, out = _fused_layerwise(task, lane, res, x, label, mb)
             run.losses[mb] = park(lane, [loss.detach() for loss in losses], flat=True)
+            if spec.keep_outputs:  # forward_backward(return_outputs=True)
+                run.outputs[mb] = park(lane, _host_output(_detached(out)))
+            del out
             if spec.backward and first > 0:
                 park(lane, grad_in, into=run.grads[(first, mb)], flat=True, pool=run.buffers)
         del x, grad_in, losses
         if spec.backward:
             accumulate_microbatch(res)
+    if spec.write_buffers:
+        buffers.write_back(run.store, lane, res.modules, task.layers)
     _finish_backward(task, res)
 
 
 def _fused_layerwise(
-    task: StageTask, lane: Lane, res: Residency, x: Any, label: Any
-) -> tuple[list[torch.Tensor], list[Any]]:
+    task: StageTask, lane: Lane, res: Residency, x: Any, label: Any, mb: int
+) -> tuple[list[torch.Tensor], list[Any], Any]:
     """Layer grain in the fused stage: forward without a graph, then recompute + backward per layer."""
     run, layers = task.run, list(task.layers)
     loss_fn = run.spec.loss_fn
@@ -194,22 +211,31 @@ def _fused_layerwise(
     with torch.no_grad():
         for layer in layers[:-1]:
             kept[layer] = (x, capture_rng(lane) if run.spec.preserve_rng else None)
-            x = call_layer(res, layer, x)
+            with forward_scope(run.recompute_data, (layer, mb)):
+                x = call_layer(res, layer, x)
     kept[layers[-1]] = (x, None)
+    undo = buffers.device_snapshot(run.store, res.modules, layers[:-1])  # the recompute rewrites them
     grads: list[Any] | None = None
     losses: list[torch.Tensor] = []
+    final: Any = None
     for layer in reversed(layers):
         x_in, rng = kept.pop(layer)
         x_in = as_leaves(x_in) if layer > 0 else x_in
-        with torch.enable_grad(), restored_rng(lane, rng):
+        last = layer == layers[-1]  # its one forward: not a recompute
+        recompute = (
+            contextlib.nullcontext() if last else recompute_scope(run.recompute_data.pop((layer, mb), None))
+        )
+        with torch.enable_grad(), restored_rng(lane, rng), recompute:
             out = call_layer(res, layer, x_in)
             if grads is None:
+                final = out
                 losses = _losses(loss_fn(out, label))
                 torch.autograd.backward(losses)
             else:
                 _backward(out, grads)
         grads = input_grads(x_in)
-    return losses, grads  # type: ignore[return-value]
+    buffers.restore_device(undo)
+    return losses, grads, final  # type: ignore[return-value]
 
 
 def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
@@ -234,7 +260,7 @@ def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
                     _at_last_microbatch(task, mb)
                 end = stop if spec.grain == "stage" else start + 1
                 with torch.enable_grad(), restored_rng(lane, run.rng.pop((start, mb), None)):
-                    out = _run_layers(res, range(start, end), x)
+                    out = _recompute_layers(run, res, range(start, end), x, mb)
                     if j == 0:
                         grads = grads_in.get(mb)
                     _backward(out, grads)
@@ -318,6 +344,20 @@ def _finish_backward(task: StageTask, res: Residency) -> None:
     release(res)
 
 
+def _forward_scope(run: Any, layer: int, mb: int) -> Any:
+    """A forward that a backward stage recomputes later may leave data for it (`save_for_recompute`)."""
+    if not run.spec.backward:
+        return contextlib.nullcontext()
+    return forward_scope(run.recompute_data, (layer, mb))
+
+
+def _recompute_layers(run: Any, res: Residency, layers: range, x: Any, mb: int) -> Any:
+    for layer in layers:
+        with recompute_scope(run.recompute_data.pop((layer, mb), None)):
+            x = call_layer(res, layer, x)
+    return x
+
+
 def _run_layers(res: Residency, layers: range, x: Any) -> Any:
     for layer in layers:
         x = call_layer(res, layer, x)
@@ -347,6 +387,10 @@ def _losses(loss: Any) -> list[torch.Tensor]:
     if isinstance(loss, (list, tuple)) and loss and all(isinstance(t, torch.Tensor) for t in loss):
         return list(loss)
     raise TypeError(f"loss_fn must return a tensor or a sequence of tensors; got {type(loss).__name__}")
+
+
+def _detached(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _host_output(x: Any) -> Any:

@@ -133,11 +133,15 @@ class Pipeline:
         preserve_rng: bool,
         on_landing: LandingHook | None = None,
         carried: frozenset[int] = frozenset(),
+        keep_outputs: bool = False,
+        write_buffers: bool = True,
+        saved_buffers: dict[int, torch.Tensor] | None = None,
     ) -> Run:
         """Run every micro-batch through the plan; gradients land in inbox `read_buf`.
 
         `carried`: tied parameters whose gradient stays on the device between the backward
         stages that use it (`carried_params`; the caller counts their landings accordingly).
+        `write_buffers`, `saved_buffers`: see `CallSpec` and `buffers.py`.
         """
         self.jobs.raise_errors()
         before = self.jobs.last_optim()  # the call reports this job's failure, whenever it happens
@@ -153,6 +157,8 @@ class Pipeline:
             loss_fn=loss_fn, plan=plan, grain=grain, backward=backward, preserve_rng=preserve_rng,
             autocast=AutocastState.capture(), buf=self.read_buf, inbox=self.read_buf,
             required=self.store.required_gens(self.read_buf), carried=carried if backward else frozenset(),
+            keep_outputs=keep_outputs,
+            write_buffers=write_buffers, saved_buffers={} if saved_buffers is None else saved_buffers,
         )  # fmt: skip
         run = Run(
             self.store,

@@ -156,6 +156,7 @@ def upload_stage(
     trainable: bool,
     carry_out: frozenset[int] = frozenset(),
     carried: dict[int, torch.Tensor] | None = None,
+    buffer_source: dict[int, torch.Tensor] | None = None,
 ) -> Residency:
     """Queue the uploads of `layer_ids` (weights from upload buffer `buf`) and build their shells.
 
@@ -164,6 +165,7 @@ def upload_stage(
     runs (`Residency.layer`). A stage's first layer computes while its later layers are
     still crossing the bus, so even a stage that is the whole model (nothing to prefetch it
     behind) waits only for its first layer. `carry_out`, `carried`: see `Residency`.
+    `buffer_source`: values to upload instead of some host buffers, by `id` (`buffers.py`).
     """
     res = Residency(
         lane=lane, layer_ids=list(layer_ids), trainable=trainable, carry_out=carry_out,
@@ -181,7 +183,7 @@ def upload_stage(
                     res.device_params[hp.index] = _to_device(lane, hp.uploads[buf])
             for _, _, b in info.buffer_slots:
                 if id(b) not in buffers:
-                    buffers[id(b)] = _to_device(lane, b)
+                    buffers[id(b)] = _to_device(lane, (buffer_source or {}).get(id(b), b))
             if trainable:
                 _make_leaves_and_accs(store, res, info, owned)
             # Compute waits on this event when the layer first runs, never earlier, so preparing

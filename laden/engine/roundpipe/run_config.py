@@ -13,30 +13,45 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from laden.engine.roundpipe.plan import ModelExecutePlan
 
 Grain = Literal["stage", "layer"]
 GRAINS = ("stage", "layer")
+SplitInput = Callable[[tuple, dict[str, Any], int], tuple[list[tuple], list[dict[str, Any]]]] | tuple
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class RoundPipeRunConfig:
-    """Run settings for one `forward_backward` / `forward` call; None = the model's default."""
+    """Run settings for one `forward_backward` / `forward` call; None = the model's default.
 
-    num_microbatch: int | None = None
-    """Micro-batches the batch is split into along dim 0 (default: number of devices + 1)."""
-    recompute_grain: Grain | None = None
-    """Backward recompute per stage (`stage`, default, faster) or per layer (`layer`, lower GPU peak)."""
-    execute_plan: ModelExecutePlan | None = None
-    """Layer ranges per stage; default `ModelExecutePlan.auto` for the model."""
-    split_input: Callable[[tuple, dict[str, Any], int], tuple[list[tuple], list[dict[str, Any]]]] | None = (
-        None
-    )
-    """Custom split `(args, kwargs, n) -> (args_list, kwargs_list)`; default splits tensors along dim 0."""
-    split_label: Callable[[Any, int], list[Any]] | None = None
-    """Custom split `(label, n) -> label_list`; default splits tensors along dim 0."""
+    Positional order as in the engine this API mirrors: `requires_grad, output_device,
+    preserve_rng_state, recompute_grain, num_microbatch, split_input, split_label,
+    merge_output, execute_plan`.
+    """
+
+    requires_grad: bool | None = None
+    """Whether `forward` records a graph (default: `torch.is_grad_enabled()`); see `RoundPipe.forward`."""
+    output_device: torch.device | str | None = None
+    """Where merged outputs (and `forward_backward` losses) are placed (default: the CPU)."""
     preserve_rng_state: bool | None = None
     """Replay the forward's RNG during recompute so dropout masks match (default True)."""
+    recompute_grain: Grain | None = None
+    """Backward recompute per stage (`stage`, default, faster) or per layer (`layer`, lower GPU peak)."""
+    num_microbatch: int | None = None
+    """Micro-batches the batch is split into along dim 0 (default: number of devices + 1)."""
+    split_input: SplitInput | None = None
+    """`(args_spec, kwargs_spec)` of `TensorChunkSpec(dim)` / `_Replicate` markers (None: automatic), or
+    a function `(args, kwargs, n) -> (args_list, kwargs_list)`; default splits tensors along dim 0."""
+    split_label: Any = None
+    """A spec like `split_input`'s for the label, or a function `(label, n) -> label_list`."""
+    merge_output: Any = None
+    """None/True: concatenate tensors on dim 0 and average scalar tensors; a spec of
+    `TensorChunkSpec(dim)` / `_Replicate` / `_CustomReducer`; a function `outputs_list -> output`;
+    False: the per-micro-batch outputs as a list per leaf (`batching.merge_outputs`)."""
+    execute_plan: ModelExecutePlan | None = None
+    """Layer ranges per stage; default `ModelExecutePlan.auto` for the model."""
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -50,6 +65,12 @@ class RoundPipeRunConfig:
                 f"execute_plan must be a ModelExecutePlan; got {type(self.execute_plan).__name__}. "
                 "Build one with ModelExecutePlan.auto(...) or ModelExecutePlan(fwd_plan=..., bwd_plan=...)"
             )
+        spec = self.split_input
+        if spec is not None and not callable(spec) and not (isinstance(spec, tuple) and len(spec) == 2):
+            raise ValueError(
+                "split_input must be a function (args, kwargs, n) -> (args_list, kwargs_list) or a pair "
+                "(args_spec, kwargs_spec), e.g. ((TensorChunkSpec(0), _Replicate), None)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +80,12 @@ class ResolvedRunConfig:
     num_microbatch: int
     recompute_grain: Grain
     execute_plan: ModelExecutePlan | None
-    split_input: Callable | None
-    split_label: Callable | None
+    split_input: Any
+    split_label: Any
     preserve_rng_state: bool
+    requires_grad: bool | None
+    output_device: torch.device | None
+    merge_output: Any
 
 
 def resolve(
@@ -83,4 +107,7 @@ def resolve(
         split_input=pick("split_input", None),
         split_label=pick("split_label", None),
         preserve_rng_state=pick("preserve_rng_state", True),
+        requires_grad=pick("requires_grad", None),
+        output_device=None if (device := pick("output_device", None)) is None else torch.device(device),
+        merge_output=pick("merge_output", True),
     )

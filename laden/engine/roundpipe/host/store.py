@@ -7,7 +7,11 @@ Every parameter lives in host memory in up to four forms (grouped as `HostLayout
   group (one host-to-device copy per layer group, the fastest path, ~1.5x the model in host
   memory because the pinned allocator rounds each buffer up to a power of two).
   `register` page-locks the existing storage in place (`cudaHostRegister`, ~1x); `off`
-  leaves it pageable (works with memory-mapped weights larger than host memory, slowest).
+  leaves it pageable and, where the parameter already is in the compute dtype, *is* it: a
+  weight memory-mapped from safetensors (`from_pretrained` in the compute dtype) stays a
+  file-backed view that the kernel pages in on demand and drops under memory pressure, so a
+  LoRA fine-tune of a model larger than host memory holds only adapters, their optimizer
+  states and gradients in anonymous memory (slowest: every residency reads the pages anew).
   Without CUDA nothing can be pinned and all three modes only choose the layout (flat for
   `alloc`, per-tensor otherwise). The model's own parameters become views of upload buffer
   0, so the wrapped model always holds current weights in its compute dtype. The
@@ -107,6 +111,8 @@ class HostStore:
     def _allocate(self, create_masters: bool, init_meta: InitFn | None) -> None:
         """Layer by layer: masters and upload copies per group, meta params materialised and filled."""
         to_register: list[torch.Tensor] = []
+        if self.pin_mode == "off":
+            _warn_cast_frozen(self.groups)
         for info in self.layers:
             fresh: list[HostParam] = []
             for group in info.groups:
@@ -408,6 +414,24 @@ def alloc_nbytes(
     if pin_mode == "alloc" and not exact:
         return nbytes, _pow2_ceil(nbytes) - nbytes
     return -(-nbytes // _PAGE_BYTES) * _PAGE_BYTES + _PAGE_BYTES, 0  # see _page_aligned_empty
+
+
+def _warn_cast_frozen(groups: Sequence[ParamGroup]) -> None:
+    """With `pin_model="off"` a frozen weight in the compute dtype stays the storage it was loaded in
+    (a safetensors memory map stays file-backed, paged in on demand); one in another dtype is cast
+    into host memory. Say so once, with the bytes it costs."""
+    cast = [(hp, g.compute_dtype) for g in groups if not g.trainable for hp in g.members
+            if not hp.param.is_meta and hp.param.dtype != g.compute_dtype]  # fmt: skip
+    if cast:
+        nbytes = sum(hp.numel * hp.param.dtype.itemsize for hp, _ in cast)
+        (first, dtype) = cast[0]
+        warnings.warn(
+            f"pin_model='off': {len(cast)} frozen parameters ({nbytes / 2**30:.2f} GiB, e.g. {first.name} in "
+            f"{first.param.dtype}) are cast to the compute dtype {dtype} in host memory, so they "
+            "are no longer read on demand from a memory-mapped checkpoint; store the checkpoint in the compute "
+            "dtype to keep them file-backed",
+            stacklevel=4,
+        )
 
 
 def _rebind(hp: HostParam, data: torch.Tensor) -> None:
