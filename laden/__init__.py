@@ -18,6 +18,9 @@ _LAZY = {
     "save_for_recompute": "laden.engine.roundpipe.context",
     "doing_recompute": "laden.engine.roundpipe.context",
     "get_recompute_data": "laden.engine.roundpipe.context",
+    "ModelTimer": "laden.engine.roundpipe.timer",
+    "wrap_model_to_roundpipe": "laden.engine.roundpipe.wrapper",
+    "AutoRoundPipe": "laden.engine.roundpipe.wrapper",
 }
 
 
@@ -32,8 +35,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AutoRoundPipe",
     "GradScaler",
     "ModelExecutePlan",
+    "ModelTimer",
     "OptimizerCtx",
     "RoundPipe",
     "RoundPipeRunConfig",
@@ -41,4 +46,5 @@ __all__ = [
     "doing_recompute",
     "get_recompute_data",
     "save_for_recompute",
+    "wrap_model_to_roundpipe",
 ]

@@ -1,7 +1,7 @@
 """`Adam`: the host optimizer of the RoundPipe-compatible API, with `roundpipe.optim.Adam`'s arguments.
 
 It is `torch.optim.Adam` on fp32 CPU master weights, run by PyTorch's multi-tensor
-(`foreach`) path; `decoupled_weight_decay=True` is AdamW. The engine this API mirrors
+(`foreach`) path (its per-tensor path when `lr` is a Tensor, which foreach refuses); `decoupled_weight_decay=True` is AdamW. The engine this API mirrors
 ignores `foreach` / `fused` (with a warning) and refuses `capturable` / `differentiable`;
 so does this one. Trade-off: PyTorch's foreach math instead of laden's fused C++ kernel
 (`HostAdamW`, AdamW only), so AMSGrad, `maximize` and L2-coupled decay keep working and
@@ -19,7 +19,8 @@ import torch
 
 
 class Adam(torch.optim.Adam):
-    """Adam / AdamW on fp32 contiguous CPU parameters (the masters of `RoundPipe.optim_parameters()`)."""
+    """Adam / AdamW on fp32 (or complex64) contiguous CPU parameters (the masters of
+    `RoundPipe.optim_parameters()`)."""
 
     def __init__(
         self,
@@ -45,11 +46,13 @@ class Adam(torch.optim.Adam):
         for name, value in (("foreach", foreach), ("fused", fused)):
             if value is not None:
                 warnings.warn(
-                    f"Adam({name}={value}) is ignored: the host update always runs foreach", stacklevel=2
+                    f"Adam({name}={value}) is ignored: the host update runs foreach (per tensor with a Tensor lr)",
+                    stacklevel=2,
                 )
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            foreach=True, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+            # PyTorch's foreach path takes no Tensor lr without capturable: the per-tensor loop then
+            foreach=not isinstance(lr, torch.Tensor), maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
         for group in self.param_groups:
             for p in group["params"]:
@@ -62,8 +65,8 @@ class Adam(torch.optim.Adam):
 
 
 def _check_param(p: torch.Tensor) -> None:
-    if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.complex64) or not p.is_contiguous():
         raise ValueError(
-            f"Adam updates fp32 contiguous CPU tensors; got {p.dtype} on {p.device}. Build it on "
+            f"Adam updates fp32 (or complex64) contiguous CPU tensors; got {p.dtype} on {p.device}. Build it on "
             "RoundPipe(model, optim_dtype=torch.float32).optim_parameters(), or use torch.optim.Adam"
         )

@@ -62,7 +62,41 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
-class RoundPipe(nn.Module):
+class ForwardsAttributes:
+    """RoundPipe's attribute shim for a wrapper module whose model is its submodule `model`: after
+    `__init__` sets `_initialized`, reads it lacks and writes or deletes of new public attributes go
+    to the wrapped model (or to the one given to `set_original_model`); the wrapper's own
+    attributes, private names and submodules stay on the wrapper."""
+
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Forward attribute reads and writes to `original_model` (the module a split model came from)."""
+        object.__setattr__(self, "_original_model", original_model)
+
+    def _target(self) -> nn.Module:
+        return self.__dict__.get("_original_model") or self.__dict__["_modules"]["model"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # nn.Module's, next in the MRO
+        except AttributeError:
+            return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction, writes of new public attributes go to the wrapped model (reads come
+        from there too); the wrapper's own attributes, private names and submodules stay here."""
+        if self.__dict__.get("_initialized") and _forwarded(self, name):
+            setattr(self._target(), name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_initialized") and _forwarded(self, name):
+            delattr(self._target(), name)
+        else:
+            super().__delattr__(name)
+
+
+class RoundPipe(ForwardsAttributes, nn.Module):
     """A CPU-resident model trained by streaming its layers through a pool of devices.
 
     model: an nn.Sequential, a supported Hugging Face causal LM, or any module (one layer).
@@ -325,35 +359,7 @@ class RoundPipe(nn.Module):
             hp.filled = [False, False]
             hp.param.grad = None
 
-    def set_original_model(self, original_model: nn.Module) -> None:
-        """Forward attribute reads and writes to `original_model` (the module a split model came from)."""
-        object.__setattr__(self, "_original_model", original_model)
-
-    def _target(self) -> nn.Module:
-        return self.__dict__.get("_original_model") or self.__dict__["_modules"]["model"]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._target(), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """After construction, writes of new public attributes go to the wrapped model (reads come
-        from there too); the wrapper's own attributes, private names and submodules stay here."""
-        if self.__dict__.get("_initialized") and _forwarded(self, name):
-            setattr(self._target(), name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self.__dict__.get("_initialized") and _forwarded(self, name):
-            delattr(self._target(), name)
-        else:
-            super().__delattr__(name)
-
-
-def _forwarded(wrapper: RoundPipe, name: str) -> bool:
+def _forwarded(wrapper: Any, name: str) -> bool:
     """Whether an attribute write on the wrapper belongs to the wrapped model."""
     own = wrapper.__dict__
     return not (

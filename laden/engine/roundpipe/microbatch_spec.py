@@ -102,7 +102,12 @@ def merge_leaf(values: list[Any], spec: Any) -> Any:
     if isinstance(first, torch.Tensor):
         if first.ndim > 0:
             return torch.cat(values, dim=0)
-        return torch.stack(values).mean(0)  # a scalar per micro-batch (a mean loss): averaged
+        stacked = torch.stack(values)
+        if stacked.is_floating_point() or stacked.is_complex():
+            return stacked.mean(0)  # a scalar per micro-batch (a mean loss): averaged
+        if bool((stacked == first).all()):  # an integer or bool scalar the micro-batches agree on
+            return first
+        return stacked.double().mean(0)  # integers that differ: their mean, as a float
     if any(v != first for v in values[1:]):
         raise ValueError(
             f"micro-batch outputs differ in a non-tensor value ({values!r}); give merge_output a function "

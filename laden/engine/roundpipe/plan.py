@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, overload
 
 import torch
 
@@ -151,20 +151,37 @@ class ModelExecutePlan:
         fwd = [range(start, min(start + fwd_size, rest)) for start in range(0, rest, fwd_size)]
         return cls(fwd_plan=fwd, bwd_plan=bwd)
 
+    @overload
+    @classmethod
+    def auto(
+        cls, run_type: RunType, model: PlannableModel, /, *, min_stages: int | None = ...,
+        model_memory_limit: float | None = ..., upper_threshold: float | None = ...,
+        tokens_per_microbatch: int | None = ..., recompute_grain: Literal["stage", "layer"] = ...,
+    ) -> ModelExecutePlan: ...  # fmt: skip
+    @overload
+    @classmethod
+    def auto(
+        cls, run_type: RunType, model1: PlannableModel, model2: PlannableModel, /, *models: PlannableModel,
+        min_stages: int | None = ..., model_memory_limit: float | None = ..., upper_threshold: float | None = ...,
+        tokens_per_microbatch: int | None = ..., recompute_grain: Literal["stage", "layer"] = ...,
+    ) -> list[ModelExecutePlan]: ...  # fmt: skip
     @classmethod
     def auto(
         cls,
         run_type: RunType,
-        model: PlannableModel,
         /,
-        *,
+        *models: PlannableModel,
         min_stages: int | None = None,
         model_memory_limit: float | None = None,
         upper_threshold: float | None = None,
         tokens_per_microbatch: int | None = None,
         recompute_grain: Literal["stage", "layer"] = "stage",
-    ) -> ModelExecutePlan:
+    ) -> ModelExecutePlan | list[ModelExecutePlan]:
         """A plan whose stages fit `model_memory_limit` GiB (two stages in flight) and are balanced.
+
+        Several models (`auto(run_type, model1, model2, ...)`) that run one after the other get
+        one plan each, in a list (`plan_joint.py`): with `"fused"` only the last model's plan is
+        fused, the others are `"train"` plans (their backward is driven by the last one's).
 
         model_memory_limit: GiB of device memory for stage weights (+ gradient accumulators
         in backward, + activations with `tokens_per_microbatch`), split between the stage
@@ -173,15 +190,21 @@ class ModelExecutePlan:
         model's `layer_activation_bytes` estimate (a model without one: weights only).
         recompute_grain: the backward recompute the plan is for (`stage` keeps a stage's
         activations alive at once, `layer` one layer's).
-        upper_threshold: accepted for compatibility with timing-based planners and ignored
-        (this planner balances bytes), with a warning.
+        upper_threshold: the most a stage may cost, as a multiple (>= 1) of the costliest single
+        layer (over forward and backward stages); laden's costs are bytes, not timings. Tighter
+        than the memory cap, it gives more, smaller stages, and the fused stage is not grown
+        past it. None (laden's default, where the timing-based planner it mirrors uses 1.1):
+        no such bound.
         """
-        if upper_threshold is not None:
-            warnings.warn(
-                f"ModelExecutePlan.auto(upper_threshold={upper_threshold}) is ignored: laden balances stages "
-                "by bytes, not by timings; use min_stages or model_memory_limit to shape the plan",
-                stacklevel=2,
-            )
+        if len(models) != 1:
+            from laden.engine.roundpipe.plan_joint import joint_plans
+
+            return joint_plans(
+                cls, run_type, models, min_stages=min_stages, model_memory_limit=model_memory_limit,
+                upper_threshold=upper_threshold, tokens_per_microbatch=tokens_per_microbatch,
+                recompute_grain=recompute_grain,
+            )  # fmt: skip
+        model = models[0]
         if run_type not in _RUN_TYPES:
             raise ValueError(f"run_type={run_type!r} must be one of {_RUN_TYPES}")
         if recompute_grain not in ("stage", "layer"):
@@ -193,15 +216,11 @@ class ModelExecutePlan:
         stages = model.num_devices if min_stages is None else min_stages
         if stages < 1:
             raise ValueError(f"min_stages={min_stages} must be >= 1")
-        fwd_bytes = model.layer_bytes(with_grads=False)
-        kept, transient = _activations(model, tokens_per_microbatch, len(fwd_bytes))
-        fwd = _Costs(fwd_bytes, kept)  # no graph in forward: one layer's intermediates at a time
-        bwd_bytes = model.layer_bytes(with_grads=True)
-        if recompute_grain == "stage":
-            bwd = _Costs([w + k for w, k in zip(bwd_bytes, kept)], transient)
-        else:
-            bwd = _Costs(bwd_bytes, [k + t for k, t in zip(kept, transient)])
+        fwd, bwd, bwd_bytes = layer_costs(model, tokens_per_microbatch, recompute_grain)
         _warn_if_oversized(bwd if run_type != "infer" else fwd, cap, limit_gib, tokens_per_microbatch)
+        bound = None if upper_threshold is None else stage_bound(upper_threshold, fwd, bwd, run_type)
+        if bound is not None:
+            cap = min(cap, bound)
         if run_type == "infer":
             return cls(fwd_plan=fwd.partition(cap, stages))
         if run_type == "train":
@@ -214,10 +233,12 @@ class ModelExecutePlan:
         shared_weights = shared(with_grads=False) if shared is not None else []
         carried = sum(n for _, n in shared_with_grads) - sum(n for _, n in shared_weights)  # their gradients
         bwd_cap = max(1, (int(limit_gib * GIB) - carried) // 2)
+        if bound is not None:
+            bwd_cap = min(bwd_cap, bound)
         bwd_plan = bwd.partition(bwd_cap, stages)[::-1]  # execution order: last layers first
         # Layer grain recomputes the fused stage too (layer by layer, from inputs it keeps on the
         # device): a larger one would save nothing and hold more inputs.
-        grown = None if recompute_grain == "layer" else _grow_fused(
+        grown = None if recompute_grain == "layer" or bound is not None else _grow_fused(
             fwd, bwd, bwd_bytes, bwd_plan[0].start, limit=int(limit_gib * GIB), cap=cap, min_stages=stages,
             shared=shared_with_grads, bwd_cap=bwd_cap,
         )  # fmt: skip
@@ -277,6 +298,32 @@ def _grow_fused(
         if sum(resident[i] for i in rest[-1]) <= rest_cap and last_fwd_cost <= fwd_cap:
             return ModelExecutePlan(fwd_plan=fwd_plan, bwd_plan=[range(first, len(bwd.sizes)), *rest[::-1]])
     return None
+
+
+def layer_costs(
+    model: PlannableModel, tokens_per_microbatch: int | None, recompute_grain: str
+) -> tuple[_Costs, _Costs, list[int]]:
+    """Forward and backward stage costs per layer, and per layer the weight + gradient bytes."""
+    fwd_bytes = model.layer_bytes(with_grads=False)
+    kept, transient = _activations(model, tokens_per_microbatch, len(fwd_bytes))
+    fwd = _Costs(fwd_bytes, kept)  # no graph in forward: one layer's intermediates at a time
+    bwd_bytes = model.layer_bytes(with_grads=True)
+    if recompute_grain == "stage":
+        bwd = _Costs([w + k for w, k in zip(bwd_bytes, kept)], transient)
+    else:
+        bwd = _Costs(bwd_bytes, [k + t for k, t in zip(kept, transient)])
+    return fwd, bwd, bwd_bytes
+
+
+def stage_bound(upper_threshold: float, fwd: _Costs, bwd: _Costs, run_type: str) -> int:
+    """`upper_threshold` times the costliest layer (forward only for "infer"): the most a stage may cost."""
+    if not upper_threshold >= 1:
+        raise ValueError(
+            f"upper_threshold={upper_threshold} must be >= 1: a stage holds at least one layer, and the bound is "
+            "a multiple of the costliest layer (1.1 allows stages 10% above it)"
+        )
+    largest = fwd.largest() if run_type == "infer" else max(fwd.largest(), bwd.largest())
+    return int(upper_threshold * largest)
 
 
 class _Costs:
