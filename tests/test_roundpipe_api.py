@@ -451,7 +451,9 @@ def test_qwen3_inference_returns_logits(tiny_model):
     expected = tiny_model(input_ids=ids, attention_mask=mask).logits.detach()
     rp = RoundPipe(tiny_model)
     with torch.no_grad():
-        out = rp(input_ids=ids, attention_mask=mask, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+        out = rp(
+            input_ids=ids, attention_mask=mask, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
     logits = out.logits  # the Hugging Face output type, as the model's own forward returns
     torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()])
 

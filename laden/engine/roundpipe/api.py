@@ -359,6 +359,7 @@ class RoundPipe(ForwardsAttributes, nn.Module):
             hp.filled = [False, False]
             hp.param.grad = None
 
+
 def _forwarded(wrapper: Any, name: str) -> bool:
     """Whether an attribute write on the wrapper belongs to the wrapped model."""
     own = wrapper.__dict__
