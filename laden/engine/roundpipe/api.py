@@ -96,7 +96,35 @@ class ForwardsAttributes:
             super().__delattr__(name)
 
 
-class RoundPipe(ForwardsAttributes, nn.Module):
+class MasterParameterViews(nn.Module):
+    """`parameters()` / `named_parameters()` of a wrapper that are the master weights inside
+    `OptimizerCtx` (and so inside `step_fn`), as RoundPipe's are."""
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, master weight) of every trainable parameter: each wrapper says where its masters are."""
+        raise NotImplementedError(f"{type(self).__name__} must define optim_named_parameters")
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.optim_named_parameters())
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
+        if doing_optimizer():
+            return self.optim_parameters()
+        return super().parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's named parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
+        if doing_optimizer():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+
+class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
     """A CPU-resident model trained by streaming its layers through a pool of devices.
 
     model: an nn.Sequential, a supported Hugging Face causal LM, or any module (one layer).
@@ -185,23 +213,6 @@ class RoundPipe(ForwardsAttributes, nn.Module):
                 if id(p) in masters
             ]
         return iter([(f"{prefix}.{n}" if prefix else n, m) for n, m in pairs])  # type: ignore[misc]
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.optim_named_parameters())
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The model's parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
-        if doing_optimizer():
-            return self.optim_parameters()
-        return super().parameters(recurse)
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's named parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
-        if doing_optimizer():
-            return self.optim_named_parameters(prefix, remove_duplicate)
-        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     # ---- compute -----------------------------------------------------------------------
     def forward_backward(

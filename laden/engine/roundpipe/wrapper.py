@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from laden.engine.roundpipe.api import ForwardsAttributes, RoundPipe
-from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer
+from laden.engine.roundpipe.api import ForwardsAttributes, MasterParameterViews, RoundPipe
+from laden.engine.roundpipe.context import OptimizerCtx
 from laden.engine.roundpipe.device import default_devices
 from laden.engine.roundpipe.run_config import RoundPipeRunConfig
 from laden.engine.roundpipe.timer import module_bytes
 
 
-class AutoRoundPipe(ForwardsAttributes, nn.Module):
+class AutoRoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
     """A model with `RoundPipe`s inside it: its forward, and one optimizer over all of its parameters.
 
     model: the module (its `RoundPipe` submodules run on the devices, the rest on the host).
@@ -96,15 +96,6 @@ class AutoRoundPipe(ForwardsAttributes, nn.Module):
         for pname, p in self._host_named_parameters():
             if p.requires_grad:
                 yield f"{dot}{pname}", p
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.optim_named_parameters())
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The model's parameters; inside `OptimizerCtx` (and `step_fn`) the master weights."""
-        if doing_optimizer():
-            return self.optim_parameters()
-        return super().parameters(recurse)
 
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Hand every inner `RoundPipe`'s gradients to its masters, run `step_fn` once, refresh the weights.
