@@ -308,3 +308,13 @@ def test_attribute_writes_reach_the_wrapped_model():
     assert rp.config == "cfg"
     rp.flag = True
     assert original.flag is True and not hasattr(inner, "flag")
+
+
+def test_grad_scaler_update_without_a_step_sets_or_refuses():
+    from laden import GradScaler
+
+    scaler = GradScaler(init_scale=1024.0)
+    with pytest.raises(RuntimeError, match="no model.step since the last update"):
+        scaler.update(is_async=False)
+    scaler.update(new_scale=torch.tensor(16.0), is_async=False)
+    assert scaler.get_scale() == 16.0

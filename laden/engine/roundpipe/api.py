@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from laden.engine.roundpipe.autograd import attach_graph, begin_graph, needs_graph
 from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
-from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer
+from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer, note_step_submitted
 from laden.engine.roundpipe.distributed import host_grad_group
 from laden.engine.roundpipe.hf_outputs import host_output, is_split_lm, pop_hf_options, with_hf_labels
 from laden.engine.roundpipe.host.store import PinMode
@@ -304,6 +304,7 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
             store.add_upload_buffer()  # no job is writing buffer 0: every earlier step was synchronous
         groups = pipe.trainable_groups()
         store.mark_pending(groups, buf)
+        note_step_submitted()
         future = pipe.jobs.submit_optim(self._step_job, step_fn, args, kwargs, buf, is_async)
         if is_async:
             pipe.read_buf = 1 - buf

@@ -23,6 +23,20 @@ import torch
 
 _local = threading.local()
 _NOTHING: tuple = ()
+_submitted = [0]  # optimizer steps handed to a RoundPipe, process-wide (see `steps_submitted`)
+_submitted_lock = threading.Lock()
+
+
+def note_step_submitted() -> None:
+    """`RoundPipe.step` calls it before it queues a `step_fn`."""
+    with _submitted_lock:
+        _submitted[0] += 1
+
+
+def steps_submitted() -> int:
+    """Optimizer steps handed to any `RoundPipe` in this process so far: `GradScaler.update` tells
+    from it whether a step is in flight (it waits for it) or none came since the last update."""
+    return _submitted[0]
 
 
 def _depth(name: str) -> int:

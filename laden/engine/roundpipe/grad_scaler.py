@@ -32,6 +32,8 @@ import torch
 from torch.optim import Optimizer
 from torch.utils import _pytree as pytree
 
+from laden.engine.roundpipe.context import steps_submitted
+
 T = TypeVar("T")
 
 
@@ -64,6 +66,7 @@ class GradScaler:
         self._num_updates = 0  # updates asked for
         self._num_resolved = 0  # updates computed
         self._pending_new_scale: float | torch.Tensor | None = None
+        self._submitted_at_update = steps_submitted()  # RoundPipe steps handed over by the last update
         self._local = threading.local()  # `in_step`: the calling thread is inside `step`
 
     # ---- loss side (device worker threads) ----------------------------------------------
@@ -122,8 +125,23 @@ class GradScaler:
             return
         if self._in_step():
             raise RuntimeError("GradScaler.update() must be called from the main thread, after model.step")
+        submitted = steps_submitted()
         with self._cond:
             self._cond.wait_for(lambda: self._num_resolved == self._num_updates)  # the previous update
+            if (
+                not is_async
+                and submitted == self._submitted_at_update
+                and self._num_steps <= self._num_updates
+            ):
+                # no model.step since the last update: no gradients to judge, nothing to wait for
+                if new_scale is None:
+                    raise RuntimeError(
+                        "GradScaler.update() with no model.step since the last update has no gradients to "
+                        "judge; call it after model.step, or pass new_scale to set the scale"
+                    )
+                self._set_scale(new_scale)
+                return
+            self._submitted_at_update = submitted
             self._loss_scale.copy_(self._next_scale)
             self._num_updates += 1
             self._pending_new_scale = new_scale
@@ -135,6 +153,13 @@ class GradScaler:
                 self._loss_scale.copy_(self._next_scale)
                 assert self._main._scale is not None
                 self._main._scale.copy_(self._next_scale)
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Every copy of the scale set to `new_scale` (copied in: later edits of it do not leak)."""
+        value = torch.as_tensor(new_scale, dtype=torch.float32).detach().reshape(())
+        for scale in (self._loss_scale, self._next_scale, self._main._scale):
+            if scale is not None:
+                scale.copy_(value)
 
     def _resolve(self) -> None:
         """Run the torch scaler's update on the newest scale; keep the old one for unscaling until
