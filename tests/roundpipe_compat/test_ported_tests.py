@@ -219,10 +219,6 @@ def test_out_packed(num_microbatch):
         assert kwargs_out["non_tensor"][i] == kwargs["non_tensor"]
 
 
-@pytest.mark.xfail(
-    reason="an unmerged (merge_output=False) output fed to another call is not re-split by the guessed batch size: [5, 6] comes back for [20, 6]",
-    strict=False,
-)
 def test_guess_from_packed_data():
     """tests/test_batch.py::test_guess_from_packed_data: an unmerged output fed back in is split per micro-batch."""
     rp = RoundPipe(nn.Sequential(Echo()))

@@ -144,11 +144,20 @@ def split_by_spec(tree: Any, spec: Any, num_microbatch: int, where: str, *, exac
     """`tree` split into micro-batches by a spec of markers (`microbatch_spec`); `exact`: into exactly
     `num_microbatch` pieces (labels follow the inputs' count)."""
     rules = leaf_rules(tree, spec, where)
-    auto_batch = batch_size_of(tree)
+    packed = [leaf for leaf, _ in rules if isinstance(leaf, PackedOutputs)]
+    # fed an unmerged output, the batch is its micro-batches' together: other batch-sized leaves split
+    # with it, and a leaf of another length (however long) is replicated
+    auto_batch = _packed_batch(packed[0]) if packed else batch_size_of(tree)
     num = num_microbatch if exact else num_chunks(rules, num_microbatch, auto_batch)
     columns = [split_leaf(leaf, marker, num, auto_batch) for leaf, marker in rules]
     tree_spec = pytree.tree_structure(tree)
     return [pytree.tree_unflatten([col[i] for col in columns], tree_spec) for i in range(num)]
+
+
+def _packed_batch(packed: PackedOutputs) -> int | None:
+    """The whole batch of an unmerged output: its micro-batches' dim-0 sizes summed (tensors only)."""
+    sizes = [piece.shape[0] for piece in packed if isinstance(piece, torch.Tensor) and piece.ndim > 0]
+    return sum(sizes) if len(sizes) == len(packed) else None
 
 
 def _has_packed(tree: Any) -> bool:
