@@ -420,7 +420,7 @@ def test_qwen3_fused_accumulate():
 
 
 @pytest.mark.xfail(
-    reason="wrap_model_to_roundpipe on Qwen3-MoE / GPT-OSS: the preset and auto paths mis-split the routed experts' batch (size 16 vs 32)",
+    reason="output_router_logits=True: the router logits come back per micro-batch (16 rows) for the whole batch's mask (32), and laden computes no auxiliary loss over micro-batches yet",
     strict=False,
 )
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
