@@ -823,21 +823,23 @@ def test_custom_split_default_splits_batch_and_replicates_scalars():
     assert shapes == [((3, 8), ())] * 4
 
 
-@pytest.mark.xfail(
-    reason="a _Replicate-marked batch-sized tensor reaches 2-row micro-batches whole (size 6 vs 2); the port is not yet checked against RoundPipe itself",
-    strict=False,
-)
 def test_custom_split_input_spec():
     """custom_microbatch_split.en.md, "Approach 1: Split Spec": split_input=((TensorChunkSpec(0), _Replicate), None)."""
     from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-    model, ref = two_input_model(), two_input_model()
-    images, scale = torch.randn(6, 8), torch.randn(6, 4)  # scale has a batch-sized dim 0
+    class MeanScaled(TwoInputs):  # uses the whole scale tensor, so a split one would change the output
+        def forward(self, images, scale):
+            return super().forward(images, scale.mean(0))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MeanScaled(), nn.Tanh(), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    images, scale = torch.randn(6, 8), torch.randn(6, 4)  # scale has a batch-sized dim 0, yet is replicated
     config = RoundPipeRunConfig(num_microbatch=3, split_input=((TensorChunkSpec(0), _Replicate), None))
     rp = RoundPipe(model, model_run_config=config)
     with torch.no_grad():
-        out = rp(images, scale[:1].expand(6, 4).contiguous())
-    torch.testing.assert_close(out, ref(images, scale[:1]))
+        out = rp(images, scale)
+    torch.testing.assert_close(out, ref[2](ref[1](ref[0](images, scale))))  # two inputs: the layers by hand
 
 
 def test_custom_split_input_function():
@@ -927,10 +929,6 @@ def test_custom_split_label_function():
     assert_grads_close(model, ref)
 
 
-@pytest.mark.xfail(
-    reason="a _Replicate-marked batch-sized tensor reaches 2-row micro-batches whole (size 6 vs 2); the port is not yet checked against RoundPipe itself",
-    strict=False,
-)
 def test_custom_split_label_spec_replicates_class_weights():
     """custom_microbatch_split.en.md, "split_label" / "Split Spec": split_label=(TensorChunkSpec(0), _Replicate)."""
     from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
@@ -940,7 +938,7 @@ def test_custom_split_label_spec_replicates_class_weights():
     def loss_fn(out, label):
         targets, class_weights = label
         seen.append(class_weights)
-        return (((out - targets) ** 2) * class_weights).sum()
+        return (((out - targets) ** 2) * class_weights.mean(0)).sum()  # the whole table in every micro-batch
 
     class_weights = torch.rand(6, 4)  # batch-sized dim 0, yet replicated by the spec
     rp = RoundPipe(
