@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from laden.model.attention import LADEN_VARLEN
 from laden.model.hf.export import export_hf, hf_state_names
-from laden.model.hf.loading import load_causal_lm, load_tokenizer
+from laden.model.hf.loading import load_causal_lm, load_tokenizer, skeleton_causal_lm
 
 
 def _from_pretrained(path, **kwargs):
@@ -253,3 +253,16 @@ def test_gguf_model_loads_and_exports(tmp_path):
         export_hf(original, tmp_path / "ref", dtype=torch.float32), dtype=torch.bfloat16
     )
     torch.testing.assert_close(_logits(loaded), _logits(reference), rtol=0, atol=0)
+
+
+def test_skeleton_has_zero_weights_real_buffers_and_loads_to_the_model():
+    from importlib import resources
+
+    tiny = str(resources.files("laden") / "assets" / "tiny")
+    model = load_causal_lm(tiny, dtype=torch.float32, init_from_config=True, seed=3)
+    skeleton = skeleton_causal_lm(tiny, dtype=torch.float32)
+    assert all(not p.any() for p in skeleton.parameters())  # a memset, no random init
+    buffers = dict(model.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in skeleton.named_buffers())  # rotary frequencies
+    skeleton.load_state_dict(model.state_dict())
+    torch.testing.assert_close(_logits(skeleton), _logits(model))

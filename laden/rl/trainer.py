@@ -318,7 +318,7 @@ class _Run:
             log.info("rollout servers %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
             return engine
         # every parameter is overwritten by the trainer's below: no second read or random init
-        copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype))
+        copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=self.rt.device)
         engine = build_rollout_engine(cfg, model=copy, tokenizer=self.tokenizer, device=self.rt.device)
         # the trainer's weights (a resumed run's, or its own initialisation) before the first rollout
         engine.load_weights(self.engine.named_weights(), version=version)  # type: ignore[attr-defined]

@@ -89,18 +89,21 @@ def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
     return model.eval()
 
 
-def skeleton_causal_lm(path: str, *, dtype: torch.dtype, attn_impl: AttnImpl = "auto"):
+def skeleton_causal_lm(
+    path: str, *, dtype: torch.dtype, attn_impl: AttnImpl = "auto", device: str | torch.device = "cpu"
+):
     """The model of `path`/config.json with zero parameters: no weight file read and no random init
     (a memset instead), for a copy whose every parameter the caller fills next, such as the rollout
     engine's policy, which the trainer's weights overwrite. Buffers computed from the config (rotary
-    frequencies) are real. A `.gguf` path falls back to `load_causal_lm`."""
+    frequencies) are real. Built on `device` directly (an 8B copy for the GPU never occupies 16 GB of
+    host memory). A `.gguf` path falls back to `load_causal_lm`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory, gguf_file = _resolve(path, None)
     if gguf_file is not None or not (directory / "config.json").is_file():
-        return load_causal_lm(path, dtype=dtype, attn_impl=attn_impl, gguf_file=gguf_file)
+        return load_causal_lm(path, dtype=dtype, attn_impl=attn_impl, gguf_file=gguf_file, device=device)
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    with _no_init_weights():
+    with _no_init_weights(), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         for param in model.parameters():
