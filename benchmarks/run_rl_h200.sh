@@ -12,6 +12,10 @@
 # (gguf, math-verify, latex2sympy2_extended, antlr4-python3-runtime, omegaconf) when not installed.
 # Writes OUT/<part>.jsonl (JSON lines) and OUT/<part>.log.
 #   PARTS="tests probe gsm" bash benchmarks/run_rl_h200.sh "$OUT"
+# The GGUF (98 MB) is over one device call's 64 MiB: split it (split -n 2 -d FILE .big/smol.gguf.part)
+# and carry part00 with one call (e.g. PARTS=big8b) and part01 with the next, issued at once (the
+# machine keeps ignored files between calls while it stays warm). runs/arith must come from the
+# current examples/prepare_arith.py (its rows carry answer_format: number).
 set -uo pipefail
 out=${1:?usage: PARTS="tests probe smol big8b gsm" bash benchmarks/run_rl_h200.sh OUTDIR}
 parts=" ${PARTS:-probe} "
