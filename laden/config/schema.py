@@ -326,7 +326,7 @@ class NativeConfig:
     """Settings of the embedded generation engine."""
 
     mem_fraction_static: float = 0.8
-    """Fraction of the GPU's memory the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1]."""
+    """Fraction of the GPU's memory (what this process may use: all of it, or its `torch.cuda.set_per_process_memory_fraction` share) the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1]."""
 
 
 @dataclass(kw_only=True, slots=True)

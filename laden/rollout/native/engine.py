@@ -217,11 +217,16 @@ class NativeEngine:
         del logits, probe
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) + extra
-        free, total = torch.cuda.mem_get_info(dev)
+        free, physical = torch.cuda.mem_get_info(dev)
+        # the GPU's memory is what this process may use: all of it, or its set_per_process_memory_fraction
+        total = int(physical * _process_memory_fraction(dev))
         budget = self.mem_fraction_static * total - peak
-        others = total - free - torch.cuda.memory_reserved(dev)  # other processes on this GPU
+        others = physical - free - torch.cuda.memory_reserved(dev)  # other processes on this GPU
+        allocated = torch.cuda.memory_allocated(dev)
         budget = min(
-            budget, free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev) - extra - 2**30
+            budget,
+            free + torch.cuda.memory_reserved(dev) - allocated - extra - 2**30,
+            total - allocated - extra - 2**30,
         )
         per_block = KVCache.bytes_per_block(**{k: v for k, v in self._cache_kwargs.items() if k != "device"})  # type: ignore[arg-type]
         blocks = int(budget // per_block)
@@ -575,3 +580,9 @@ class NativeEngine:
             self.core.cache.release_tensors()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _process_memory_fraction(device: torch.device) -> float:
+    """The share of the GPU this process may allocate (`torch.cuda.set_per_process_memory_fraction`; 1 if unset)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return float(get(device)) if get is not None else 1.0
