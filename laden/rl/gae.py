@@ -7,8 +7,10 @@ return from there. The trainer computes, per completion:
 1. its scalar reward shaped as for GRPO (`shaped_rewards`: the overlong penalty, bias, scaling,
    clip, `reward_norm` and `mask_no_eos_with_zero` of `grpo_advantages`, without `adv_norm`),
    given at its last token; every other token's reward is 0;
-2. V_0..V_C from the critic (`laden.rl.critic`), V_C being the value after the last token: the
-   bootstrap of a truncated completion; one that ended (EOS) is terminal, its V_C is 0;
+2. V_0..V_{C-1} from the critic (`laden.rl.critic`) and V_C = 0: the end of a completion is
+   terminal whether it ended with EOS or was truncated, as verl, OpenRLHF and TRL count it
+   (bootstrapping a truncated one from the critic's own value after its last token lets the values
+   drift upward at discount 1); `gae` itself takes any V_C;
 3. `gae`: delta_t = r_t + gamma V_{t+1} - V_t and A_t = sum_k (gamma lambda)^k delta_{t+k}
    (`actor.discount`, `actor.gae_lambda`), and the returns R_t = A_t + V_t, the value loss's
    targets (taken before normalisation);

@@ -642,9 +642,10 @@ class _Run:
 
         rewards = shaped_rewards([r for r, _, _ in rows], self.adv_settings, **shaping)
         values = self.critic.values(trajs)  # [C + 1] each
-        for t, v in zip(trajs, values):
-            if t.has_eos:  # terminal; a truncated completion bootstraps from its last value
-                v[-1] = 0.0
+        for v in values:  # the end of a completion is terminal, truncated or not (as verl, OpenRLHF and TRL
+            v[-1] = (
+                0.0  # count it): bootstrapping a truncated one from the critic's own value drifts the values
+            )
         raw, returns = gae(
             last_token_rewards(rewards[first : first + len(trajs)], [len(t.completion_ids) for t in trajs]), values,
             discount=self.cfg.actor.discount, gae_lambda=self.cfg.actor.gae_lambda,
