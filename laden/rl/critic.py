@@ -41,6 +41,7 @@ from laden.engine.runtime import build_engine, load_model
 from laden.model.value_head import to_value_model, token_values
 from laden.optim import OptimSettings
 from laden.rl.batches import pack_trajectories
+from laden.rl.objectives import TokenStats
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +61,7 @@ class ValueObjective:
 
     def __init__(self, settings: ValueSettings | None = None) -> None:
         self.settings = settings if settings is not None else ValueSettings()
-        self._sums: dict[str, torch.Tensor] = {}
+        self._stats = TokenStats()
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         mask = batch.labels.reshape(-1) != IGNORE_INDEX  # [T]
@@ -70,23 +71,14 @@ class ValueObjective:
         unclipped = (value - target).square()
         clipped = (old + (value - old).clamp(-eps, eps) - target).square()
         losses = torch.where(mask, torch.maximum(unclipped, clipped) / 2, 0.0)  # [T]
-        self._record({"value_clip_fraction": (clipped > unclipped).float()}, mask)
+        self._stats.add({"value_clip_fraction": (clipped > unclipped).float()}, mask)
         return losses.sum()
-
-    def _record(self, per_token: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
-        """Sums over the loss tokens, kept as device tensors (no host sync)."""
-        sums = {name: torch.where(mask, v.detach(), 0.0).sum() for name, v in per_token.items()}
-        sums["num_loss_tokens"] = mask.sum().float()
-        for name, v in sums.items():
-            self._sums[name] = self._sums[name] + v if name in self._sums else v
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """Token means of the statistics over every call since the last pop (then reset)."""
-        sums, self._sums = self._sums, {}
-        if not sums:
-            return {}
-        num = sums.pop("num_loss_tokens")
-        return {name: v / num.clamp(min=1) for name, v in sums.items()}
+        means = self._stats.pop()
+        means.pop("num_loss_tokens", None)
+        return means
 
 
 def _field(batch: PackedBatch, name: str) -> torch.Tensor:
@@ -152,7 +144,8 @@ class Critic:
         return keep_new_hyperparameters(self.engine, self.optim, step)
 
     def values(self, trajs: Sequence[Any]) -> list[torch.Tensor]:
-        """Per trajectory, `[C + 1]` fp32: V before each completion token, then V after the last one."""
+        """Per trajectory, `[C + 1]` fp32: V before each completion token, then V after the last one (the
+        trainer takes the end as terminal and sets that one to 0)."""
         mbs, bins = self._pack(trajs, {})
         outs = self.engine.forward(mbs, outputs=("values",))
         per: list[torch.Tensor] = [torch.empty(0)] * len(trajs)

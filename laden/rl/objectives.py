@@ -192,6 +192,34 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimat
     return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
+class TokenStats:
+    """Per-token statistics summed over the loss tokens of every call since the last `pop`, kept as
+    device tensors (no host sync): the PPO and value objectives' metrics."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, per_token: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Add one micro-batch's statistics; return its sums, with its token count as `num_loss_tokens`."""
+        sums = {name: torch.where(mask, v.detach().float(), 0.0).sum() for name, v in per_token.items()}
+        sums["num_loss_tokens"] = mask.sum().float()
+        for name, v in sums.items():
+            self._sums[name] = self._sums[name] + v if name in self._sums else v
+        return sums
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        """Token-weighted means since the last pop, and `num_loss_tokens` (then reset)."""
+        sums, self._sums = self._sums, {}
+        return _token_means(sums)
+
+
+def _token_means(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not sums:
+        return {}
+    num = sums["num_loss_tokens"]
+    return {name: v if name == "num_loss_tokens" else v / num.clamp(min=1) for name, v in sums.items()}
+
+
 class PPOObjective:
     """Summed PPO-family loss of a micro-batch (see the module docstring); an `Objective`."""
 
@@ -204,7 +232,7 @@ class PPOObjective:
         self.chunk_size = chunk_size
         self.last_stats: dict[str, torch.Tensor] = {}
         """The latest micro-batch's statistics: means over its loss tokens, and `num_loss_tokens`."""
-        self._sums: dict[str, torch.Tensor] = {}
+        self._stats = TokenStats()
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         s = self.settings
@@ -275,23 +303,11 @@ class PPOObjective:
 
     def _record(self, per_token: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
         """Sum each statistic over the loss tokens; `last_stats` gets the means (device tensors)."""
-        num = mask.sum().float()
-        sums = {name: torch.where(mask, v.detach().float(), 0.0).sum() for name, v in per_token.items()}
-        self.last_stats = {name: v / num.clamp(min=1) for name, v in sums.items()}
-        self.last_stats["num_loss_tokens"] = num
-        sums["num_loss_tokens"] = num
-        for name, v in sums.items():
-            self._sums[name] = self._sums[name] + v if name in self._sums else v
+        self.last_stats = _token_means(self._stats.add(per_token, mask))
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """Token-weighted means of the statistics over every call since the last pop (then reset)."""
-        sums, self._sums = self._sums, {}
-        if not sums:
-            return {}
-        num = sums.pop("num_loss_tokens")
-        out = {name: v / num.clamp(min=1) for name, v in sums.items()}
-        out["num_loss_tokens"] = num
-        return out
+        return self._stats.pop()
 
     def loss_normalizer(self, micro_batches: Sequence[PackedBatch]) -> int:
         """What these (host) micro-batches add to the engine's `normalizer` under `loss_agg_mode`.

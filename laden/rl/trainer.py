@@ -569,11 +569,9 @@ class _Run:
             exists = version_dir(root, version).is_dir()
 
             def publish() -> None:
-                if exists:
-                    pass
-                elif self.rt.is_main:
+                if not exists and self.rt.is_main:
                     write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
-                else:  # sharded engines gather collectively: every rank iterates, rank 0 writes
+                elif not exists:  # sharded engines gather collectively: every rank iterates, rank 0 writes
                     for _ in named:
                         pass
                 self.rt.barrier()
@@ -642,10 +640,10 @@ class _Run:
 
         rewards = shaped_rewards([r for r, _, _ in rows], self.adv_settings, **shaping)
         values = self.critic.values(trajs)  # [C + 1] each
-        for v in values:  # the end of a completion is terminal, truncated or not (as verl, OpenRLHF and TRL
-            v[-1] = (
-                0.0  # count it): bootstrapping a truncated one from the critic's own value drifts the values
-            )
+        # The end of a completion is terminal, truncated or not (as verl, OpenRLHF and TRL count it):
+        # bootstrapping a truncated one from the critic's own value lets the values drift upward.
+        for v in values:
+            v[-1] = 0.0
         raw, returns = gae(
             last_token_rewards(rewards[first : first + len(trajs)], [len(t.completion_ids) for t in trajs]), values,
             discount=self.cfg.actor.discount, gae_lambda=self.cfg.actor.gae_lambda,
