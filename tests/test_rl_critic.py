@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_runs import crash_then_resume
 from torch.testing import assert_close
 
 from laden.config import ConfigError, load_config
 from laden.config.usage import fields_without_effect
 from laden.data import pack_samples
 from laden.rl import critic as critic_module
-from laden.rl import trainer as rl_trainer
 from laden.rl.advantages import NormSettings
 from laden.rl.critic import Critic, ValueObjective, ValueSettings
 from laden.rl.gae import explained_variance, gae, last_token_rewards, normalize_tokens
@@ -241,19 +241,7 @@ def test_ppo_with_a_critic_learns_values_and_resumes_exactly(tmp_path, monkeypat
     )
     assert (full.run_dir / "checkpoints" / "step_6" / "critic" / "model.safetensors").exists()
 
-    original = rl_trainer._Run._step
-
-    async def crash_at_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return await original(self, step, *args)
-
-    monkeypatch.setattr(rl_trainer._Run, "_step", crash_at_4)
-    cfg = _cfg(tmp_path / "b", *PPO)
-    with pytest.raises(KeyboardInterrupt):
-        run_rl(cfg, progress=False)
-    monkeypatch.setattr(rl_trainer._Run, "_step", original)
-    resumed = run_rl(cfg, progress=False)
+    resumed = crash_then_resume(_cfg(tmp_path / "b", *PPO), monkeypatch, at_step=4)
     assert resumed.rewards == full.rewards[3:]
     for ra, rb in zip(records, _metrics(resumed)):
         for name in ("reward_mean", "loss", "critic_loss", "value_mean", "return_mean", "critic_grad_norm"):

@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from rl_runs import crash_then_resume
 
 from laden.config import load_config
 from laden.rl import trainer as rl_trainer
@@ -99,19 +100,8 @@ def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
 
 def test_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     full = run_rl(_cfg(tmp_path / "a", "total_train_steps=6", "checkpoint.save_freq_steps=3"), progress=False)
-    original = rl_trainer._Run._step
-
-    async def crash_at_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return await original(self, step, *args)
-
-    monkeypatch.setattr(rl_trainer._Run, "_step", crash_at_4)
     cfg = _cfg(tmp_path / "b", "total_train_steps=6", "checkpoint.save_freq_steps=3")
-    with pytest.raises(KeyboardInterrupt):
-        run_rl(cfg, progress=False)
-    monkeypatch.setattr(rl_trainer._Run, "_step", original)
-    resumed = run_rl(cfg, progress=False)
+    resumed = crash_then_resume(cfg, monkeypatch, at_step=4)
     assert resumed.rewards == full.rewards[3:]  # steps 4..6, bitwise
     a, b = _metrics(full), _metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, 7))
