@@ -27,24 +27,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
-want() { [[ $parts == *" $1 "* ]]; }
-run() {  # name timeout_s command...
-  local name=$1 limit=$2
-  shift 2
-  echo "[$name] $*" >&2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$out/$name.jsonl" 2>>"$out/$name.log"
-  local rc=$?
-  echo "[$name] rc=$rc ($((SECONDS - t0)) s)" >&2
-  grep -h '^{' "$out/$name.jsonl" | tail -n 4 | cut -c1-900 >&2
-  tail -n 4 "$out/$name.log" | cut -c1-400 >&2
-}
+source benchmarks/parts_lib.sh
 tok=runs/smol-tok
-if want tests; then
-  run tests "${TESTS_S:-200}" python -m pytest -q -m gpu -x -p no:cacheprovider \
-    tests/test_native_gpu.py tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py
-  tail -n 6 "$out/tests.jsonl" >&2
-fi
+want tests && gpu_tests "${TESTS_S:-200}"
 want probe && run probe "${PROBE_S:-150}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml \
   --label smol-shape-probe -- actor.path=$tok actor.init_from_config=true total_train_steps=${PROBE_STEPS:-8} \
   trial_name=probe checkpoint.resume=never checkpoint.save_at_end=false checkpoint.export_hf=false

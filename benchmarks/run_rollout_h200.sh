@@ -13,22 +13,8 @@ parts=" ${PARTS:-tests A B} "
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
-want() { [[ $parts == *" $1 "* ]]; }
-run() {  # name timeout_s command...
-  local name=$1 limit=$2
-  shift 2
-  echo "[$name] $*" >&2
-  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.log"
-  local rc=$?
-  echo "[$name] rc=$rc" >&2
-  grep -h '^{' "$out/$name.jsonl" | cut -c1-600 >&2
-  tail -n 5 "$out/$name.log" >&2
-}
-if want tests; then
-  run tests "${TESTS_S:-240}" python -m pytest -q -m gpu -x -p no:cacheprovider \
-    tests/test_native_gpu.py tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py
-  cat "$out/tests.jsonl" | tail -n 15 >&2
-fi
+source benchmarks/parts_lib.sh
+want tests && gpu_tests "${TESTS_S:-240}"
 want A && run A "${A_S:-300}" python benchmarks/generate_throughput.py --workload A --batch 64 256 \
   --systems ${A_SYSTEMS:-native hf_static hf_cb}
 want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native ${B_ARGS:-}

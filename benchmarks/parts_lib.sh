@@ -1,0 +1,25 @@
+# Shared by the device drivers that run named parts (run_rollout_h200.sh, run_rl_h200.sh); source it,
+# do not run it. The sourcing script sets: out (its output folder) and parts (" name name ... ").
+
+# want NAME: whether PARTS names it.
+want() { [[ $parts == *" $1 "* ]]; }
+
+# run NAME TIMEOUT_S CMD...: CMD under its own timeout, its stdout appended to OUT/NAME.jsonl and its
+# stderr to OUT/NAME.log; the status, the seconds, the newest JSON lines and the log's tail on stderr.
+run() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "[$name] $*" >&2
+  timeout "$limit" "$@" >>"$out/$name.jsonl" 2>>"$out/$name.log"
+  rc=$?
+  echo "[$name] rc=$rc ($((SECONDS - t0)) s)" >&2
+  grep -h '^{' "$out/$name.jsonl" | tail -n 8 | cut -c1-900 >&2
+  tail -n 5 "$out/$name.log" | cut -c1-400 >&2
+}
+
+# gpu_tests TIMEOUT_S: the GPU tests of the native engine and the weight updates (part `tests`).
+gpu_tests() {
+  run tests "$1" python -m pytest -q -m gpu -x -p no:cacheprovider \
+    tests/test_native_gpu.py tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py
+  tail -n 6 "$out/tests.jsonl" >&2
+}
