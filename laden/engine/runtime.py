@@ -150,6 +150,19 @@ def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
         model = load_model_for_rank(
             cfg.actor.path, memory_efficient_load=cfg.actor.fsdp.memory_efficient_load, **kwargs
         )
+    elif _meta_init(cfg, rt):
+        from laden.engine.roundpipe.host.memory import meta_params
+        from laden.model.hf.loading import skeleton_causal_lm
+
+        # The roundpipe engine fills meta parameters layer by layer with the model's own
+        # initialisation on the GPU (an 8B random init on one host core takes minutes).
+        log.info("actor.init_from_config: %s built on the meta device, initialised on %s by the roundpipe "
+                 "engine (seed %d)", cfg.actor.path, rt.device, cfg.seed)  # fmt: skip
+        torch.cuda.manual_seed(cfg.seed)
+        with meta_params():
+            model = skeleton_causal_lm(
+                cfg.actor.path, dtype=dtype, attn_impl=cfg.actor.attn_impl, device="cpu"
+            )
     else:
         from laden.model.hf.loading import load_causal_lm
 
@@ -158,6 +171,25 @@ def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
     adapt_model(cfg, model)
     patch_model(cfg, model)
     return model
+
+
+def _meta_init(cfg: LadenConfig, rt: Runtime) -> bool:
+    """A random init (`actor.init_from_config`) the roundpipe engine runs on the GPU, from a meta
+    skeleton: one process with a CUDA device, no LoRA adapters (their init is peft's), a config.json."""
+    from pathlib import Path
+
+    path = Path(cfg.actor.path)
+    return (
+        cfg.actor.init_from_config and engine_kind(cfg) == "roundpipe" and rt.world_size == 1
+        and torch.device(rt.device).type == "cuda" and not cfg.actor.use_lora
+        and path.is_dir() and (path / "config.json").is_file()
+    )  # fmt: skip
+
+
+def batch_device(cfg: LadenConfig, rt: Runtime) -> torch.device:
+    """Where the trainer packs its micro-batches: the host for the roundpipe engine (it uploads each
+    micro-batch with its stages), this rank's device for FSDP."""
+    return torch.device("cpu") if engine_kind(cfg) == "roundpipe" else torch.device(rt.device)
 
 
 def adapt_model(cfg: LadenConfig, model: nn.Module) -> None:

@@ -37,7 +37,7 @@ from laden.config import LadenConfig
 from laden.data import PackedBatch, unpack
 from laden.data.batch import IGNORE_INDEX
 from laden.engine.checkpoint import keep_new_hyperparameters
-from laden.engine.runtime import build_engine, load_model
+from laden.engine.runtime import batch_device, build_engine, load_model
 from laden.model.value_head import to_value_model, token_values
 from laden.optim import OptimSettings
 from laden.rl.batches import pack_trajectories
@@ -135,7 +135,7 @@ class Critic:
         )
         self.optim = OptimSettings.from_config(self.cfg.actor.optimizer, total_steps)
         self.objective = ValueObjective(settings)
-        self.device = rt.device
+        self.device = batch_device(self.cfg, rt)
         self.global_sum = global_sum
         """Sums a count over the data-parallel ranks (the loss normaliser)."""
 

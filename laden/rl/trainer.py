@@ -67,6 +67,7 @@ from laden.engine.checkpoint import (
 )
 from laden.engine.rundir import RunDirectory
 from laden.engine.runtime import (
+    batch_device,
     build_engine,
     check_world_size,
     engine_kind,
@@ -668,7 +669,7 @@ class _Run:
         mbs, _ = pack_trajectories(
             trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
             + self.cfg.gconfig.max_new_tokens, n_mbs=spec.n_mbs or 1, algorithm=spec.packing_algorithm,
-            device=self.rt.device,
+            device=batch_device(self.cfg, self.rt),
         )  # fmt: skip
         return mbs
 

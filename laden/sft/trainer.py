@@ -49,6 +49,7 @@ from laden.engine.rundir import History, RunDirectory
 from laden.engine.runtime import (
     OOMRetry,
     Runtime,
+    batch_device,
     build_engine,
     check_world_size,
     engine_kind,
@@ -152,7 +153,7 @@ def train_step(cfg: LadenConfig, rt: Runtime, engine, samples, indices: list[int
     mine = shard_for_rank(samples, indices, engine.dp_rank, engine.dp_size)
     retry = OOMRetry(cfg=cfg, rt=rt)
     out, mbs = retry(
-        lambda tokens: step_micro_batches(cfg, samples, mine, rt.device, tokens),
+        lambda tokens: step_micro_batches(cfg, samples, mine, batch_device(cfg, rt), tokens),
         lambda mbs: engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens),
         step=step,
         tokens_per_mb=budget(cfg),
@@ -171,7 +172,7 @@ def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
         indices = shard_for_rank(
             valid, list(range(start, min(start + size, len(valid)))), engine.dp_rank, engine.dp_size
         )
-        mbs = step_micro_batches(cfg, valid, indices, rt.device, budget(cfg))
+        mbs = step_micro_batches(cfg, valid, indices, batch_device(cfg, rt), budget(cfg))
         loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(rt.device)
     return loss
 
