@@ -266,3 +266,25 @@ def test_skeleton_has_zero_weights_real_buffers_and_loads_to_the_model():
     assert all(torch.equal(b, buffers[n]) for n, b in skeleton.named_buffers())  # rotary frequencies
     skeleton.load_state_dict(model.state_dict())
     torch.testing.assert_close(_logits(skeleton), _logits(model))
+
+
+def test_a_tied_skeleton_is_tied_and_named_parameters_fill_it(tmp_path):
+    """A `tie_word_embeddings` model's skeleton shares its head with the embedding, as a loaded one
+    does, so an update naming the embedding alone (`named_parameters`) sets the logits too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from laden.weights.inplace import fill_in_place
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(tmp_path / "tied")
+    skeleton = skeleton_causal_lm(str(tmp_path / "tied"), dtype=torch.float32)
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names
+    fill_in_place(iter(model.named_parameters()), dict(skeleton.named_parameters()))
+    model.set_attn_implementation("sdpa")
+    skeleton.set_attn_implementation("sdpa")
+    torch.testing.assert_close(_logits(skeleton), _logits(model), rtol=0, atol=0)

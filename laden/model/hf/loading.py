@@ -108,6 +108,9 @@ def skeleton_causal_lm(
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
+    # `from_config` under `no_init_weights` leaves a tied head (`tie_word_embeddings`) as a second,
+    # zero matrix that no update names; tie it as a loaded model is
+    model.tie_weights()
     set_attention(model.eval(), attn_impl)
     return model
 
