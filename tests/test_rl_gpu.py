@@ -66,3 +66,19 @@ def test_a_random_init_runs_on_the_gpu_from_a_meta_skeleton(tmp_path):
             assert abs(got.std().item() - ref.std().item()) <= 0.1 * ref.std().item(), name
         else:
             assert torch.allclose(got.mean(), ref.mean(), atol=0.05), name
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_generation_and_training_on_separate_gpus(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="laden.rl"):
+        result = run_rl(
+            _cfg(tmp_path, "total_train_steps=3", "actor.backend=fsdp:d1", "cluster.n_gpus_per_node=2"),
+            progress=False,
+        )
+    assert "on cuda:1, the trainer on cuda:0" in caplog.text
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["grad_norm"]) for r in records)

@@ -253,3 +253,30 @@ def test_a_roundpipe_actor_trains_like_an_fsdp_one(tmp_path):
     on_gpu = Runtime(rank=0, world_size=1, device=torch.device("cuda", 0))
     assert batch_device(_cfg(tmp_path, "actor.backend=roundpipe:d1"), on_gpu) == torch.device("cpu")
     assert batch_device(_cfg(tmp_path), on_gpu) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("actor", "rollout", "world_size", "gpus", "expected"),
+    [
+        ("fsdp:d1", "native:d1", 1, 2, "cuda:1"),  # a GPU of its own
+        ("fsdp:d1", "native:d1", 1, 1, "cuda:0"),  # one GPU declared: colocated
+        ("roundpipe:d1", "native:d1", 1, 2, "cuda:0"),  # the roundpipe pool takes every GPU
+        ("fsdp:d2", "native:d1", 2, 2, "cuda:0"),  # torchrun: each rank's own GPU
+        ("fsdp:d1", "vllm:d1", 1, 2, "cuda:0"),  # servers are placed by their launcher
+    ],
+)
+def test_where_the_native_engine_generates(tmp_path, actor, rollout, world_size, gpus, expected):
+    import torch
+
+    from laden.engine.runtime import Runtime
+
+    cfg = _cfg(
+        tmp_path, f"actor.backend={actor}", f"rollout.backend={rollout}", f"cluster.n_gpus_per_node={gpus}"
+    )
+    rt = Runtime(rank=0, world_size=world_size, device=torch.device("cuda", 0))
+    assert rl_trainer.rollout_device(cfg, rt, device_count=2) == torch.device(expected)
+    on_cpu = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
+    assert rl_trainer.rollout_device(cfg, on_cpu, device_count=2) == torch.device("cpu")
+    if expected == "cuda:1":
+        with pytest.raises(ValueError, match=r"cluster.n_gpus_per_node=2 .* sees 1 GPU\(s\)"):
+            rl_trainer.rollout_device(cfg, rt, device_count=1)

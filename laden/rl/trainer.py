@@ -42,6 +42,7 @@ counters) are written every `checkpoint.save_freq_steps` and at the end, and a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from laden.config import LadenConfig, dump_config, format_config, run_dir
+from laden.config import AllocationMode, LadenConfig, dump_config, format_config, run_dir
 from laden.config.usage import fields_without_effect
 from laden.data import GlobalBatchIterator, PackedBatch, load_records
 from laden.engine.checkpoint import (
@@ -67,6 +68,7 @@ from laden.engine.checkpoint import (
 )
 from laden.engine.rundir import RunDirectory
 from laden.engine.runtime import (
+    Runtime,
     batch_device,
     build_engine,
     check_world_size,
@@ -165,9 +167,32 @@ def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
         raise ValueError("; ".join(problems))
 
 
+def rollout_device(cfg: LadenConfig, rt: Runtime, *, device_count: int | None = None) -> torch.device:
+    """Where the native rollout engine runs. One process with an fsdp trainer and a second GPU declared
+    (`cluster.n_gpus_per_node: 2`): on the next GPU after the trainer's, generation and training on
+    separate GPUs (AReaL's `sglang:d1+fsdp:d1`). Otherwise on the trainer's device, colocated (it
+    sleeps while the trainer trains): under torchrun every rank keeps its engine on its own GPU, and
+    the roundpipe engine pools every visible GPU of its process."""
+    if rt.world_size > 1 or rt.device.type != "cuda" or cfg.rollout.backend.split(":", 1)[0] != "native":
+        return rt.device
+    declared = cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
+    if AllocationMode.parse(cfg.actor.backend).backend != "fsdp" or declared < 2:
+        return rt.device
+    count = torch.cuda.device_count() if device_count is None else device_count
+    index = (rt.device.index or 0) + 1
+    if index >= count:
+        raise ValueError(
+            f"cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node} puts rollout.backend={cfg.rollout.backend!r} "
+            f"on a GPU of its own (cuda:{index}), but this process sees {count} GPU(s); make a second GPU "
+            "visible (CUDA_VISIBLE_DEVICES), or set cluster.n_gpus_per_node=1 to generate on the training GPU"
+        )
+    return torch.device("cuda", index)
+
+
 class _Run:
     def __init__(self, cfg: LadenConfig, rt: Any, run: RunDirectory) -> None:
         self.cfg, self.rt, self.run = cfg, rt, run
+        self.rollout_device = rollout_device(cfg, rt)
         self.counters = _Counters()
         self._rollout_rng: list[int] | None = None
         self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
@@ -318,9 +343,15 @@ class _Run:
             engine = build_rollout_engine(cfg, tokenizer=self.tokenizer, initial_version=version)
             log.info("rollout servers %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
             return engine
+        device = self.rollout_device
+        if device != self.rt.device:
+            log.info("rollout engine %s on %s, the trainer on %s: generation and training run on separate GPUs",
+                     cfg.rollout.backend, device, self.rt.device)  # fmt: skip
         # every parameter is overwritten by the trainer's below: no second read or random init
-        copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=self.rt.device)
-        engine = build_rollout_engine(cfg, model=copy, tokenizer=self.tokenizer, device=self.rt.device)
+        copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
+        # the engine captures its CUDA graphs and compiles its kernels on the current device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            engine = build_rollout_engine(cfg, model=copy, tokenizer=self.tokenizer, device=device)
         # the trainer's weights (a resumed run's, or its own initialisation) before the first rollout
         engine.load_weights(self.engine.named_weights(), version=version)  # type: ignore[attr-defined]
         log.info("rollout engine %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
@@ -526,6 +557,7 @@ class _Run:
         (`rollout.max_head_offpolicyness: 0`)."""
         return (
             self.rt.device.type == "cuda"
+            and self.rollout_device == self.rt.device
             and self.cfg.rollout.max_head_offpolicyness == 0
             and not self._serves()
         )
