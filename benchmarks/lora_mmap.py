@@ -18,6 +18,18 @@ caps the address space, and a memory map of the whole checkpoint is address spac
 model even when almost none of it is resident. Without a writable cgroup the script says so and
 stops. On the CPU the roundpipe "device" is host memory too: each stage's weights are copied for
 its residency (`--stage-gib` bounds that), which on a GPU machine would be GPU memory.
+
+On a GPU machine, the same mode on the largest checkpoint its disk holds, against weights read
+into memory and page-locked in place (one process per mode; `--no-cap`: the host is larger
+than the model there):
+
+    for mode in off register; do
+      python benchmarks/lora_mmap.py --shape qwen3-32b --dtype bf16 --model-gib 40 --no-cap \
+          --pin-model $mode --rows 4 --seq-len 1024 --stage-gib 8 --steps 3 --dir /tmp/lora_big
+    done
+
+`register` reads every base weight into anonymous memory first (file-backed pages cannot be
+page-locked: `cudaHostRegister` refuses them), so its host peak is about the model's size.
 """
 
 from __future__ import annotations
@@ -32,8 +44,15 @@ import threading
 import time
 from pathlib import Path
 
-SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8,
-             head_dim=128, vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+SHAPES = {
+    "small": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, vocab_size=32000, tie_word_embeddings=False),
+    # Qwen3-32B's layer (its depth follows from --model-gib)
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}  # fmt: skip
+SHAPE = SHAPES["small"]
+DTYPES = {"fp32": ("F32", 4), "bf16": ("BF16", 2)}
 
 
 def main() -> None:
@@ -46,20 +65,40 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (all linear layers)")
     parser.add_argument("--stage-gib", type=float, default=0.5, help="the plan's model_memory_limit")
     parser.add_argument("--dir", default="/tmp/laden_lora_mmap", help="where the checkpoint is written")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the layer's shape")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32", help="checkpoint and compute dtype"
+    )
+    parser.add_argument("--pin-model", choices=("off", "register"), default="off",
+                        help="off: memory-mapped base weights; register: read into memory, page-locked")  # fmt: skip
+    parser.add_argument("--no-cap", action="store_true", help="train in this process, no memory cap")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global SHAPE
+    SHAPE = SHAPES[args.shape]
     if args.child:
         print(json.dumps(train(args)), flush=True)
         return
     directory = Path(args.dir)
-    num_layers = write_checkpoint(directory, args.model_gib)
+    t0 = time.perf_counter()
+    num_layers = write_checkpoint(directory, args.model_gib, args.dtype)
+    write_s = round(time.perf_counter() - t0, 1)
     model_bytes = (directory / "model.safetensors").stat().st_size
+    info = dict(model_gib=round(model_bytes / 2**30, 3), num_layers=num_layers, shape=args.shape, dtype=args.dtype,
+                pin_model=args.pin_model, checkpoint_write_s=write_s)  # fmt: skip
+    if args.no_cap:
+        print(json.dumps({**train(args), **info}), flush=True)
+        return
+    if args.pin_model != "off":
+        raise SystemExit(
+            "--pin-model register reads the model into memory: it cannot run under a cap below its size"
+        )
     if args.limit_gib * 2**30 >= model_bytes:
         raise SystemExit(
             f"--limit-gib={args.limit_gib} is not below the model's {model_bytes / 2**30:.2f} GiB"
         )
     result = run_capped(args, int(args.limit_gib * 2**30))
-    result.update(model_gib=round(model_bytes / 2**30, 3), num_layers=num_layers, limit_gib=args.limit_gib)
+    result.update(info, limit_gib=args.limit_gib)
     print(json.dumps(result), flush=True)
 
 
@@ -81,49 +120,59 @@ def qwen3_tensors(num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def write_checkpoint(directory: Path, model_gib: float) -> int:
-    """Stream a random-init fp32 checkpoint to `directory` (reused when its shape matches); return
-    its number of layers. Norms are 1, every other weight N(0, 0.02)."""
+def write_checkpoint(directory: Path, model_gib: float, dtype: str = "fp32") -> int:
+    """Stream a random-init checkpoint to `directory` (reused when its shape matches); return its
+    number of layers. Norms are 1, every other weight N(0, 0.02): slices of one random pool of 16M
+    values at varying offsets (a fresh draw per tensor would take minutes for tens of GB)."""
     import torch
     from transformers import Qwen3Config
 
-    per_layer = sum(4 * _numel(s) for _, s in qwen3_tensors(1)) - sum(
-        4 * _numel(s) for _, s in qwen3_tensors(0)
+    tag, width = DTYPES[dtype]
+    per_layer = sum(width * _numel(s) for _, s in qwen3_tensors(1)) - sum(
+        width * _numel(s) for _, s in qwen3_tensors(0)
     )
     num_layers = max(
-        1, round((model_gib * 2**30 - sum(4 * _numel(s) for _, s in qwen3_tensors(0))) / per_layer)
+        1, round((model_gib * 2**30 - sum(width * _numel(s) for _, s in qwen3_tensors(0))) / per_layer)
     )
-    config = Qwen3Config(**SHAPE, num_hidden_layers=num_layers, pad_token_id=0)
+    config = Qwen3Config(**SHAPE, num_hidden_layers=num_layers, pad_token_id=0, dtype=_torch_dtype(dtype))
     path = directory / "model.safetensors"
     tensors = qwen3_tensors(num_layers)
     header, offset = {}, 0
     for name, shape in tensors:
         header[name] = {
-            "dtype": "F32",
+            "dtype": tag,
             "shape": list(shape),
-            "data_offsets": [offset, offset + 4 * _numel(shape)],
+            "data_offsets": [offset, offset + width * _numel(shape)],
         }
-        offset += 4 * _numel(shape)
+        offset += width * _numel(shape)
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     if not (path.is_file() and path.stat().st_size == 8 + len(blob) + offset):
         directory.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(directory)
         gen = torch.Generator().manual_seed(0)
+        pool = (torch.randn(1 << 24, generator=gen) * 0.02).to(_torch_dtype(dtype))
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
-            for name, shape in tensors:
-                t = (
-                    torch.ones(shape)
-                    if name.endswith("norm.weight")
-                    else torch.randn(shape, generator=gen) * 0.02
-                )
-                f.write(t.numpy().tobytes())
+            for i, (name, shape) in enumerate(tensors):
+                n = _numel(shape)
+                if name.endswith("norm.weight"):
+                    t = torch.ones(n, dtype=pool.dtype)
+                else:
+                    start = (i * 7919) % pool.numel()
+                    t = pool.roll(-start).repeat(-(-n // pool.numel()))[:n]
+                f.write(t.view(torch.uint8).numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
     with open(path, "rb") as f:  # start cold: the capped child must page every weight in itself
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return num_layers
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -194,13 +243,20 @@ def train(args: argparse.Namespace) -> dict:
     from laden.optim import OptimSettings
 
     sampler = AnonSampler()
-    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32)  # memory-mapped views
+    dtype = _torch_dtype(args.dtype)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=dtype)  # memory-mapped views
+    if args.pin_model == "register":  # anonymous memory: file-backed pages cannot be page-locked
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
     apply_lora(model, LoraSettings(rank=args.rank, alpha=2.0 * args.rank), seed=0)
     optim = OptimSettings(
         type="adam", lr=2e-3, weight_decay=0.0, gradient_clipping=1.0, total_steps=args.steps
     )
-    engine = RoundPipeEngine(model, optim=optim, compute_dtype=torch.float32, pin_model="off",
+    engine = RoundPipeEngine(model, optim=optim, compute_dtype=dtype, pin_model=args.pin_model,
                              model_memory_limit=args.stage_gib, max_tokens_per_mb=args.seq_len)  # fmt: skip
+    build_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     rows = [
         torch.randint(0, SHAPE["vocab_size"], (args.seq_len,), generator=gen).tolist()
@@ -221,7 +277,10 @@ def train(args: argparse.Namespace) -> dict:
         losses=losses, step_s=[round(t, 2) for t in times], tokens_per_s=round(num_tokens * len(steady) / sum(steady), 1),
         tokens_per_step=num_tokens, trainable_params=trainable, stages=len(engine.plan.bwd_plan),
         peak_rss_gib=round(_status_kib("VmHWM") / 2**20, 3), peak_anon_rss_gib=round(sampler.peak_kib / 2**20, 3),
-        torch_threads=torch.get_num_threads(),
+        torch_threads=torch.get_num_threads(), build_s=round(build_s, 1),
+        registered_gib=round(engine.pipe.store.registered_bytes / 2**30, 3) if hasattr(engine, "pipe") else None,
+        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )  # fmt: skip
 
 
