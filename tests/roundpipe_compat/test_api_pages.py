@@ -778,10 +778,6 @@ def test_run_config_model_execute_plan_auto_single_model():
     assert_grads_close(model, ref)
 
 
-@pytest.mark.xfail(
-    reason="laden's ModelExecutePlan.auto over several models gives the first ones 'train' plans, which laden's fused call rejects",
-    strict=False,
-)
 def test_run_config_model_execute_plan_auto_several_models():
     """run_config.en.md, ModelExecutePlan.auto(run_type, *models): several models give a list of co-optimized plans."""
     rp1, rp2 = RoundPipe(mlp(0)), RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))

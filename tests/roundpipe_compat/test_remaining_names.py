@@ -92,8 +92,10 @@ def test_auto_over_several_models_returns_one_plan_each_under_one_bound():
     torch.manual_seed(2)
     rp2 = RoundPipe(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)))
     plan1, plan2 = ModelExecutePlan.auto("fused", rp1, rp2, min_stages=1, upper_threshold=1.1)
-    plan1.check_valid(4, "train")  # only the last model's plan is fused
+    plan1.check_valid(4, "fused")  # every model's plan is of the run type asked for
     plan2.check_valid(3, "fused")
+    with pytest.raises(ValueError):
+        plan1.check_valid(4, "train")
     bound = 1.1 * max(rp2.layer_bytes(with_grads=True))  # the costliest layer of all the models
     for rp, plan in ((rp1, plan1), (rp2, plan2)):
         assert all(stage_bytes(rp, s, with_grads=True) <= bound for s in plan.bwd_plan)
@@ -130,9 +132,15 @@ def test_joint_plan_of_the_first_model_computes_like_pytorch():
     x = torch.randn(4, 8)
     rp1, rp2 = RoundPipe(first), RoundPipe(second)
     plan1, _ = ModelExecutePlan.auto("fused", rp1, rp2, min_stages=1, upper_threshold=1.1)
-    with torch.no_grad():  # laden's forward() under grad mode wants a fused-shaped plan, not "train"
+    with torch.no_grad():
         out = rp1(x, roundpipe_run_config=RoundPipeRunConfig(execute_plan=plan1, num_microbatch=2))
         torch.testing.assert_close(out, ref(x))
+    out = rp1(x, roundpipe_run_config=RoundPipeRunConfig(execute_plan=plan1, num_microbatch=2))  # grad mode
+    out.sum().backward()
+    ref(x).sum().backward()
+    rp1.synchronize()
+    for p, q in zip(first.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 # ---- ModelTimer ------------------------------------------------------------------------------

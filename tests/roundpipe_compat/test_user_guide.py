@@ -1101,10 +1101,6 @@ def test_execute_plan_auto_fused():
     assert_grads_close(model, ref)
 
 
-@pytest.mark.xfail(
-    reason="laden's ModelExecutePlan.auto over several models gives the first ones 'train' plans, which laden's fused call rejects",
-    strict=False,
-)
 def test_execute_plan_auto_joint_models():
     """execute_plan.en.md, "Joint optimization across multiple models": plan1, plan2 = ModelExecutePlan.auto("fused", model1, model2)."""
     rp1, rp2 = RoundPipe(mlp(0)), RoundPipe(four_layers())

@@ -180,8 +180,7 @@ class ModelExecutePlan:
         """A plan whose stages fit `model_memory_limit` GiB (two stages in flight) and are balanced.
 
         Several models (`auto(run_type, model1, model2, ...)`) that run one after the other get
-        one plan each, in a list (`plan_joint.py`): with `"fused"` only the last model's plan is
-        fused, the others are `"train"` plans (their backward is driven by the last one's).
+        one plan each of `run_type`, in a list, under one stage bound (`plan_joint.py`).
 
         model_memory_limit: GiB of device memory for stage weights (+ gradient accumulators
         in backward, + activations with `tokens_per_microbatch`), split between the stage

@@ -7,9 +7,12 @@ the stages of the chain are alike in size. Each model's bound is handed to the o
 planner as its own ratio (`upper_threshold * largest of all / largest of this model`).
 Without `upper_threshold` the models are planned independently.
 
-With `"fused"` only the last model's plan is fused: the backward of the models before it
-starts from the gradients the last one's `forward_backward` sends back, so they get
-`"train"` plans (forward and backward stages over all their layers).
+Every model gets a plan of `run_type`, as the API laden mirrors plans models it has no
+timings for (and laden plans by bytes, never by timings): with `"fused"` each plan is
+fused-shaped, the shape laden's `forward()` under grad mode runs too (its last forward stage
+is its first backward stage). A chain's first models called through `forward()` therefore run
+their plans as they are; for a `"train"`-shaped plan (forward and backward stages over all the
+layers) ask for one: `ModelExecutePlan.auto("train", model1)`.
 Trade-off: per-model partitions rather than one search over all of them; the bound is the
 same, so the stage sizes are, but the stage counts are not minimised jointly.
 """
@@ -45,11 +48,10 @@ def joint_plans(
         top = max(largest)
         ratios = [upper_threshold * top / max(1, own) for own in largest]
     plans = []
-    for i, (model, ratio) in enumerate(zip(models, ratios)):
-        own_type: RunType = "train" if run_type == "fused" and i < len(models) - 1 else run_type
+    for model, ratio in zip(models, ratios):
         plans.append(
             cls.auto(
-                own_type,
+                run_type,
                 model,
                 min_stages=min_stages,
                 model_memory_limit=model_memory_limit,
