@@ -180,10 +180,6 @@ def test_grad_scaler_update_new_scale():
 # ---- logging.en.md ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="laden's ModelTimer exists, but laden's RoundPipe never feeds it (its planner counts bytes), so no per-layer lines are printed",
-    strict=False,
-)
 def test_logging_model_timer_verbose(capsys):
     """logging.en.md, ModelTimer.VERBOSE: per-layer "Layer N fwd/re/bwd new record ... new estimate" lines on stderr."""
     from laden.timer import ModelTimer

@@ -190,9 +190,10 @@ def test_model_timer_verbose_prints_one_line_per_layer_and_action(capsys, monkey
         time_iteration(timer, [range(0, 2)])
     timer.update_times()
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 * 3  # second iteration: 2 layers x (fwd, re, bwd)
-    assert sorted(line.split()[2] for line in lines) == ["bwd", "bwd", "fwd", "fwd", "re", "re"]
+    assert len(lines) == 2 * 2 * 3  # each iteration, the dropped first too: 2 layers x (fwd, re, bwd)
+    assert sorted(line.split()[2] for line in lines[6:]) == ["bwd", "bwd", "fwd", "fwd", "re", "re"]
     assert all("new record:" in line and "new estimate:" in line for line in lines)
+    assert lines[0].endswith(f"new estimate: {float(LAYER_BYTES):.3f} ms")  # before timings: the bytes
 
 
 def test_model_timer_refuses_layers_timed_unevenly():
@@ -291,3 +292,33 @@ def test_wrap_refusals_say_why():
     list(auto.optim_parameters())  # creates the master weights
     with pytest.warns(UserWarning, match="runs synchronously"):
         auto.step(lambda: None)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("call", ["forward_backward", "forward", "classic"])
+def test_roundpipe_feeds_its_model_timer_in_every_call_form(call, grain):
+    """Every layer gets the same number of fwd / re / bwd spans per call (a mismatch would raise),
+    so two calls move the timer from byte estimates to timings."""
+    model = linears(4, seed=8)
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plan = ModelExecutePlan(fwd_plan=[range(0, 3)], bwd_plan=[range(3, 4), range(1, 3), range(0, 1)])
+    cfg = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+    for _ in range(2):
+        if call == "forward_backward":
+            rp.forward_backward(
+                input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum(), run_config=cfg
+            )
+        elif call == "forward":
+            with torch.no_grad():
+                rp(x)
+        else:
+            ((rp(x, roundpipe_run_config=cfg) - y) ** 2).sum().backward()
+        rp.synchronize()
+    timer = rp.model_timer
+    assert timer.stage["fwd"] == 2
+    assert timer.get_estimate("infer")[0] == "time"
+    if call != "forward":
+        assert timer.stage["re"] == timer.stage["bwd"] == 2
+        source, fwd, bwd = timer.get_estimate("fused")
+        assert source == "time" and len(fwd) == len(bwd) == 4 and all(b >= f >= 0 for f, b in zip(fwd, bwd))

@@ -1126,10 +1126,6 @@ def test_execute_plan_auto_upper_threshold_is_accepted_silently():
         ModelExecutePlan.auto("fused", rp, upper_threshold=1.5).check_valid(7, "fused")
 
 
-@pytest.mark.xfail(
-    reason="laden's ModelTimer exists, but laden's RoundPipe never feeds it (its planner counts bytes), so no per-layer lines are printed",
-    strict=False,
-)
 def test_execute_plan_model_timer_verbose(capsys):
     """execute_plan.en.md, "How to Build a Plan": ModelTimer.VERBOSE = True prints per-layer fwd/re/bwd times."""
     from laden.timer import ModelTimer

@@ -49,6 +49,7 @@ from laden.engine.roundpipe.host.store import PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
 from laden.engine.roundpipe.run_config import RoundPipeRunConfig, resolve
+from laden.engine.roundpipe.timer import IterTimer, ModelTimer
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -159,10 +160,13 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         self.name = name or type(model).__name__
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         names = {id(p): n for n, p in model.named_parameters()}
+        layers = pipeline_layers(model)
         pipe = Pipeline(
-            pipeline_layers(model), param_names=names, devices=devices, pin_model=pin_model,
+            layers, param_names=names, devices=devices, pin_model=pin_model,
             master_dtype=optim_dtype, name=f"roundpipe-{self.name}",
         )  # fmt: skip
+        self.model_timer = ModelTimer(list(layers))
+        """Per-layer timings of this model's calls (`timer.py`; `ModelTimer.VERBOSE` prints them)."""
         object.__setattr__(self, "pipe", pipe)  # not a submodule: its layers are the model's
         object.__setattr__(self, "process_group", host_grad_group(process_group))
         self.optim_dtype = optim_dtype
@@ -243,12 +247,14 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         plan = cfg.execute_plan or ModelExecutePlan.auto(
             "fused", self, tokens_per_microbatch=num_tokens(inputs), recompute_grain=cfg.recompute_grain
         )
+        timer = IterTimer(self.model_timer)
         run = self.pipe.run_call(
             inputs=inputs, labels=labels, loss_fn=loss_fn, plan=plan, grain=cfg.recompute_grain,
-            backward=True, preserve_rng=cfg.preserve_rng_state, keep_outputs=return_outputs,
+            backward=True, preserve_rng=cfg.preserve_rng_state, keep_outputs=return_outputs, timer=timer,
         )  # fmt: skip
         self._last_inbox = self.pipe.read_buf
         loss = to_device(sum_losses(run), cfg.output_device)
+        self._fold_timings(timer)
         if not return_outputs:
             return loss
         outputs = merge_outputs([h.host_tree() for h in run.outputs if h is not None], cfg.merge_output)
@@ -273,17 +279,25 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         plan = cfg.execute_plan or ModelExecutePlan.auto(
             "infer", self, tokens_per_microbatch=num_tokens(inputs)
         )
+        timer = IterTimer(self.model_timer)
         run = self.pipe.run_call(
-            inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain,
-            backward=False, preserve_rng=False, saved_buffers=None if graph is None else graph.saved_buffers,
+            inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain, backward=False,
+            preserve_rng=False, saved_buffers=None if graph is None else graph.saved_buffers, timer=timer,
         )  # fmt: skip
         per_mb = [h.host_tree() for h in run.outputs if h is not None]
+        self._fold_timings(timer)
         outputs = merge_outputs(per_mb, cfg.merge_output)
         if graph is not None:
             outputs = attach_graph(graph, per_mb, outputs)
         if split_lm:
             outputs = host_output(outputs, hf_options)
         return to_device(outputs, cfg.output_device)
+
+    def _fold_timings(self, timer: IterTimer) -> None:
+        """Hand a finished call's spans to `model_timer` and fold in every finished call (a call
+        whose device work is still running is folded in by a later one, or by `synchronize`)."""
+        timer.submit()
+        self.model_timer.update_times()
 
     # ---- optimizer step ----------------------------------------------------------------
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
@@ -354,6 +368,7 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         are current again) and put the accumulated gradients on the model's params' `.grad`."""
         pipe, store = self.pipe, self.pipe.store
         pipe.jobs.drain()
+        self.model_timer.update_times()
         groups = [g for g in pipe.trainable_groups() if g.has_masters]
         for buf in range(store.num_upload_buffers):
             pipe.refresh_uploads(groups, buf)

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from laden.engine.roundpipe.call import Grain
 from laden.engine.roundpipe.plan import ModelExecutePlan
+from laden.engine.roundpipe.timer import IterTimer
 
 
 def _is_float(t: Any) -> bool:
@@ -69,12 +70,14 @@ class GraphCall:
                 "forward on the weights it read, which the step replaced. Call backward before step"
             )
         labels = self._split(grads)
+        timer = IterTimer(self.model.model_timer)
         with _replayed_rng(self.rng, pipe.lanes):
             pipe.run_call(
                 inputs=self.inputs, labels=labels, loss_fn=_vjp_loss, plan=self.plan, grain=self.grain,
                 backward=True, preserve_rng=self.preserve_rng, write_buffers=False,
-                saved_buffers=self.saved_buffers,
+                saved_buffers=self.saved_buffers, timer=timer,
             )  # fmt: skip
+        self.model._fold_timings(timer)
         self.model._last_inbox = pipe.read_buf
         self.done = True
         self.inputs = []

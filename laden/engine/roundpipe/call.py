@@ -81,6 +81,7 @@ class CallSpec:
     write_buffers: bool = True
     saved_buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     keep_outputs: bool = False  # the fused stage parks its outputs too (`return_outputs=True`)
+    timer: Any = None  # an `IterTimer` the passes time their layers into (`timer.py`), or None
 
 
 @dataclass(eq=False)

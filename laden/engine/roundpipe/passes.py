@@ -147,7 +147,7 @@ def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
                         park(lane, x, into=run.saved[(layer, mb)], pool=run.buffers, shared=run.shared)
                     if spec.preserve_rng:
                         run.rng[(layer, mb)] = capture_rng(lane)
-                with _forward_scope(run, layer, mb):
+                with _forward_scope(run, layer, mb), _time_fwd(run, lane, layer, "fwd"):
                     x = call_layer(res, layer, x)
             if task.final:
                 run.outputs[mb] = park(lane, _host_output(x))
@@ -175,14 +175,16 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
         with spec.autocast.enter(), lane.on(lane.compute):
             if not spec.backward:
                 with torch.no_grad():
-                    out = _run_layers(res, task.layers, x)
+                    out = _run_layers(res, task.layers, x, timed=(run, lane, ("fwd",)))
                     losses = _losses(loss_fn(out, label))
                 grad_in = None
             elif spec.grain == "stage":
                 with torch.enable_grad():
-                    out = _run_layers(res, task.layers, x)
+                    # the forward that builds the graph stands in for the recompute as well
+                    out = _run_layers(res, task.layers, x, timed=(run, lane, ("fwd", "re")))
                     losses = _losses(loss_fn(out, label))
-                    torch.autograd.backward(losses)
+                    with _time_bwd(run, lane, task.layers):
+                        torch.autograd.backward(losses)
                 grad_in = input_grads(x)
             else:
                 losses, grad_in, out = _fused_layerwise(task, lane, res, x, label, mb)
@@ -211,7 +213,7 @@ def _fused_layerwise(
     with torch.no_grad():
         for layer in layers[:-1]:
             kept[layer] = (x, capture_rng(lane) if run.spec.preserve_rng else None)
-            with forward_scope(run.recompute_data, (layer, mb)):
+            with forward_scope(run.recompute_data, (layer, mb)), _time_fwd(run, lane, layer, "fwd"):
                 x = call_layer(res, layer, x)
     kept[layers[-1]] = (x, None)
     undo = buffers.device_snapshot(run.store, res.modules, layers[:-1])  # the recompute rewrites them
@@ -226,13 +228,16 @@ def _fused_layerwise(
             contextlib.nullcontext() if last else recompute_scope(run.recompute_data.pop((layer, mb), None))
         )
         with torch.enable_grad(), restored_rng(lane, rng), recompute:
-            out = call_layer(res, layer, x_in)
+            with _time_fwd(run, lane, layer, *(("fwd", "re") if last else ("re",))):
+                out = call_layer(res, layer, x_in)
             if grads is None:
                 final = out
                 losses = _losses(loss_fn(out, label))
-                torch.autograd.backward(losses)
+                with _time_bwd(run, lane, range(layer, layer + 1)):
+                    torch.autograd.backward(losses)
             else:
-                _backward(out, grads)
+                with _time_bwd(run, lane, range(layer, layer + 1)):
+                    _backward(out, grads)
         grads = input_grads(x_in)
     buffers.restore_device(undo)
     return losses, grads, final  # type: ignore[return-value]
@@ -260,10 +265,11 @@ def run_backward(task: StageTask, lane: Lane, res: Residency) -> None:
                     _at_last_microbatch(task, mb)
                 end = stop if spec.grain == "stage" else start + 1
                 with torch.enable_grad(), restored_rng(lane, run.rng.pop((start, mb), None)):
-                    out = _recompute_layers(run, res, range(start, end), x, mb)
+                    out = _recompute_layers(run, lane, res, range(start, end), x, mb)
                     if j == 0:
                         grads = grads_in.get(mb)
-                    _backward(out, grads)
+                    with _time_bwd(run, lane, range(start, end)):
+                        _backward(out, grads)
                 del out
                 grads = input_grads(x)
             if first > 0:
@@ -351,17 +357,36 @@ def _forward_scope(run: Any, layer: int, mb: int) -> Any:
     return forward_scope(run.recompute_data, (layer, mb))
 
 
-def _recompute_layers(run: Any, res: Residency, layers: range, x: Any, mb: int) -> Any:
+def _recompute_layers(run: Any, lane: Lane, res: Residency, layers: range, x: Any, mb: int) -> Any:
     for layer in layers:
-        with recompute_scope(run.recompute_data.pop((layer, mb), None)):
+        with recompute_scope(run.recompute_data.pop((layer, mb), None)), _time_fwd(run, lane, layer, "re"):
             x = call_layer(res, layer, x)
     return x
 
 
-def _run_layers(res: Residency, layers: range, x: Any) -> Any:
+def _run_layers(res: Residency, layers: range, x: Any, *, timed: tuple[Any, Lane, tuple[str, ...]]) -> Any:
+    run, lane, actions = timed
     for layer in layers:
-        x = call_layer(res, layer, x)
+        with _time_fwd(run, lane, layer, *actions):
+            x = call_layer(res, layer, x)
     return x
+
+
+def _time_fwd(run: Any, lane: Lane, layer: int, *actions: str) -> Any:
+    """The call's `IterTimer` spans of `layer` for each action (`fwd`, `re`) around the block."""
+    timer = run.spec.timer
+    if timer is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for action in actions:
+        stack.enter_context(timer.time_fwd(action, layer, lane.compute))
+    return stack
+
+
+def _time_bwd(run: Any, lane: Lane, layers: range) -> Any:
+    """The call's `IterTimer` span of the backward of `layers` around the block."""
+    timer = run.spec.timer
+    return contextlib.nullcontext() if timer is None else timer.time_bwd(layers, lane.compute)
 
 
 def _backward(outputs: Any, grads: list[Any]) -> None:

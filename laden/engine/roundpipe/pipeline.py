@@ -136,12 +136,14 @@ class Pipeline:
         keep_outputs: bool = False,
         write_buffers: bool = True,
         saved_buffers: dict[int, torch.Tensor] | None = None,
+        timer: Any = None,
     ) -> Run:
         """Run every micro-batch through the plan; gradients land in inbox `read_buf`.
 
         `carried`: tied parameters whose gradient stays on the device between the backward
         stages that use it (`carried_params`; the caller counts their landings accordingly).
-        `write_buffers`, `saved_buffers`: see `CallSpec` and `buffers.py`.
+        `write_buffers`, `saved_buffers`: see `CallSpec` and `buffers.py`. `timer`: an `IterTimer`
+        the layers' forward, recompute and backward spans are recorded into (`timer.py`).
         """
         self.jobs.raise_errors()
         before = self.jobs.last_optim()  # the call reports this job's failure, whenever it happens
@@ -157,7 +159,7 @@ class Pipeline:
             loss_fn=loss_fn, plan=plan, grain=grain, backward=backward, preserve_rng=preserve_rng,
             autocast=AutocastState.capture(), buf=self.read_buf, inbox=self.read_buf,
             required=self.store.required_gens(self.read_buf), carried=carried if backward else frozenset(),
-            keep_outputs=keep_outputs,
+            keep_outputs=keep_outputs, timer=timer,
             write_buffers=write_buffers, saved_buffers={} if saved_buffers is None else saved_buffers,
         )  # fmt: skip
         run = Run(

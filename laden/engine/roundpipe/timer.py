@@ -11,10 +11,12 @@ bytes (backward: twice that), so `get_estimate` says whether it answers in `"tim
 `"memory"` (bytes). A backward span timed over several layers is split among them in
 proportion to their recompute times. `ModelTimer.VERBOSE` prints each update to stderr.
 
-Deliberate difference: laden's `RoundPipe` does not time its layers, and
-`ModelExecutePlan.auto` plans by bytes, never by these estimates (its module docstring says
-why). `ModelTimer` is a helper to time your own layers; spans are CUDA events on a CUDA
-stream and host clock readings otherwise (the CPU device).
+laden's `RoundPipe` feeds its `model_timer` as the API it mirrors does: each call times every
+layer's forward (`fwd`) and recompute (`re`) and each backward stage (`bwd`; the fused stage's
+forward, which builds the graph its backward uses, counts as both `fwd` and `re`), and folds
+the finished calls in. Spans are CUDA events on a CUDA stream and host clock readings
+otherwise (the CPU device). Deliberate difference: `ModelExecutePlan.auto` plans by bytes,
+never by these estimates (its module docstring says why).
 """
 
 from __future__ import annotations
@@ -160,9 +162,8 @@ class ModelTimer:
         return sums, counts
 
     def _fold(self, sums: dict[Action, list[float]], counts: dict[Action, list[int]]) -> None:
-        for action in _ACTIONS:
-            if self.n_layers == 0 or counts[action][0] == 0:
-                continue
+        timed = [a for a in _ACTIONS if self.n_layers > 0 and counts[a][0] > 0]
+        for action in timed:
             if self.stage[action] == 0:
                 self.stage[action] = 1  # the first iteration is start-up noise: dropped
                 continue
@@ -174,7 +175,10 @@ class ModelTimer:
             for i in range(self.n_layers):
                 mean_ms = sums[action][i] / counts[action][i]
                 self.estimate[action][i] = rate * self.estimate[action][i] + (1 - rate) * mean_ms
-                if self.VERBOSE:
+        if self.VERBOSE:  # every iteration folded in, the dropped first one too (its estimate: bytes)
+            for action in timed:
+                for i in range(self.n_layers):
+                    mean_ms = sums[action][i] / counts[action][i]
                     now = self.estimate[action][i] / (1.0 - self.scale[action])
                     print(
                         f"Layer {i} {action}  new record: {mean_ms:.3f} ms  new estimate: {now:.3f} ms",
@@ -193,9 +197,16 @@ class IterTimer:
         }
         self.bwd_events: dict[range, list[tuple[Any, Any]]] = {}
         self.bwd_dict_lock = threading.Lock()
+        self._submitted = False
+
+    def submit(self) -> None:
+        """Hand the spans to the parent now (at most once; otherwise when this object is dropped)."""
+        if not self._submitted:
+            self._submitted = True
+            self.parent.iter_results.put((self.fwd_events, self.bwd_events))
 
     def __del__(self) -> None:
-        self.parent.iter_results.put((self.fwd_events, self.bwd_events))
+        self.submit()
 
     def time_fwd(self, action: FwdAction, layer_idx: int, stream: Any = None) -> LayerTimingContext:
         """A context manager timing one forward (`"fwd"`) or recompute (`"re"`) of layer `layer_idx`."""
