@@ -146,6 +146,12 @@ class EmbedStep(nn.Module):
         **packed: Any,
     ) -> DecoderState:
         unknown = sorted(set(packed) - set(PACKED_KWARGS))
+        if "output_router_logits" in unknown:
+            raise ValueError(
+                "output_router_logits reaches the split model's layers: a RoundPipe forward() under "
+                "torch.no_grad() returns the router logits and load-balancing loss; forward_backward does "
+                "not compute that loss (train with output_router_logits=False)"
+            )
         if unknown:
             raise ValueError(f"unexpected model inputs {unknown}; a split causal LM takes input_ids, "
                              f"attention_mask, position_ids and the packed-row kwargs {PACKED_KWARGS}")  # fmt: skip

@@ -32,6 +32,7 @@ and `pin_model` only chooses the layout (nothing can be page-locked).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -40,11 +41,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from laden.engine.roundpipe import hf_capture
 from laden.engine.roundpipe.autograd import attach_graph, begin_graph, needs_graph
 from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
 from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer, note_step_submitted
 from laden.engine.roundpipe.distributed import host_grad_group
-from laden.engine.roundpipe.hf_outputs import host_output, is_split_lm, pop_hf_options, with_hf_labels
+from laden.engine.roundpipe.hf_outputs import (
+    host_output,
+    is_split_lm,
+    moe_output,
+    pop_hf_options,
+    with_hf_labels,
+)
 from laden.engine.roundpipe.host.store import PinMode
 from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
 from laden.engine.roundpipe.plan import ModelExecutePlan
@@ -274,16 +282,28 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         cfg = resolve(roundpipe_run_config, self.model_run_config, num_devices=self.num_devices)
         split_lm = is_split_lm(self.pipe)
         hf_options = pop_hf_options(kwargs) if split_lm else None
+        router = bool(kwargs.pop("output_router_logits", False)) if split_lm else False
+        mask = kwargs.get("attention_mask")
         inputs, _ = split_microbatches(args, kwargs, None, cfg.num_microbatch, split_input=cfg.split_input)
         graph = begin_graph(self, inputs, cfg) if needs_graph(self, cfg) else None
         plan = cfg.execute_plan or ModelExecutePlan.auto(
             "infer", self, tokens_per_microbatch=num_tokens(inputs)
         )
         timer = IterTimer(self.model_timer)
-        run = self.pipe.run_call(
-            inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain, backward=False,
-            preserve_rng=False, saved_buffers=None if graph is None else graph.saved_buffers, timer=timer,
-        )  # fmt: skip
+        with (
+            hf_capture.recording(self.model, ("router_logits",))
+            if router
+            else contextlib.nullcontext() as rec
+        ):
+            capture = hf_capture.begin()
+            try:
+                run = self.pipe.run_call(
+                    inputs=inputs, labels=None, loss_fn=None, plan=plan, grain=cfg.recompute_grain,
+                    backward=False, preserve_rng=False,
+                    saved_buffers=None if graph is None else graph.saved_buffers, timer=timer, capture=capture,
+                )  # fmt: skip
+            finally:
+                hf_capture.end(capture)
         per_mb = [h.host_tree() for h in run.outputs if h is not None]
         self._fold_timings(timer)
         outputs = merge_outputs(per_mb, cfg.merge_output)
@@ -291,6 +311,8 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
             outputs = attach_graph(graph, per_mb, outputs)
         if split_lm:
             outputs = host_output(outputs, hf_options)
+        if rec is not None:  # output_router_logits=True on the split model: the family's auxiliary loss
+            outputs = moe_output(self.model, outputs, rec["router_logits"], mask)
         return to_device(outputs, cfg.output_device)
 
     def _fold_timings(self, timer: IterTimer) -> None:

@@ -82,6 +82,7 @@ class CallSpec:
     saved_buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     keep_outputs: bool = False  # the fused stage parks its outputs too (`return_outputs=True`)
     timer: Any = None  # an `IterTimer` the passes time their layers into (`timer.py`), or None
+    capture: Any = None  # the Hugging Face output capture active around this call (`hf_capture.py`)
 
 
 @dataclass(eq=False)

@@ -58,6 +58,21 @@ def head_output(head: LMHeadOutput, options: dict[str, Any]) -> Any:
     return _output(loss, logits)
 
 
+def moe_output(model: Any, output: Any, router_logits: list[torch.Tensor], attention_mask: Any) -> Any:
+    """`output` (a `forward` call's) with the router's logits and load-balancing loss, as the MoE
+    family's own forward returns them: the loss with labels gains `router_aux_loss_coef` times it."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    from laden.engine.roundpipe.hf_capture import router_aux_loss
+
+    aux = router_aux_loss(model, router_logits, attention_mask)
+    loss = output.loss
+    if loss is not None:
+        loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+    per_layer: Any = tuple(router_logits)  # transformers annotates it as a 1-tuple
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=output.logits, router_logits=per_layer)
+
+
 def host_output(logits: torch.Tensor, options: dict[str, Any] | None) -> Any:
     """The model output of a whole `forward` call from its merged logits `[B, T, V]`."""
     options = options or {}

@@ -140,7 +140,7 @@ def run_forward(task: StageTask, lane: Lane, res: Residency) -> None:
         x = inputs.get(mb)
         inputs.ahead(mb + 1)
         _at_last_microbatch(task, mb)
-        with torch.no_grad(), spec.autocast.enter(), lane.on(lane.compute):
+        with torch.no_grad(), spec.autocast.enter(), lane.on(lane.compute), _capture_scope(run, mb):
             for layer in task.layers:
                 if (layer, mb) in run.saved:
                     if layer != first:
@@ -172,7 +172,7 @@ def run_fused(task: StageTask, lane: Lane, res: Residency) -> None:
         for prefetcher in prefetchers.values():
             prefetcher.ahead(mb + 1)
         _at_last_microbatch(task, mb)
-        with spec.autocast.enter(), lane.on(lane.compute):
+        with spec.autocast.enter(), lane.on(lane.compute), _capture_scope(run, mb):
             if not spec.backward:
                 with torch.no_grad():
                     out = _run_layers(res, task.layers, x, timed=(run, lane, ("fwd",)))
@@ -381,6 +381,12 @@ def _time_fwd(run: Any, lane: Lane, layer: int, *actions: str) -> Any:
     for action in actions:
         stack.enter_context(timer.time_fwd(action, layer, lane.compute))
     return stack
+
+
+def _capture_scope(run: Any, mb: int) -> Any:
+    """Micro-batch `mb` of a call made inside a Hugging Face forward that records outputs."""
+    capture = run.spec.capture
+    return contextlib.nullcontext() if capture is None else capture.scope(mb)
 
 
 def _time_bwd(run: Any, lane: Lane, layers: range) -> Any:

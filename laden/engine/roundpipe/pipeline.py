@@ -137,13 +137,15 @@ class Pipeline:
         write_buffers: bool = True,
         saved_buffers: dict[int, torch.Tensor] | None = None,
         timer: Any = None,
+        capture: Any = None,
     ) -> Run:
         """Run every micro-batch through the plan; gradients land in inbox `read_buf`.
 
         `carried`: tied parameters whose gradient stays on the device between the backward
         stages that use it (`carried_params`; the caller counts their landings accordingly).
         `write_buffers`, `saved_buffers`: see `CallSpec` and `buffers.py`. `timer`: an `IterTimer`
-        the layers' forward, recompute and backward spans are recorded into (`timer.py`).
+        the layers' forward, recompute and backward spans are recorded into (`timer.py`); `capture`: the
+        Hugging Face output capture the layers' hooks append to (`hf_capture.py`).
         """
         self.jobs.raise_errors()
         before = self.jobs.last_optim()  # the call reports this job's failure, whenever it happens
@@ -159,7 +161,7 @@ class Pipeline:
             loss_fn=loss_fn, plan=plan, grain=grain, backward=backward, preserve_rng=preserve_rng,
             autocast=AutocastState.capture(), buf=self.read_buf, inbox=self.read_buf,
             required=self.store.required_gens(self.read_buf), carried=carried if backward else frozenset(),
-            keep_outputs=keep_outputs, timer=timer,
+            keep_outputs=keep_outputs, timer=timer, capture=capture,
             write_buffers=write_buffers, saved_buffers={} if saved_buffers is None else saved_buffers,
         )  # fmt: skip
         run = Run(
