@@ -388,3 +388,46 @@ def test_cuda_protocol_forward_custom_objective_and_offload():
         runs.append({name: t.clone() for name, t in e.named_weights(torch.float32)})
     for name, t in runs[1].items():
         torch.testing.assert_close(runs[0][name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("use_preset", [False, True], ids=["wrapped", "preset"])
+def test_router_logits_and_aux_loss_come_back_whole_batch_on_cuda(use_preset):
+    """The routers run on a device worker thread there: the capture must follow them."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from laden import wrap_model_to_roundpipe
+
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, use_cache=False, pad_token_id=0, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    raw = AutoModelForCausalLM.from_config(config).float()
+    ref = copy.deepcopy(raw).cuda()
+    model = wrap_model_to_roundpipe(
+        raw, model_run_config=RoundPipeRunConfig(num_microbatch=2), use_sequential_preset=use_preset,
+        devices=[torch.device("cuda", 0)],
+    )  # fmt: skip
+    ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        expected = ref(input_ids=ids.cuda(), attention_mask=mask.cuda(), output_router_logits=True)
+    torch.testing.assert_close(out.logits.cpu(), expected.logits.cpu(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.aux_loss.cpu(), expected.aux_loss.cpu(), atol=1e-5, rtol=1e-4)
+    assert len(out.router_logits) == len(expected.router_logits) == 2
+
+
+def test_model_timer_is_fed_from_cuda_events():
+    rp = RoundPipe(wide_mlp(num_layers=4, width=256), devices=[torch.device("cuda", 0)])
+    x, y = torch.randn(8, 256), torch.randn(8, 256)
+    for _ in range(3):
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
+    rp.synchronize()
+    torch.cuda.synchronize()
+    rp.model_timer.update_times()
+    assert rp.model_timer.stage == {"fwd": 2, "re": 2, "bwd": 2}
+    source, fwd, bwd = rp.model_timer.get_estimate("fused")
+    assert source == "time" and sum(fwd) > 0 and all(b >= f >= 0 for f, b in zip(fwd, bwd))
