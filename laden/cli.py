@@ -1,4 +1,4 @@
-"""`laden sft | rl | config | doctor`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -151,6 +151,11 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.path is not None:
+        from laden.memory.doctor import diagnose
+
+        print(diagnose(args.path).report())
+        return 0
     import platform
 
     import torch
@@ -204,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(config)
     config.set_defaults(func=cmd_config)
 
-    doctor = sub.add_parser("doctor", help="report the environment laden sees")
+    doctor = sub.add_parser(
+        "doctor", help="report the environment laden sees, or diagnose a failed run (RUN_DIR or a log file)"
+    )
+    doctor.add_argument(
+        "path", nargs="?", default=None, help="a failed run's directory, or a file with a traceback"
+    )
     doctor.set_defaults(func=cmd_doctor)
     return parser
 

@@ -1,11 +1,26 @@
-"""Test helper shared by the `laden rl` tests: a run killed at a step, then rerun to resume."""
+"""Test helpers shared by the `laden rl` tests: the tiny RL config, and a run killed at a step, then rerun."""
 
 from __future__ import annotations
 
+from importlib import resources
+
 import pytest
 
+from laden.config import load_config
 from laden.rl import trainer as rl_trainer
 from laden.rl.trainer import run_rl
+
+ASSETS = resources.files("laden") / "assets"
+
+
+def tiny_rl_config(tmp_path, *overrides):
+    """The embedded tiny RL job (`laden/assets/rl_tiny.yaml`) writing under `tmp_path`."""
+    return load_config(
+        str(ASSETS / "rl_tiny.yaml"),
+        [f"actor.path={ASSETS / 'tiny'}", f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
+         f"cluster.fileroot={tmp_path}", *overrides],
+        job="rl",
+    )  # fmt: skip
 
 
 def crash_then_resume(cfg, monkeypatch, *, at_step: int):

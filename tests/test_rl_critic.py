@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_runs import crash_then_resume
+from rl_runs import crash_then_resume, tiny_rl_config
 from torch.testing import assert_close
 
 from laden.config import ConfigError, load_config
@@ -30,12 +30,7 @@ AREAL = Path(__file__).resolve().parent / "areal_configs"
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config(
-        str(ASSETS / "rl_tiny.yaml"),
-        [f"actor.path={ASSETS / 'tiny'}", f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
-         f"cluster.fileroot={tmp_path}", *overrides],
-        job="rl",
-    )  # fmt: skip
+    return tiny_rl_config(tmp_path, *overrides)
 
 
 # ---------------------------------------------------------------- GAE

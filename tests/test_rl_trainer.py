@@ -11,9 +11,8 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from rl_runs import crash_then_resume
+from rl_runs import crash_then_resume, tiny_rl_config
 
-from laden.config import load_config
 from laden.rl import trainer as rl_trainer
 from laden.rl.trainer import run_rl
 
@@ -23,12 +22,7 @@ ASSETS = resources.files("laden") / "assets"
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config(
-        str(ASSETS / "rl_tiny.yaml"),
-        [f"actor.path={ASSETS / 'tiny'}", f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
-         f"cluster.fileroot={tmp_path}", *overrides],
-        job="rl",
-    )  # fmt: skip
+    return tiny_rl_config(tmp_path, *overrides)
 
 
 def _metrics(result) -> list[dict]:

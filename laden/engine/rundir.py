@@ -22,6 +22,7 @@ what happens instead:
   it, before the interruption, are run again and logged again).
 - A rerun of a finished run (its final checkpoint is at `total_steps`) trains nothing: it says
   so and returns, without exporting again.
+- A run that fails leaves `error.log` (its traceback) for `laden doctor RUN_DIR`.
 """
 
 from __future__ import annotations
@@ -133,6 +134,19 @@ class RunDirectory:
         )
         handle.flush()
         self._lock_file = handle
+
+    def record_failure(self, exc: BaseException) -> None:
+        """`error.log` in the run directory: the command, the time and the traceback of the error that
+        ended this run (what `laden doctor RUN_DIR` reads); the newest failure replaces an older one."""
+        if not self.is_main or not self.path.is_dir():
+            return
+        import traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        with contextlib.suppress(OSError):
+            (self.path / "error.log").write_text(
+                f"laden run failed at {time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)})\n{text}"
+            )
 
     def release(self) -> None:
         if self._lock_file is not None:

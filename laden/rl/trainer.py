@@ -126,6 +126,9 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     rt.on_main(run.acquire)
     try:
         return asyncio.run(_Run(cfg, rt, run).main(progress))
+    except BaseException as exc:
+        run.record_failure(exc)
+        raise
     finally:
         run.release()
 

@@ -188,6 +188,9 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     rt.on_main(run.acquire)
     try:
         return _run(cfg, rt, run, progress)
+    except BaseException as exc:
+        run.record_failure(exc)
+        raise
     finally:
         run.release()
 

@@ -1,0 +1,101 @@
+"""`laden doctor RUN_DIR`: a failed run's error.log (or a pasted traceback) diagnosed, with this run's fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rl_runs import ASSETS, tiny_rl_config
+
+from laden.cli import main
+from laden.config import load_config
+from laden.memory.doctor import classify, diagnose
+
+GPU_OOM = """Traceback (most recent call last):
+  File "/opt/laden/laden/rl/trainer.py", line 612, in _train_on
+    loss = self.engine.forward_backward(mbs, self.objective, normalizer=n)
+  File "/opt/laden/laden/engine/fsdp/engine.py", line 301, in forward_backward
+    out = self.model(**inputs)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.50 GiB of \
+which 100.00 MiB is free. Including non-PyTorch memory, this process has 23.40 GiB memory in use. Of the allocated \
+memory 20.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved by PyTorch but unallocated.
+"""
+
+GENERATION_OOM = """Traceback (most recent call last):
+  File "/opt/laden/laden/rollout/native/engine.py", line 310, in _step
+    logits = self.paged.decode(batch)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 139.80 GiB \
+of which 200.00 MiB is free. Of the allocated memory 130.00 GiB is allocated by PyTorch, and 10.00 MiB is reserved \
+by PyTorch but unallocated.
+"""
+
+HOST_OOM = """Traceback (most recent call last):
+  File "/opt/laden/laden/engine/roundpipe/host/store.py", line 150, in _allocate
+    flat = torch.empty(n, dtype=dtype)
+RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to \
+allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)
+"""
+
+
+def test_a_training_gpu_oom_gets_the_allocator_figures_and_this_runs_values(tmp_path):
+    d = classify(GPU_OOM, tiny_rl_config(tmp_path))
+    assert (d.kind, d.phase) == ("GPU memory", "training")
+    assert d.figures == pytest.approx({"tried to allocate": 2.0, "allocated by PyTorch": 20.1,
+                                       "reserved but unallocated": 1.5, "GPU capacity": 23.5,
+                                       "free at the failure": 100 / 1024})  # fmt: skip
+    assert d.fixes[0].startswith(
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (1.50 GiB"
+    )  # fragmentation
+    assert any(
+        f.startswith("actor.mb_spec.max_tokens_per_mb=256 (now 512") for f in d.fixes
+    )  # half the budget
+    assert d.fixes[-1].startswith("oom_policy=auto")
+    assert (
+        not classify(GPU_OOM, tiny_rl_config(tmp_path, "oom_policy=auto")).fixes[-1].startswith("oom_policy=")
+    )
+
+
+def test_a_generation_oom_names_the_rollout_knobs():
+    d = classify(
+        GENERATION_OOM,
+        load_config(str(ASSETS / "rl_tiny.yaml"), ["native.mem_fraction_static=0.5"], job="rl"),
+    )
+    assert (d.kind, d.phase) == ("GPU memory", "generation")
+    assert d.fixes == [
+        "rollout.max_concurrent_rollouts=32 (now 64): fewer sequences' KV cache and logits at once",
+        "native.mem_fraction_static=0.4 (now 0.5): a smaller KV cache leaves the trainer room",
+    ]  # 10 MiB of slack is not fragmentation: no allocator advice
+
+
+def test_a_host_oom_without_a_config_still_says_what_ran_out():
+    d = classify(HOST_OOM)
+    assert (d.kind, d.phase) == ("host memory", "model load")
+    assert d.fixes and "config" in d.fixes[0]
+    roundpipe = classify(
+        HOST_OOM, load_config(str(ASSETS / "rl_tiny.yaml"), ["actor.backend=roundpipe:d1"], job="rl")
+    )
+    assert roundpipe.fixes[0].startswith("actor.roundpipe.pin_model=register")
+    assert classify("ValueError: bad\n").kind == "not a memory error"
+
+
+def test_a_failed_run_leaves_error_log_and_doctor_reads_it(tmp_path, monkeypatch, capsys):
+    from laden.rl import trainer as rl_trainer
+    from laden.rl.trainer import run_rl
+
+    message = GPU_OOM.splitlines()[-3:]
+
+    def out_of_memory(self, groups, shares):
+        raise torch.OutOfMemoryError(" ".join(message).split("torch.OutOfMemoryError: ", 1)[1])
+
+    monkeypatch.setattr(rl_trainer._Run, "_train_on", out_of_memory)
+    cfg = tiny_rl_config(tmp_path, "total_train_steps=2")
+    with pytest.raises(torch.OutOfMemoryError):
+        run_rl(cfg, progress=False)
+    run_dir = tmp_path / cfg.experiment_name / cfg.trial_name
+    assert "CUDA out of memory" in (run_dir / "error.log").read_text()
+    d = diagnose(run_dir)
+    assert (d.kind, d.phase) == ("GPU memory", "training") and d.figures["tried to allocate"] == 2.0
+    assert main(["doctor", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory during training" in out and "actor.mb_spec.max_tokens_per_mb=256" in out
+    assert main(["doctor", str(tmp_path)]) == 2  # no error.log there: one line, exit status 2
+    assert "has no error.log" in capsys.readouterr().err
