@@ -303,3 +303,20 @@ def test_iterator_rejects_mismatched_state_and_tiny_datasets():
         GlobalBatchIterator(19, batch_size=4, shuffle=True, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=r"train_dataset\.batch_size=8 is larger than the 5 samples"):
         GlobalBatchIterator(5, batch_size=8, shuffle=True, seed=1)
+
+
+def test_fail_fast_puts_the_longest_samples_first_in_epoch_zero_only():
+    from laden.data import longest_first
+
+    lengths = [5, 9, 1, 9, 7, 3, 8, 2, 6, 4]
+    first = longest_first(lengths, 3)
+    assert first == [1, 3, 6]  # 9, 9 (lower index first), 8
+    plain = GlobalBatchIterator(10, batch_size=3, shuffle=True, seed=5)
+    fast = GlobalBatchIterator(10, batch_size=3, shuffle=True, seed=5, first=first)
+    assert next(fast) == first
+    rest = [i for i in plain.epoch_order(0) if i not in first]
+    assert fast.epoch_order(0) == first + rest  # the others keep their shuffled order
+    assert fast.epoch_order(1) == plain.epoch_order(1)
+    resumed = GlobalBatchIterator(10, batch_size=3, shuffle=True, seed=5, first=first)
+    resumed.load_state_dict(fast.state_dict())
+    assert [next(resumed) for _ in range(4)] == [next(fast) for _ in range(4)]  # resumed == uninterrupted

@@ -314,3 +314,25 @@ def test_backend_needing_more_processes_fails_before_loading(tmp_path, capsys):
     assert "actor.backend='fsdp:d2' needs 2 process(es) but 1 were launched" in err
     assert "torchrun --nproc_per_node 2" in err
     assert not (tmp_path / "sft-tiny").exists()  # nothing was written before the check
+
+
+def test_fail_fast_trains_the_longest_batch_first(tmp_path):
+    def tokens(trial, *extra):
+        result = run_sft(_cfg(tmp_path, trial, "total_train_steps=3", *extra), progress=False)
+        return [
+            json.loads(x)["num_tokens"] for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    plain, fast = tokens("plain"), tokens("fast", "train_dataset.fail_fast=true")
+    assert len(fast) == len(plain) == 3
+    assert fast[0] > plain[0] and fast[0] == max(fast)  # step 1 holds the 8 longest samples
+
+
+def test_valid_dataset_fail_fast_says_it_has_no_effect():
+    from laden.config.usage import fields_without_effect
+
+    cfg = load_config(
+        "examples/sft_tiny.yaml", [f"valid_dataset={{path: {ASSETS_DATA}, fail_fast: true}}"], job="sft"
+    )
+    (line,) = fields_without_effect(cfg, job="sft", engine="fsdp")
+    assert line.startswith("valid_dataset.fail_fast=True has no effect") and "train_dataset.fail_fast" in line

@@ -31,6 +31,10 @@ class DatasetConfig:
     """Sequences (prompts for RL) per optimizer step; does not affect peak memory."""
     shuffle: bool = True
     """Shuffle the samples every epoch (seeded by the top-level `seed`)."""
+    fail_fast: bool = False
+    """The first step trains on the `batch_size` longest samples (prompts for RL), the rest of epoch 0
+    in its usual order: a memory budget that cannot hold the longest batch fails at step 1 (or, with
+    `oom_policy: auto`, re-splits there), not hours into the run."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     completion_key: str = "completion"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples, unpack
-from laden.data.loader import GlobalBatchIterator
+from laden.data.loader import GlobalBatchIterator, longest_first
 from laden.data.packing import PACKING_ALGORITHMS, ffd_partition, kk_partition, partition_microbatches
 from laden.data.sft import LengthStats, Sample, build_sft_samples, sample_lengths, tokenize_sft_record
 from laden.data.sources import Records, load_records
@@ -12,6 +12,7 @@ __all__ = [
     "IGNORE_INDEX",
     "PACKING_ALGORITHMS",
     "GlobalBatchIterator",
+    "longest_first",
     "LengthStats",
     "PackedBatch",
     "Records",

@@ -6,11 +6,13 @@ its position instead of replaying the iterator, and sees exactly the batches of 
 uninterrupted run. The state is three integers (epoch, step in epoch, seed) plus the
 dataset shape it was taken for, checked on load. With `drop_last`, the remainder of each
 epoch (fewer than `batch_size` samples) is skipped that epoch; shuffling moves it around.
+`first` (`train_dataset.fail_fast`: `longest_first`) moves the given samples to the front of
+epoch 0, the others keeping their order: the first step is the worst case for memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +22,14 @@ class GlobalBatchIterator:
     """The sample indices of each optimizer step: `next()` runs across epochs, `iter()` covers one epoch."""
 
     def __init__(
-        self, num_samples: int, *, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True
+        self,
+        num_samples: int,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool = True,
+        first: Sequence[int] = (),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"train_dataset.batch_size={batch_size} must be at least 1")
@@ -37,6 +46,7 @@ class GlobalBatchIterator:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        self.first = list(first)
         self.epoch = 0
         self.step_in_epoch = 0
         self._order: list[int] = []
@@ -52,11 +62,16 @@ class GlobalBatchIterator:
         return self.steps_per_epoch
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """The sample order of `epoch`, a pure function of (seed, epoch)."""
+        """The sample order of `epoch`, a pure function of (seed, epoch, first)."""
         if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+            order = list(range(self.num_samples))
+        else:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        if epoch == 0 and self.first:
+            front = set(self.first)
+            order = self.first + [i for i in order if i not in front]
+        return order
 
     def __next__(self) -> list[int]:
         """The next step's sample indices, crossing into the next epoch after the last batch."""
@@ -99,3 +114,9 @@ class GlobalBatchIterator:
             )
         self.epoch, self.step_in_epoch, self.seed = state["epoch"], state["step_in_epoch"], state["seed"]
         self._order_epoch = -1
+
+
+def longest_first(lengths: Sequence[int], batch_size: int) -> list[int]:
+    """The indices of the `batch_size` longest samples, longest first (ties: the lower index)."""
+    ranked = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return ranked[:batch_size]

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 
 from laden.config import AllocationMode, LadenConfig, dump_config, format_config, run_dir
 from laden.config.usage import fields_without_effect
-from laden.data import GlobalBatchIterator, PackedBatch, load_records
+from laden.data import GlobalBatchIterator, PackedBatch, load_records, longest_first
 from laden.engine.checkpoint import (
     checkpoint_meta,
     keep_new_hyperparameters,
@@ -214,9 +214,14 @@ class _Run:
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.actor.path)
         self.records = self._prompts_that_fit(load_records(cfg.train_dataset.path))
+        first = (
+            longest_first(self._prompt_lengths, cfg.train_dataset.batch_size)
+            if cfg.train_dataset.fail_fast
+            else []
+        )
         self.batches = GlobalBatchIterator(
             len(self.records), batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle,
-            seed=cfg.seed,
+            seed=cfg.seed, first=first,
         )  # fmt: skip
         epochs = self.batches.steps_per_epoch * cfg.total_train_epochs
         self.total_steps = min(cfg.total_train_steps or epochs, epochs)
@@ -283,6 +288,7 @@ class _Run:
 
         limit = self.cfg.train_dataset.max_length
         kept, dropped = [], 0
+        self._prompt_lengths: list[int] = []  # of the kept records (`train_dataset.fail_fast`)
         for record in records:
             try:
                 n = len(render_prompt(dict(record), self.tokenizer).ids)
@@ -292,6 +298,7 @@ class _Run:
                 dropped += 1
             else:
                 kept.append(record)
+                self._prompt_lengths.append(n)
         if not kept:
             raise ValueError(
                 f"train_dataset.path={self.cfg.train_dataset.path!r}: all {dropped} prompts are longer than "

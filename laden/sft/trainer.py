@@ -36,6 +36,7 @@ from laden.data import (
     PackedBatch,
     build_sft_samples,
     load_records,
+    longest_first,
     pack_samples,
     partition_microbatches,
 )
@@ -205,8 +206,12 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     valid, valid_stats = (
         prepare_data(cfg.valid_dataset, tokenizer, "valid") if cfg.valid_dataset else (None, None)
     )
+    first = (
+        longest_first([len(ids) for ids, _ in samples], cfg.train_dataset.batch_size)
+        if cfg.train_dataset.fail_fast else []
+    )  # fmt: skip
     batches = GlobalBatchIterator(len(samples), batch_size=cfg.train_dataset.batch_size,
-                                  shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)  # fmt: skip
+                                  shuffle=cfg.train_dataset.shuffle, seed=cfg.seed, first=first)  # fmt: skip
     total_steps = min(cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs,
                       batches.steps_per_epoch * cfg.total_train_epochs)  # fmt: skip
     if history.checkpoint is not None and history.checkpoint_step >= total_steps:
