@@ -1,4 +1,4 @@
-"""`laden sft | rl | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -150,6 +150,22 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from laden.memory.estimate import plan_phases
+    from laden.memory.plan import default_budgets, parse_size, render
+
+    cfg = _load(args, args.job or "any")
+    job = args.job or ("rl" if cfg.train_dataset.type == "rl" else "sft")
+    gpu, host = default_budgets()
+    if args.gpu_mem is not None:
+        gpu = parse_size(args.gpu_mem, option="--gpu-mem")
+    if args.host_mem is not None:
+        host = parse_size(args.host_mem, option="--host-mem")
+    text, fits = render(plan_phases(cfg, gpu_capacity=gpu, job=job), cfg, gpu_budget=gpu, host_budget=host)
+    print(text)
+    return 0 if fits else 1
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.path is not None:
         from laden.memory.doctor import diagnose
@@ -208,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--job", choices=["sft", "rl", "any"], default="any", help="which rules to check")
     with_config(config)
     config.set_defaults(func=cmd_config)
+
+    plan = sub.add_parser("plan", help="predicted GPU and host peaks per phase, against the budgets")
+    with_config(plan)
+    plan.add_argument("--job", choices=["sft", "rl"], default=None, help="default: rl for an rl dataset")
+    plan.add_argument("--gpu-mem", default=None, help="GPU budget per rank, e.g. 24GiB (default: this GPU)")
+    plan.add_argument("--host-mem", default=None, help="host budget, e.g. 128GiB (default: this machine)")
+    plan.set_defaults(func=cmd_plan)
 
     doctor = sub.add_parser(
         "doctor", help="report the environment laden sees, or diagnose a failed run (RUN_DIR or a log file)"

@@ -139,6 +139,11 @@ def _load_config(path: Path) -> Any:
         return None
 
 
+def phase_fixes(cfg: Any, phase: str | None, *, host: bool) -> list[str]:
+    """The knob changes for running out of host or GPU memory in `phase`, with values for `cfg`."""
+    return _host_fixes(cfg) if host else _gpu_fixes(cfg, phase, {})
+
+
 def _gpu_fixes(cfg: Any, phase: str | None, figures: dict[str, float]) -> list[str]:
     fixes: list[str] = []
     slack = figures.get("reserved but unallocated", 0.0)

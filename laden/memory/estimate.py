@@ -1,0 +1,330 @@
+"""Predicted GPU and host peaks per phase (training, generation, weight update), per engine.
+
+Each estimator answers for one phase of one engine from the config and a shapes-only model
+(built on the meta device from `actor.path`'s config.json: no weights read, no memory taken),
+as a list of named components with their GPU and host bytes on one rank. What is exact and
+what is an estimate:
+
+- exact (the bytes the engine allocates; tests compare them with a CPU run): model states,
+  i.e. parameters, gradients, master weights and optimizer states at their dtypes and
+  shardings (fsdp) and the roundpipe host store (`roundpipe.host.memory`); the native engine's
+  KV cache for a given number of blocks; weight-update buckets.
+- estimated (validated against measured peaks on a GPU, `benchmarks/RESULTS.md`): activations
+  under the recompute policy, the loss's logits (chunked or whole), the gathered layers of
+  FSDP, the sampler's logits, and the allocator's slack.
+
+`MemoryEstimator` is the seam: an engine that wants `laden plan` to plan for it implements
+`estimate(cfg, shapes)`. No estimator reaches into an engine's internals; they read the
+config and the model's shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    name: str
+    gpu: int = 0
+    host: int = 0
+    exact: bool = True
+    """Whether the bytes are what the engine allocates (else an estimate)."""
+
+
+@dataclass(slots=True)
+class PhaseEstimate:
+    phase: str
+    engine: str
+    components: list[Component] = field(default_factory=list)
+
+    @property
+    def gpu(self) -> int:
+        return sum(c.gpu for c in self.components)
+
+    @property
+    def host(self) -> int:
+        return sum(c.host for c in self.components)
+
+    def largest(self, where: str) -> Component | None:
+        """The component with the most bytes on `where` ("gpu" or "host")."""
+        ranked = [c for c in self.components if getattr(c, where) > 0]
+        return max(ranked, key=lambda c: getattr(c, where)) if ranked else None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What the estimators need to know of a causal LM, read from a meta-device build."""
+
+    num_params: int
+    embed_params: int
+    head_params: int  # 0 when tied to the embedding
+    layer_params: int  # the largest decoder layer
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_model(cls, model: Any) -> ModelShapes:
+        cfg = model.config
+        layers = model.model.layers
+        heads = int(cfg.num_attention_heads)
+        head = model.get_output_embeddings().weight
+        embed = model.get_input_embeddings().weight
+        tied = head is embed
+        return cls(
+            num_params=sum(p.numel() for p in model.parameters()), embed_params=embed.numel(),
+            head_params=0 if tied else head.numel(), layer_params=max(sum(p.numel() for p in m.parameters()) for m in layers),
+            num_layers=len(layers), hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size),
+            vocab_size=int(cfg.vocab_size), num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads), tied=tied,
+        )  # fmt: skip
+
+    @classmethod
+    def from_path(cls, path: str) -> ModelShapes:
+        """From a model directory's config.json (a `.gguf` file's metadata is not read here)."""
+        return cls.from_model(meta_model(path))
+
+
+def meta_model(path: str) -> Any:
+    """`path`'s causal LM with every parameter on the meta device (shapes only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+class MemoryEstimator(Protocol):
+    """One phase of one engine: its predicted components on one rank."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate: ...
+
+
+def _nbytes(dtype_name: str) -> int:
+    from laden.model.dtypes import torch_dtype
+
+    return torch_dtype(dtype_name).itemsize
+
+
+def master_dtype(cfg: Any) -> torch.dtype:
+    """The master weights' dtype: bf16 for `adam_bf16`, else `actor.optimizer_dtype`."""
+    from laden.model.dtypes import torch_dtype
+    from laden.optim import OptimSettings
+
+    return OptimSettings.from_config(cfg.actor.optimizer, 1).master_dtype(
+        torch_dtype(cfg.actor.optimizer_dtype)
+    )
+
+
+def _state_keys(cfg: Any) -> int:
+    """Per-parameter optimizer state tensors at the master dtype (Adam's two moments, ...)."""
+    from laden.engine.roundpipe.host.memory import optimizer_state_keys
+
+    opt = cfg.actor.optimizer
+    return len(optimizer_state_keys(opt.type, getattr(opt, "momentum", 0.0)))
+
+
+def tokens_per_microbatch(cfg: Any) -> int:
+    """The largest micro-batch the trainer packs: the token budget, else one longest sequence."""
+    longest = cfg.train_dataset.max_length + (
+        cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0
+    )
+    return int(cfg.actor.mb_spec.max_tokens_per_mb or longest)
+
+
+def activation_bytes(cfg: Any, shapes: ModelShapes, tokens: int, *, checkpointed: bool) -> int:
+    """Saved activations of one micro-batch's forward (an estimate): with recompute the layer
+    boundaries plus one layer's saved tensors; without, every layer's. A decoder layer saves about
+    its two norms' inputs (2h), q / k / v and the attention output (2 q + 2 kv widths) and the MLP's
+    gate, up and activation (3i), in the compute dtype."""
+    s = shapes
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    per_token_layer = (2 * s.hidden_size + 2 * q + 2 * kv + 3 * s.intermediate_size) * _nbytes(
+        cfg.actor.dtype
+    )
+    boundary = s.hidden_size * _nbytes(cfg.actor.dtype)
+    if checkpointed:
+        return tokens * (s.num_layers * boundary + per_token_layer)
+    return tokens * s.num_layers * per_token_layer
+
+
+def logits_bytes(cfg: Any, shapes: ModelShapes, tokens: int) -> int:
+    """The loss's logits and their gradient in fp32: one chunk of `actor.loss_chunk_size` tokens
+    with `actor.chunked_loss`, every token without."""
+    rows = min(tokens, cfg.actor.loss_chunk_size) if cfg.actor.chunked_loss else tokens
+    return 2 * rows * shapes.vocab_size * 4
+
+
+class FsdpTraining:
+    """The fsdp engine's training step on one rank (`actor.backend: fsdp:dN[tM][cK]`)."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
+        from laden.config import AllocationMode
+
+        mode = AllocationMode.parse(cfg.actor.backend)
+        shards = mode.dp * mode.cp * mode.tp
+        master = master_dtype(cfg).itemsize
+        n = shapes.num_params
+        sharded = lambda per_param: math.ceil(n / shards) * per_param  # noqa: E731
+        where = "host" if cfg.actor.fsdp.offload_params else "gpu"
+        states = _state_keys(cfg) * master
+        parts = [
+            Component("parameters (master)", **{where: sharded(master)}),
+            Component("gradients", **{where: sharded(master)}),
+            Component(f"optimizer states ({cfg.actor.optimizer.type})", **{where: sharded(states)}),
+        ]
+        tokens = tokens_per_microbatch(cfg)
+        compute = _nbytes(cfg.actor.dtype)
+        if shards > 1 or compute != master:  # unsharded compute-dtype copies of a layer and the next
+            biggest = max(shapes.layer_params, shapes.embed_params, shapes.head_params)
+            parts.append(Component("gathered layers (this and the prefetched next)", gpu=2 * biggest * compute // mode.tp, exact=False))  # fmt: skip
+        act_tokens = math.ceil(tokens / mode.cp)
+        parts.append(Component(
+            "activations" + (" (recompute)" if cfg.actor.gradient_checkpointing else ""),
+            gpu=activation_bytes(cfg, shapes, act_tokens, checkpointed=cfg.actor.gradient_checkpointing),
+            exact=False,
+        ))  # fmt: skip
+        parts.append(Component("loss logits" + (" (chunked)" if cfg.actor.chunked_loss else ""),
+                               gpu=logits_bytes(cfg, shapes, act_tokens), exact=False))  # fmt: skip
+        return PhaseEstimate("training", f"fsdp ({cfg.actor.backend})", parts)
+
+
+class RoundPipeTraining:
+    """The roundpipe engine: model states in host memory (exact, `roundpipe.host.memory`), the GPU
+    holding two stages at a time under `actor.roundpipe.model_memory_limit`."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes, *, model: Any = None) -> PhaseEstimate:
+        from laden.engine.roundpipe.host.memory import predict_engine_host_bytes
+        from laden.model.dtypes import torch_dtype
+        from laden.optim import OptimSettings
+
+        rp = cfg.actor.roundpipe
+        model = model if model is not None else meta_model(cfg.actor.path)
+        tokens = tokens_per_microbatch(cfg)
+        limit = rp.model_memory_limit
+        by_kind = predict_engine_host_bytes(
+            model, optim=OptimSettings.from_config(cfg.actor.optimizer, 1), compute_dtype=torch_dtype(cfg.actor.dtype),
+            optimizer_dtype=torch_dtype(cfg.actor.optimizer_dtype), pin_model=rp.pin_model, optim_step=rp.optim_step,
+            pinned=torch.cuda.is_available(), recompute_grain=rp.recompute_grain, num_microbatches=rp.num_microbatch or 1,
+            max_tokens_per_mb=tokens, model_memory_limit=limit,
+        )  # fmt: skip
+        parts = [
+            Component(f"host: {kind}", host=b, exact=kind != "activations")
+            for kind, b in by_kind.items()
+            if b
+        ]
+        if limit:
+            parts.append(
+                Component("stages on the GPU (model_memory_limit)", gpu=int(limit * GIB), exact=False)
+            )
+        parts.append(Component("loss logits" + (" (chunked)" if cfg.actor.chunked_loss else ""),
+                               gpu=logits_bytes(cfg, shapes, tokens), exact=False))  # fmt: skip
+        return PhaseEstimate("training", f"roundpipe ({cfg.actor.backend})", parts)
+
+
+class NativeGeneration:
+    """The embedded rollout engine: its weights, its paged KV cache and the sampler's logits."""
+
+    def __init__(self, gpu_capacity: int | None = None) -> None:
+        self.gpu_capacity = gpu_capacity
+        """Bytes of the GPU planned for: the cache then fills `native.mem_fraction_static` of it after the
+        weights and a profiling pass, as the engine sizes it on CUDA; None: the engine's CPU sizing."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
+        from laden.model.dtypes import torch_dtype
+        from laden.rollout.factory import max_concurrent_rollouts
+        from laden.rollout.native.kv_cache import KVCache
+
+        dtype = torch_dtype(cfg.actor.dtype)
+        weights = shapes.num_params * dtype.itemsize
+        concurrent = max_concurrent_rollouts(cfg)
+        on_gpu = self.gpu_capacity is not None  # planning for a GPU: the engine's CUDA settings
+        block = 32 if on_gpu else 16
+        per_block = KVCache.bytes_per_block(
+            num_layers=shapes.num_layers, block_size=block, kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
+            dtype=dtype,
+        )  # fmt: skip
+        max_len = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+        s = shapes
+        # the engine's profiling pass: one layer's prefill tensors at its largest prefill batch
+        prefill_tokens = 16384 if on_gpu else 2048
+        widths = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        prefill = prefill_tokens * widths * dtype.itemsize
+        parts = [Component(f"weights ({cfg.actor.dtype})", gpu=weights)]
+        if self.gpu_capacity is not None:
+            parts.append(
+                Component(f"prefill activations ({prefill_tokens} tokens)", gpu=prefill, exact=False)
+            )
+            cache = max(0, int(cfg.native.mem_fraction_static * self.gpu_capacity) - weights - prefill)
+            cache = cache // per_block * per_block
+            how = f"mem_fraction_static={cfg.native.mem_fraction_static}"
+        else:  # what every request in flight needs at its longest, as the engine sizes it off the GPU
+            cache = (concurrent * (math.ceil(max_len / block) + 1) + 1) * per_block
+            how = f"{concurrent} sequences x {max_len} tokens"
+        sampler = 2 * concurrent * shapes.vocab_size * 4
+        parts += [
+            Component(f"KV cache ({how})", gpu=cache),
+            Component("sampler logits", gpu=sampler, exact=False),
+        ]
+        return PhaseEstimate("generation", f"native ({cfg.rollout.backend})", parts)
+
+
+class WeightUpdate:
+    """Trainer to rollout engine: buckets of `actor.weight_chunked_mem_mb`, or a disk shard staged."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
+        mode = cfg.actor.weight_update_mode
+        bucket = cfg.actor.weight_chunked_mem_mb * 2**20
+        if mode == "xccl" and cfg.rollout.backend.startswith("native:"):
+            mode = "in place"  # the native engine in the trainer's process: no broadcast (`laden.rl`)
+        if mode == "disk":
+            parts = [Component("host staging of one shard", host=bucket)]
+        elif mode == "xccl":
+            parts = [Component("broadcast bucket (sender and receiver)", gpu=2 * bucket)]
+        else:  # in place: a tensor at a time, copied into the engine's own storage
+            biggest = max(shapes.embed_params, shapes.head_params, 1)
+            parts = [
+                Component(
+                    "one tensor in the compute dtype", gpu=biggest * _nbytes(cfg.actor.dtype), exact=False
+                )
+            ]
+        return PhaseEstimate("weight update", mode, parts)
+
+
+def training_estimator(cfg: Any) -> Any:
+    from laden.config import AllocationMode
+
+    backend = AllocationMode.parse(cfg.actor.backend).backend
+    if backend == "roundpipe":
+        return RoundPipeTraining()
+    if backend == "fsdp":
+        return FsdpTraining()
+    raise ValueError(f"actor.backend={cfg.actor.backend!r}: laden plan has no estimator for {backend!r} yet")
+
+
+def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEstimate]:
+    """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update."""
+    model = meta_model(cfg.actor.path)
+    shapes = ModelShapes.from_model(model)
+    estimator = training_estimator(cfg)
+    training = estimator.estimate(cfg, shapes, model=model) if isinstance(estimator, RoundPipeTraining) else estimator.estimate(cfg, shapes)  # fmt: skip
+    phases = [training]
+    if job == "rl" and cfg.rollout.backend.startswith("native:"):
+        phases.append(NativeGeneration(gpu_capacity).estimate(cfg, shapes))
+    if job == "rl":
+        phases.append(WeightUpdate().estimate(cfg, shapes))
+    return phases

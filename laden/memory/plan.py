@@ -1,0 +1,94 @@
+"""`laden plan`: the predicted GPU and host peaks of every phase of a config, against the budgets.
+
+    laden plan --config X.yaml [--gpu-mem 24GiB] [--host-mem 128GiB] [dotted overrides]
+
+One table per phase (`laden.memory.estimate`): each component's bytes on one rank, marked
+exact (what the engine allocates) or estimated, the phase's totals, and against each budget
+(default: this machine's GPU and host memory; without a GPU, `--gpu-mem` or none) whether it
+fits and, when it does not, the component that binds and the knob changes that fix it, with
+values for this config (`laden.memory.oom`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from laden.memory.estimate import GIB, PhaseEstimate
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
+_UNIT = {
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_size(text: str, *, option: str) -> int:
+    """`24GiB`, `80GB`, `512MiB`, `1.5TiB` (a bare number is GiB) -> bytes."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"{option}={text!r} is not a size; write e.g. 24GiB, 80GB or 512MiB")
+    return int(float(m.group(1)) * _UNIT[(m.group(2) or "GiB").lower()])
+
+
+def default_budgets() -> tuple[int | None, int | None]:
+    """(this machine's first GPU, or None; its host memory)."""
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        host = None
+    return gpu, host
+
+
+def render(
+    phases: list[PhaseEstimate], cfg: Any, *, gpu_budget: int | None, host_budget: int | None
+) -> tuple[str, bool]:
+    """The plan as text, and whether every phase fits both budgets."""
+    lines: list[str] = []
+    fits = True
+    largest = max((max(p.gpu, p.host) for p in phases), default=0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    for phase in phases:
+        lines.append(f"{phase.phase} on {phase.engine}")
+        lines.append(f"  {'component':<52} {'GPU ' + unit:>9} {'host ' + unit:>9}")
+        for c in phase.components:
+            mark = "" if c.exact else "  (estimate)"
+            lines.append(f"  {c.name:<52} {c.gpu / scale:>9.2f} {c.host / scale:>9.2f}{mark}")
+        lines.append(f"  {'total':<52} {phase.gpu / scale:>9.2f} {phase.host / scale:>9.2f}")
+        for where, budget, total in (("GPU", gpu_budget, phase.gpu), ("host", host_budget, phase.host)):
+            if budget is None or total <= budget:
+                continue
+            fits = False
+            binding = phase.largest("gpu" if where == "GPU" else "host")
+            lines.append(
+                f"  over the {where} budget of {budget / GIB:.2f} GiB by {(total - budget) / GIB:.2f} GiB; "
+                f"the largest part: {binding.name if binding else '?'}"
+            )
+            lines += [f"    fix: {fix}" for fix in _fixes(phase, where, cfg)]
+        lines.append("")
+    budgets = ", ".join(
+        f"{name} {b / GIB:.2f} GiB"
+        for name, b in (("GPU", gpu_budget), ("host", host_budget))
+        if b is not None
+    )
+    lines.append(
+        ("fits" if fits else "does not fit") + (f" ({budgets})" if budgets else " (no budget given)")
+    )
+    return "\n".join(lines), fits
+
+
+def _fixes(phase: PhaseEstimate, where: str, cfg: Any) -> list[str]:
+    from laden.memory.doctor import phase_fixes
+
+    return phase_fixes(cfg, phase.phase, host=where == "host")

@@ -1,0 +1,125 @@
+"""`laden plan`'s estimators: exact components equal what the CPU engines allocate; the CLI plans
+without a GPU and names the fix when a budget is too small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rl_runs import ASSETS, tiny_rl_config
+
+from laden.cli import main
+from laden.memory.estimate import FsdpTraining, ModelShapes, NativeGeneration, RoundPipeTraining, WeightUpdate
+from laden.memory.plan import parse_size
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _shapes():
+    return ModelShapes.from_path(str(ASSETS / "tiny"))
+
+
+def _by_name(phase):
+    return {c.name: c for c in phase.components}
+
+
+def _one_step(cfg):
+    """The engine `cfg` builds on the CPU, after one optimizer step on one micro-batch."""
+    from laden.data import pack_samples
+    from laden.engine.runtime import Runtime, build_engine, load_model
+
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
+    engine = build_engine(cfg, load_model(cfg, rt), rt, total_steps=1)
+    ids = list(range(3, 40))
+    mb = pack_samples([(ids, [0] * 5 + [1] * (len(ids) - 5))])
+    engine.train_batch([mb], global_num_loss_tokens=mb.num_loss_tokens)
+    return engine
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adam_bf16", "sgd"])
+def test_fsdp_model_states_equal_what_the_engine_allocates(tmp_path, optimizer):
+    cfg = tiny_rl_config(tmp_path, f"actor.optimizer.type={optimizer}")
+    phase = FsdpTraining().estimate(cfg, _shapes())
+    engine = _one_step(cfg)
+    params = list(engine.model.parameters())
+    parts = _by_name(phase)
+    assert parts["parameters (master)"].gpu == sum(p.numel() * p.element_size() for p in params)
+    assert parts["gradients"].gpu == sum(p.grad.numel() * p.grad.element_size() for p in params)
+    states = sum(
+        v.numel() * v.element_size()
+        for state in engine.optimizer.state.values()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and k != "step" and v.numel() > 1
+    )
+    assert parts[f"optimizer states ({optimizer})"].gpu == states
+    estimated = ("activations", "loss logits", "gathered layers")
+    assert all(c.exact == (not c.name.startswith(estimated)) for c in phase.components)
+
+
+def test_offloaded_fsdp_states_are_host_bytes(tmp_path):
+    on_gpu = FsdpTraining().estimate(tiny_rl_config(tmp_path), _shapes())
+    offloaded = FsdpTraining().estimate(tiny_rl_config(tmp_path, "actor.fsdp.offload_params=true"), _shapes())
+    moved = ("parameters (master)", "gradients", "optimizer states (adam)")
+    assert [(_by_name(offloaded)[n].host, _by_name(offloaded)[n].gpu) for n in moved] == [
+        (_by_name(on_gpu)[n].gpu, 0) for n in moved
+    ]
+
+
+def test_roundpipe_host_store_equals_what_the_engine_allocates(tmp_path):
+    from laden.engine.roundpipe.host.memory import measured_host_bytes
+
+    cfg = tiny_rl_config(tmp_path, "actor.backend=roundpipe:d1")
+    phase = RoundPipeTraining().estimate(cfg, _shapes())
+    engine = _one_step(cfg)
+    engine.pipe.jobs.drain()  # the asynchronous optimizer step has created its states
+    measured = measured_host_bytes(engine.pipe.store, engine.optimizer)
+    predicted = {c.name.removeprefix("host: "): c.host for c in phase.components if c.host and c.exact}
+    assert predicted == {k: v for k, v in measured.items() if v and k in predicted}
+    assert sum(predicted.values()) == sum(v for k, v in measured.items() if k != "activations")
+
+
+def test_the_native_kv_cache_equals_the_engines(tmp_path):
+    from laden.model.hf.loading import load_causal_lm
+    from laden.rollout.factory import build_rollout_engine
+
+    cfg = tiny_rl_config(tmp_path, "rollout.max_concurrent_rollouts=8")
+    phase = NativeGeneration().estimate(cfg, _shapes())
+    model = load_causal_lm(cfg.actor.path, dtype=torch.float32, init_from_config=True)
+    engine = build_rollout_engine(cfg, model=model, device=torch.device("cpu"))
+    parts = _by_name(phase)
+    assert parts["KV cache (8 sequences x 56 tokens)"].gpu == engine.core.cache.nbytes
+    assert parts["weights (float32)"].gpu == sum(p.numel() * p.element_size() for p in model.parameters())
+    sized = NativeGeneration(gpu_capacity=2**30).estimate(cfg, _shapes())
+    (cache,) = [c for c in sized.components if c.name.startswith("KV cache")]
+    assert cache.gpu <= int(cfg.native.mem_fraction_static * 2**30) - parts["weights (float32)"].gpu
+
+
+def test_weight_update_buckets(tmp_path):
+    xccl = WeightUpdate().estimate(tiny_rl_config(tmp_path, "actor.weight_chunked_mem_mb=256"), _shapes())
+    assert xccl.engine == "in place"  # the native engine in the trainer's process: copied, not broadcast
+    disk = WeightUpdate().estimate(
+        tiny_rl_config(tmp_path, "actor.weight_update_mode=disk", "actor.weight_chunked_mem_mb=256"),
+        _shapes(),
+    )
+    assert disk.host == 256 * 2**20 and disk.gpu == 0
+
+
+def test_laden_plan_without_a_gpu(capsys):
+    assert main(["plan", "--job", "rl", "--gpu-mem", "1GiB", "--host-mem", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "training on fsdp (fsdp:d1)" in out
+        and "generation on native" in out
+        and out.rstrip().endswith("fits (GPU 1.00 GiB, host 8.00 GiB)")
+    )
+    assert main(["plan", "--job", "rl", "--gpu-mem", "1MiB"]) == 1
+    out = capsys.readouterr().out
+    assert "over the GPU budget of 0.00 GiB" in out and "fix: actor.mb_spec.max_tokens_per_mb=" in out
+    assert "does not fit" in out
+    assert main(["plan", "--gpu-mem", "lots"]) == 2
+    assert "--gpu-mem='lots' is not a size" in capsys.readouterr().err
+
+
+def test_sizes():
+    assert parse_size("24GiB", option="x") == 24 * 2**30
+    assert parse_size("80 GB", option="x") == 80 * 10**9
+    assert parse_size("1.5", option="x") == int(1.5 * 2**30)
