@@ -99,3 +99,38 @@ def test_a_failed_run_leaves_error_log_and_doctor_reads_it(tmp_path, monkeypatch
     assert "GPU memory during training" in out and "actor.mb_spec.max_tokens_per_mb=256" in out
     assert main(["doctor", str(tmp_path)]) == 2  # no error.log there: one line, exit status 2
     assert "has no error.log" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("phase", ["generation", "weight update"])
+def test_generation_and_weight_update_ooms_stop_with_the_phase_and_its_fixes(tmp_path, monkeypatch, phase):
+    from laden.memory.oom import PhaseOOMError
+    from laden.rl import trainer as rl_trainer
+    from laden.rl.trainer import run_rl
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    target = "_collect_batch" if phase == "generation" else "_push_weights"
+    original = getattr(rl_trainer._Run, target)
+    calls = []
+
+    async def fail_later(self, *args):
+        calls.append(1)
+        if len(calls) == 2:  # the first update / batch (the engine's initial weights) goes through
+            out_of_memory()
+        return await original(self, *args)
+
+    monkeypatch.setattr(rl_trainer._Run, target, fail_later)
+    cfg = tiny_rl_config(tmp_path, "total_train_steps=3")
+    with pytest.raises(PhaseOOMError) as err:
+        run_rl(cfg, progress=False)
+    assert err.value.phase == phase and err.value.where == "GPU"
+    fix = (
+        "rollout.max_concurrent_rollouts=32 (now 64)"
+        if phase == "generation"
+        else "actor.weight_update_mode=disk"
+    )
+    assert f"{phase} for step 2 ran out of GPU memory" in str(err.value) and fix in str(err.value)
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+    log = (tmp_path / cfg.experiment_name / cfg.trial_name / "error.log").read_text()
+    assert "CUDA out of memory" in log and "PhaseOOMError" in log

@@ -169,11 +169,15 @@ def _gpu_fixes(cfg: Any, phase: str | None, figures: dict[str, float]) -> list[s
         return fixes
     if phase == "weight update":
         chunk = cfg.actor.weight_chunked_mem_mb
-        fixes.append(
-            f"actor.weight_chunked_mem_mb={max(64, chunk // 4)} (now {chunk}): smaller update buckets"
-        )
+        if not (cfg.actor.weight_update_mode == "xccl" and cfg.rollout.backend.startswith("native:")):
+            # (the native engine in the trainer's process is filled tensor by tensor: no buckets)
+            fixes.append(
+                f"actor.weight_chunked_mem_mb={max(64, chunk // 4)} (now {chunk}): smaller update buckets"
+            )
         if cfg.actor.weight_update_mode != "disk":
-            fixes.append("actor.weight_update_mode=disk (no GPU buckets at all)")
+            fixes.append(
+                "actor.weight_update_mode=disk (the engine reads the update from files, no GPU buckets)"
+            )
         return fixes
     from laden.memory.oom import host_oom_advice, training_oom_advice
 

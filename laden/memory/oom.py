@@ -125,3 +125,22 @@ class TrainingOOMError(RuntimeError):
             + "Change one of, most effective first:\n"
             + "\n".join(f"  - {line}" for line in lines)
         )
+
+
+class PhaseOOMError(RuntimeError):
+    """Generation or a weight update of `laden rl` ran out of memory: the phase, the step, and the
+    knob changes for this run (`laden.memory.doctor.phase_fixes`). The run stops; nothing is lost
+    (a rerun resumes from the newest checkpoint). `oom_policy: auto` re-splits training steps only."""
+
+    def __init__(self, cfg: LadenConfig, *, phase: str, step: int, cause: BaseException) -> None:
+        from laden.memory.doctor import phase_fixes
+
+        host = is_host_oom(cause)
+        self.phase, self.where = phase, "host" if host else "GPU"
+        fixes = phase_fixes(cfg, phase, host=host)
+        super().__init__(
+            f"{phase} for step {step} ran out of {self.where} memory ({str(cause).splitlines()[0][:200]}). "
+            "The run stops here; a rerun of the same command resumes from the newest checkpoint.\n"
+            + "Change one of, most effective first:\n"
+            + "\n".join(f"  - {line}" for line in fixes)
+        )

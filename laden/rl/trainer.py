@@ -77,6 +77,7 @@ from laden.engine.runtime import (
     seed_everything,
     start_runtime,
 )
+from laden.memory.oom import PhaseOOMError, is_oom
 from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
@@ -445,6 +446,7 @@ class _Run:
 
     async def _produce(self, start: int, queue: asyncio.Queue, k: int) -> None:
         """Batches of trajectories, at most `k` ahead of the trainer (k = 0: after each update)."""
+        b = start + 1
         try:
             for b in range(start + 1, self.total_steps + 1):
                 async with self.progress_cond:  # batch b starts only when step b - 1 - k is trained
@@ -456,6 +458,10 @@ class _Run:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
+            if is_oom(e):
+                oom = PhaseOOMError(self.cfg, phase="generation", step=b, cause=e)
+                oom.__cause__ = e
+                e = oom
             await queue.put(e)
 
     def _trained_through(self, step: int):
@@ -532,7 +538,12 @@ class _Run:
             await self.rollout.wake()
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        await self._push_weights(step)
+        try:
+            await self._push_weights(step)
+        except Exception as exc:
+            if is_oom(exc):
+                raise PhaseOOMError(self.cfg, phase="weight update", step=step, cause=exc) from exc
+            raise
         update_s = time.perf_counter() - t0
         rewards = torch.tensor([r for r, _, _ in everyone])
         lengths = torch.tensor([n for _, n, _ in everyone], dtype=torch.float32)
