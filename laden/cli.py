@@ -152,7 +152,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from laden.memory.estimate import plan_phases
-    from laden.memory.plan import default_budgets, parse_size, render
+    from laden.memory.plan import default_budgets, parse_size, plot, render
 
     cfg = _load(args, args.job or "any")
     job = args.job or ("rl" if cfg.train_dataset.type == "rl" else "sft")
@@ -161,8 +161,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu = parse_size(args.gpu_mem, option="--gpu-mem")
     if args.host_mem is not None:
         host = parse_size(args.host_mem, option="--host-mem")
-    text, fits = render(plan_phases(cfg, gpu_capacity=gpu, job=job), cfg, gpu_budget=gpu, host_budget=host)
+    phases = plan_phases(cfg, gpu_capacity=gpu, job=job)
+    text, fits = render(phases, cfg, gpu_budget=gpu, host_budget=host)
     print(text)
+    if args.plot:
+        plot(phases, args.plot, gpu_budget=gpu, host_budget=host)
+        print(f"breakdown drawn in {args.plot}")
     return 0 if fits else 1
 
 
@@ -230,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--job", choices=["sft", "rl"], default=None, help="default: rl for an rl dataset")
     plan.add_argument("--gpu-mem", default=None, help="GPU budget per rank, e.g. 24GiB (default: this GPU)")
     plan.add_argument("--host-mem", default=None, help="host budget, e.g. 128GiB (default: this machine)")
+    plan.add_argument("--plot", default=None, help="draw the breakdown into this PNG file (needs matplotlib)")
     plan.set_defaults(func=cmd_plan)
 
     doctor = sub.add_parser(

@@ -123,3 +123,13 @@ def test_sizes():
     assert parse_size("24GiB", option="x") == 24 * 2**30
     assert parse_size("80 GB", option="x") == 80 * 10**9
     assert parse_size("1.5", option="x") == int(1.5 * 2**30)
+
+
+def test_laden_plan_draws_the_breakdown(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert main(["plan", "--job", "rl", "--gpu-mem", "1GiB", "--plot", str(out)]) == 0
+    assert (
+        out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and f"breakdown drawn in {out}" in capsys.readouterr().out
+    )

@@ -1,12 +1,13 @@
 """`laden plan`: the predicted GPU and host peaks of every phase of a config, against the budgets.
 
-    laden plan --config X.yaml [--gpu-mem 24GiB] [--host-mem 128GiB] [dotted overrides]
+    laden plan --config X.yaml [--gpu-mem 24GiB] [--host-mem 128GiB] [--plot out.png] [dotted overrides]
 
 One table per phase (`laden.memory.estimate`): each component's bytes on one rank, marked
 exact (what the engine allocates) or estimated, the phase's totals, and against each budget
 (default: this machine's GPU and host memory; without a GPU, `--gpu-mem` or none) whether it
 fits and, when it does not, the component that binds and the knob changes that fix it, with
-values for this config (`laden.memory.oom`).
+values for this config (`laden.memory.oom`). `--plot` draws each phase's GPU and host bytes as
+stacked bars, one segment per component, with the budgets as lines (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -92,3 +93,34 @@ def _fixes(phase: PhaseEstimate, where: str, cfg: Any) -> list[str]:
     from laden.memory.doctor import phase_fixes
 
     return phase_fixes(cfg, phase.phase, host=where == "host")
+
+
+def plot(phases: list[PhaseEstimate], path: str, *, gpu_budget: int | None, host_budget: int | None) -> None:
+    """Stacked bars per phase and side (GPU, host), one segment per component; budgets as lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ValueError(f"--plot {path}: needs matplotlib ({err}); pip install matplotlib") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, side, budget in ((axes[0], "gpu", gpu_budget), (axes[1], "host", host_budget)):
+        for x, phase in enumerate(phases):
+            bottom = 0.0
+            for c in phase.components:
+                value = getattr(c, side) / GIB
+                if value <= 0:
+                    continue
+                ax.bar(
+                    x, value, bottom=bottom, label=f"{phase.phase}: {c.name}", hatch="" if c.exact else "//"
+                )
+                bottom += value
+        if budget is not None:
+            ax.axhline(budget / GIB, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(phases)), [p.phase for p in phases])
+        ax.set_ylabel(f"{'GPU' if side == 'gpu' else 'host'} GiB (hatched: estimated)")
+        ax.legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
