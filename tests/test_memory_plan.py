@@ -133,3 +133,36 @@ def test_laden_plan_draws_the_breakdown(tmp_path, capsys):
         out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         and f"breakdown drawn in {out}" in capsys.readouterr().out
     )
+
+
+def test_gradient_checkpointing_auto_follows_the_prediction(tmp_path):
+    from laden.config import ConfigError, load_config
+    from laden.memory.auto import HEADROOM, resolve_auto
+
+    def resolved(budget, *extra):
+        cfg = tiny_rl_config(tmp_path, "actor.gradient_checkpointing=auto", *extra)
+        (line,) = resolve_auto(cfg, budget)
+        return cfg.actor.gradient_checkpointing, line
+
+    without = FsdpTraining().estimate(tiny_rl_config(tmp_path), _shapes()).gpu
+    assert resolved(int(without / HEADROOM) + 16)[0] is False  # fits without recompute: the faster choice
+    on, line = resolved(int(without / HEADROOM) - 16)
+    assert on is True and "auto -> true: predicted training peak" in line
+    assert resolved(1, "actor.backend=roundpipe:d1") == (False, "actor.gradient_checkpointing=auto -> false: "
+                                                         "roundpipe:d1 recomputes by design")  # fmt: skip
+    cfg = tiny_rl_config(tmp_path)
+    assert resolve_auto(cfg, 1) == [] and cfg.actor.gradient_checkpointing is False  # not auto: untouched
+    with pytest.raises(ConfigError, match="expected true or false or one of 'auto'"):
+        load_config(str(ASSETS / "rl_tiny.yaml"), ["actor.gradient_checkpointing=maybe"], job="rl")
+
+
+def test_a_run_records_the_value_auto_chose(tmp_path):
+    import yaml
+
+    from laden.rl.trainer import run_rl
+
+    result = run_rl(
+        tiny_rl_config(tmp_path, "actor.gradient_checkpointing=auto", "total_train_steps=1"), progress=False
+    )
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert saved["actor"]["gradient_checkpointing"] is False  # the tiny model fits this machine's memory

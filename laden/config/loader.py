@@ -388,17 +388,17 @@ def _coerce(value: Any, tp: Any, dotted: str, errors: list[str], default: Any) -
             f"e.g. {dotted}.{next(iter(_hints(section)))}=..."
         )
         return False, None
-    optional = _is_union(tp)
-    if optional:
-        if value is None:
-            return True, None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
-    converted = _convert_scalar(value, tp)
-    if converted is _INVALID:
-        expected = _describe(tp) + (" or null" if optional else "")
-        errors.append(f"{dotted}={_show(value)}: expected {expected}; set it to {_example(tp, default)}")
-        return False, None
-    return True, converted
+    choices = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
+    optional = _is_union(tp) and len(choices) < len(typing.get_args(tp))
+    if optional and value is None:
+        return True, None
+    for choice in choices:  # `bool | Literal["auto"]`: the first alternative that takes the value
+        converted = _convert_scalar(value, choice)
+        if converted is not _INVALID:
+            return True, converted
+    expected = " or ".join(_describe(c) for c in choices) + (" or null" if optional else "")
+    errors.append(f"{dotted}={_show(value)}: expected {expected}; set it to {_example(choices[0], default)}")
+    return False, None
 
 
 _INVALID = object()

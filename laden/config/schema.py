@@ -177,8 +177,10 @@ class ActorConfig:
     """Compute dtype of weights and activations."""
     optimizer_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage dtype of master weights and optimizer states."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward instead of keeping them."""
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute activations in backward instead of keeping them. `auto`: on when the planner
+    (`laden plan`) predicts that the training step without it does not fit this rank's memory (the
+    GPU's, or the host's on the CPU) and with it does; the choice and both peaks are logged."""
     attn_impl: Literal["auto", "varlen", "sdpa", "eager"] = "auto"
     """Attention kernel. `auto`: packed (padding-free) rows; rows of equal-length documents as one SDPA batch (cuDNN on Hopper GPUs), others through the varlen kernel. `varlen`: every packed row through the varlen kernel."""
     chunked_loss: bool = True

@@ -128,6 +128,15 @@ def check_world_size(cfg: LadenConfig, rt: Runtime, job: str) -> None:
         )
 
 
+def resolve_auto_knobs(cfg: LadenConfig, rt: Runtime) -> None:
+    """Every `auto` knob of `cfg` set from the planner's predictions for this rank's memory, logged."""
+    from laden.memory.auto import resolve_auto, training_budget
+
+    for line in resolve_auto(cfg, training_budget(torch.device(rt.device))):
+        if rt.is_main:
+            log.info("%s", line)
+
+
 # ------------------------------------------------------------------------------ the model
 
 

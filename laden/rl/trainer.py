@@ -74,6 +74,7 @@ from laden.engine.runtime import (
     check_world_size,
     engine_kind,
     load_model,
+    resolve_auto_knobs,
     seed_everything,
     start_runtime,
 )
@@ -119,6 +120,7 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     """RL-tune `cfg.actor.path` on the prompts of `cfg.train_dataset`; see the module docstring."""
     rt = start_runtime()
     check_world_size(cfg, rt, "rl")
+    resolve_auto_knobs(cfg, rt)
     if rt.is_main:
         for line in fields_without_effect(cfg, job="rl", engine=engine_kind(cfg)):
             log.warning("%s", line)

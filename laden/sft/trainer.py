@@ -56,6 +56,7 @@ from laden.engine.runtime import (
     engine_kind,
     load_model,
     loss_tokens,
+    resolve_auto_knobs,
     seed_everything,
     shard_for_rank,
     start_runtime,
@@ -182,6 +183,7 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
     rt = start_runtime()
     check_world_size(cfg, rt, "sft")
+    resolve_auto_knobs(cfg, rt)
     if rt.is_main:
         for line in fields_without_effect(cfg, job="sft", engine=engine_kind(cfg)):
             log.warning("%s", line)
