@@ -9,6 +9,7 @@ from rl_runs import ASSETS, tiny_rl_config
 from laden.cli import main
 from laden.config import load_config
 from laden.memory.doctor import classify, diagnose
+from laden.memory.oom import PhaseOOMError
 
 GPU_OOM = """Traceback (most recent call last):
   File "/opt/laden/laden/rl/trainer.py", line 612, in _train_on
@@ -103,7 +104,6 @@ def test_a_failed_run_leaves_error_log_and_doctor_reads_it(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("phase", ["generation", "weight update"])
 def test_generation_and_weight_update_ooms_stop_with_the_phase_and_its_fixes(tmp_path, monkeypatch, phase):
-    from laden.memory.oom import PhaseOOMError
     from laden.rl import trainer as rl_trainer
     from laden.rl.trainer import run_rl
 
@@ -134,3 +134,32 @@ def test_generation_and_weight_update_ooms_stop_with_the_phase_and_its_fixes(tmp
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
     log = (tmp_path / cfg.experiment_name / cfg.trial_name / "error.log").read_text()
     assert "CUDA out of memory" in log and "PhaseOOMError" in log
+
+
+def test_an_in_place_update_that_runs_out_of_memory_is_made_again_through_disk(tmp_path, monkeypatch, caplog):
+    """oom_policy=auto: retried == never failed (the rewards of every step, which the updates decide)."""
+    import logging
+
+    from laden.rl.trainer import run_rl
+    from laden.rollout.native.engine import NativeEngine
+    from laden.weights import WeightUpdateMeta
+
+    steps = ("total_train_steps=4", "oom_policy=auto")
+    never = run_rl(tiny_rl_config(tmp_path / "never", *steps), progress=False)
+    original, failed = NativeEngine.update_weights, []
+
+    async def once_out_of_memory(self, source, version):
+        if version == 2 and not isinstance(source, WeightUpdateMeta) and not failed:
+            failed.append(version)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
+        return await original(self, source, version)
+
+    monkeypatch.setattr(NativeEngine, "update_weights", once_out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="laden.rl"):
+        retried = run_rl(tiny_rl_config(tmp_path / "retried", *steps), progress=False)
+    assert failed == [2] and "weight update 2 ran out of memory in place" in caplog.text
+    assert retried.rewards == never.rewards
+    assert (retried.run_dir / "weight_updates" / "v00000002").is_dir()
+    with pytest.raises(PhaseOOMError):  # oom_policy=raise: the phase, its fixes, and a stop
+        failed.clear()
+        run_rl(tiny_rl_config(tmp_path / "raised", "total_train_steps=4"), progress=False)

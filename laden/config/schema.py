@@ -381,7 +381,9 @@ class LadenConfig:
     max_concurrent_rollouts: int | None = None
     """Alias of `rollout.max_concurrent_rollouts` (as the OOM guide writes it); setting both differently is an error."""
     oom_policy: Literal["raise", "auto"] = "raise"
-    """On an out-of-memory error: report the knob to change, or re-split the step and retry."""
+    """On an out-of-memory error: report the knob to change (and stop; a rerun resumes), or `auto`:
+    re-split the training step and retry it with the same samples, and make a `laden rl` in-place
+    weight update again through disk. Generation runs out of memory: reported either way."""
     log_freq_steps: int = 1
     """Log metrics every this many optimizer steps."""
     reward_fn: str = "laden.rl.rewards:math_reward"

@@ -78,7 +78,7 @@ from laden.engine.runtime import (
     seed_everything,
     start_runtime,
 )
-from laden.memory.oom import PhaseOOMError, is_oom
+from laden.memory.oom import PhaseOOMError, is_oom, release_cached_memory
 from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
@@ -560,14 +560,16 @@ class _Run:
         return record
 
     def _drop_newer_weight_versions(self, start: int) -> None:
-        """Weight versions a killed run published after its last checkpoint are written again."""
+        """Weight versions a killed run published after its last checkpoint are written again (by
+        `actor.weight_update_mode: disk`, or by the disk fallback of an in-place update)."""
         import shutil
 
         from laden.weights import WeightUpdateMeta, list_versions, version_dir
 
-        if self.cfg.actor.weight_update_mode != "disk" or not self.rt.is_main:
+        if not self.rt.is_main:
             return
-        root = WeightUpdateMeta.from_config(self.cfg).path
+        cfg = self.cfg
+        root = WeightUpdateMeta.from_disk(cfg.experiment_name, cfg.trial_name, cfg.cluster.fileroot).path
         if root is None or not root.exists():
             return
         for v in list_versions(root):
@@ -612,32 +614,56 @@ class _Run:
 
         `disk`: a version directory under the run directory (written atomically, shards of
         `actor.weight_chunked_mem_mb`), which the engine loads. `xccl` with the native engine in this
-        process: the tensors are copied in place (one process needs no broadcast)."""
-        from laden.weights import WeightUpdateMeta, version_dir, write_weights
+        process: the tensors are copied in place (one process needs no broadcast). An in-place
+        update that runs out of memory, under `oom_policy: auto` in one process, is made again
+        through disk (the engine then reads every tensor from the version directory, so a copy
+        the failure left half done is overwritten): the same weights, no GPU staging."""
+        from laden.weights import WeightUpdateMeta
 
         cfg = self.cfg
         if cfg.actor.weight_update_mode == "disk":
-            meta = WeightUpdateMeta.from_config(cfg)
-            root = meta.path
-            assert root is not None
-            named = self._update_source(torch_dtype(cfg.actor.dtype), device="cpu")
-            # a resumed run's first push: its checkpoint's version is on disk already
-            exists = version_dir(root, version).is_dir()
-
-            def publish() -> None:
-                if not exists and self.rt.is_main:
-                    write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
-                elif not exists:  # sharded engines gather collectively: every rank iterates, rank 0 writes
-                    for _ in named:
-                        pass
-                self.rt.barrier()
-
-            await asyncio.get_running_loop().run_in_executor(self.train_pool, publish)
-            # servers load a directory of safetensors; the native engine finds the version under the root
-            source = version_dir(root, version) if self._serves() else meta
-            await self.rollout.update_weights(source, version=version)
+            await self._push_through_disk(WeightUpdateMeta.from_config(cfg), version)
             return
-        await self.rollout.update_weights(self._update_source(), version=version)
+        try:
+            await self.rollout.update_weights(self._update_source(), version=version)
+        except Exception as exc:
+            if not (
+                is_oom(exc) and cfg.oom_policy == "auto" and self.rt.world_size == 1 and not self._serves()
+            ):
+                raise
+            log.warning(
+                "weight update %d ran out of memory in place (%s); oom_policy=auto: making it again through "
+                "disk under the run directory", version, str(exc).splitlines()[0][:200],
+            )  # fmt: skip
+            release_cached_memory()
+            meta = WeightUpdateMeta.from_disk(
+                cfg.experiment_name, cfg.trial_name, cfg.cluster.fileroot,
+                weight_chunked_mem_mb=cfg.actor.weight_chunked_mem_mb,
+            )  # fmt: skip
+            await self._push_through_disk(meta, version)
+
+    async def _push_through_disk(self, meta: Any, version: int) -> None:
+        from laden.weights import version_dir, write_weights
+
+        cfg = self.cfg
+        root = meta.path
+        assert root is not None
+        named = self._update_source(torch_dtype(cfg.actor.dtype), device="cpu")
+        # a resumed run's first push: its checkpoint's version is on disk already
+        exists = version_dir(root, version).is_dir()
+
+        def publish() -> None:
+            if not exists and self.rt.is_main:
+                write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
+            elif not exists:  # sharded engines gather collectively: every rank iterates, rank 0 writes
+                for _ in named:
+                    pass
+            self.rt.barrier()
+
+        await asyncio.get_running_loop().run_in_executor(self.train_pool, publish)
+        # servers load a directory of safetensors; the native engine finds the version under the root
+        source = version_dir(root, version) if self._serves() else meta
+        await self.rollout.update_weights(source, version=version)
 
     # ------------------------------------------------------------------ training (worker thread)
 
