@@ -13,22 +13,22 @@ to the run directory, so `config.yaml` records what ran.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from laden.memory.estimate import GIB, FsdpTraining, ModelShapes
+from laden.memory.estimate import GIB, FsdpTraining, ModelShapes, host_memory_bytes
 
 HEADROOM = 0.9
 """The share of the budget a prediction may use (the allocator's slack, the runtime, other processes)."""
 
 
 def training_budget(device: torch.device) -> int:
-    """This rank's memory for training: the GPU's total, or the host's physical memory on the CPU."""
+    """This rank's memory for training: the GPU's total, or the host's physical memory on the CPU
+    (0 where the OS does not say: every `auto` then takes its memory-saving value)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes() or 0
 
 
 def resolve_auto(cfg: Any, budget: int) -> list[str]:

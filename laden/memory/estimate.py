@@ -99,6 +99,16 @@ class ModelShapes:
         return cls.from_model(meta_model(path))
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
 def meta_model(path: str) -> Any:
     """`path`'s causal LM with every parameter on the meta device (shapes only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -207,13 +217,17 @@ class RoundPipeTraining:
     """The roundpipe engine: model states in host memory (exact, `roundpipe.host.memory`), the GPU
     holding two stages at a time under `actor.roundpipe.model_memory_limit`."""
 
-    def estimate(self, cfg: Any, shapes: ModelShapes, *, model: Any = None) -> PhaseEstimate:
+    def __init__(self, model: Any = None) -> None:
+        self.model = model
+        """`actor.path`'s model on the meta device (`meta_model`), if the caller built it already."""
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
         from laden.engine.roundpipe.host.memory import predict_engine_host_bytes
         from laden.model.dtypes import torch_dtype
         from laden.optim import OptimSettings
 
         rp = cfg.actor.roundpipe
-        model = model if model is not None else meta_model(cfg.actor.path)
+        model = self.model if self.model is not None else meta_model(cfg.actor.path)
         tokens = tokens_per_microbatch(cfg)
         limit = rp.model_memory_limit
         by_kind = predict_engine_host_bytes(
@@ -305,12 +319,13 @@ class WeightUpdate:
         return PhaseEstimate("weight update", mode, parts)
 
 
-def training_estimator(cfg: Any) -> Any:
+def training_estimator(cfg: Any, model: Any = None) -> MemoryEstimator:
+    """The estimator of `actor.backend`'s training step (`model`: its meta-device build, if made)."""
     from laden.config import AllocationMode
 
     backend = AllocationMode.parse(cfg.actor.backend).backend
     if backend == "roundpipe":
-        return RoundPipeTraining()
+        return RoundPipeTraining(model)
     if backend == "fsdp":
         return FsdpTraining()
     raise ValueError(f"actor.backend={cfg.actor.backend!r}: laden plan has no estimator for {backend!r} yet")
@@ -320,9 +335,7 @@ def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEs
     """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update."""
     model = meta_model(cfg.actor.path)
     shapes = ModelShapes.from_model(model)
-    estimator = training_estimator(cfg)
-    training = estimator.estimate(cfg, shapes, model=model) if isinstance(estimator, RoundPipeTraining) else estimator.estimate(cfg, shapes)  # fmt: skip
-    phases = [training]
+    phases = [training_estimator(cfg, model).estimate(cfg, shapes)]
     if job == "rl" and cfg.rollout.backend.startswith("native:"):
         phases.append(NativeGeneration(gpu_capacity).estimate(cfg, shapes))
     if job == "rl":

@@ -130,7 +130,8 @@ class TrainingOOMError(RuntimeError):
 class PhaseOOMError(RuntimeError):
     """Generation or a weight update of `laden rl` ran out of memory: the phase, the step, and the
     knob changes for this run (`laden.memory.doctor.phase_fixes`). The run stops; nothing is lost
-    (a rerun resumes from the newest checkpoint). `oom_policy: auto` re-splits training steps only."""
+    (a rerun resumes from the newest checkpoint). Raised for a weight update only when `oom_policy:
+    auto` could not make it again through disk (`laden.rl.trainer._Run._push_weights`)."""
 
     def __init__(self, cfg: LadenConfig, *, phase: str, step: int, cause: BaseException) -> None:
         from laden.memory.doctor import phase_fixes

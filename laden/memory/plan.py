@@ -12,11 +12,10 @@ stacked bars, one segment per component, with the budgets as lines (needs matplo
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
-from laden.memory.estimate import GIB, PhaseEstimate
+from laden.memory.estimate import GIB, PhaseEstimate, host_memory_bytes
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
 _UNIT = {
@@ -45,11 +44,7 @@ def default_budgets() -> tuple[int | None, int | None]:
     import torch
 
     gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        host = None
-    return gpu, host
+    return gpu, host_memory_bytes()
 
 
 def render(

@@ -216,11 +216,9 @@ class _Run:
         )
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.actor.path)
-        self.records = self._prompts_that_fit(load_records(cfg.train_dataset.path))
+        self.records, prompt_lengths = self._prompts_that_fit(load_records(cfg.train_dataset.path))
         first = (
-            longest_first(self._prompt_lengths, cfg.train_dataset.batch_size)
-            if cfg.train_dataset.fail_fast
-            else []
+            longest_first(prompt_lengths, cfg.train_dataset.batch_size) if cfg.train_dataset.fail_fast else []
         )
         self.batches = GlobalBatchIterator(
             len(self.records), batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle,
@@ -282,16 +280,15 @@ class _Run:
             _plot_rewards(run.path, run.metrics_path)
         return RLResult(run_dir=run.path, num_steps=self.total_steps, rewards=rewards)
 
-    def _prompts_that_fit(self, records) -> list[dict[str, Any]]:
+    def _prompts_that_fit(self, records) -> tuple[list[dict[str, Any]], list[int]]:
         """The records whose rendered prompt has at most `train_dataset.max_length` tokens (the
-        engine's context is that plus `gconfig.max_new_tokens`); the count dropped is logged and
-        written to `train_data_stats.json`. Records the default rendering cannot read (a custom
-        workflow's own keys) are kept as they are."""
+        engine's context is that plus `gconfig.max_new_tokens`), and their prompts' token counts; the
+        count dropped is logged and written to `train_data_stats.json`. Records the default rendering
+        cannot read (a custom workflow's own keys) are kept as they are (counted as 0 tokens)."""
         from laden.rl.workflow import render_prompt
 
         limit = self.cfg.train_dataset.max_length
-        kept, dropped = [], 0
-        self._prompt_lengths: list[int] = []  # of the kept records (`train_dataset.fail_fast`)
+        kept, lengths, dropped = [], [], 0
         for record in records:
             try:
                 n = len(render_prompt(dict(record), self.tokenizer).ids)
@@ -301,7 +298,7 @@ class _Run:
                 dropped += 1
             else:
                 kept.append(record)
-                self._prompt_lengths.append(n)
+                lengths.append(n)
         if not kept:
             raise ValueError(
                 f"train_dataset.path={self.cfg.train_dataset.path!r}: all {dropped} prompts are longer than "
@@ -317,7 +314,7 @@ class _Run:
                 "dropped_longer_than_max_length": dropped,
             }
             (self.run.path / "train_data_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        return kept
+        return kept, lengths
 
     def _resume(self, history, changes) -> int:
         if history.checkpoint is None or self.cfg.checkpoint.resume == "never":
