@@ -171,6 +171,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         plot(phases, args.plot, gpu_budget=gpu, host_budget=host)
         print(f"breakdown drawn in {args.plot}")
+    measured = []
+    if args.profile:
+        from laden.memory.profile import profile_phases, render_profile
+
+        measured = profile_phases(cfg, job=job)
+        print(render_profile(phases, measured))
+    if args.json:
+        from laden.memory.plan import write_json
+
+        write_json(args.json, phases, measured, cfg)
     return 0 if fits else 1
 
 
@@ -239,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-mem", default=None, help="GPU budget per rank, e.g. 24GiB (default: this GPU)")
     plan.add_argument("--host-mem", default=None, help="host budget, e.g. 128GiB (default: this machine)")
     plan.add_argument("--plot", default=None, help="draw the breakdown into this PNG file (needs matplotlib)")
+    plan.add_argument(
+        "--profile", action="store_true",
+        help="run one step of each phase at its worst case here and print the measured peaks beside the predicted",
+    )  # fmt: skip
+    plan.add_argument("--json", default=None, help="also write the plan (and the profile) to this JSON file")
     plan.set_defaults(func=cmd_plan)
 
     doctor = sub.add_parser(

@@ -8,7 +8,14 @@ import torch
 from rl_runs import ASSETS, tiny_rl_config
 
 from laden.cli import main
-from laden.memory.estimate import FsdpTraining, ModelShapes, NativeGeneration, RoundPipeTraining, WeightUpdate
+from laden.memory.estimate import (
+    FsdpTraining,
+    ModelShapes,
+    NativeGeneration,
+    RoundPipeTraining,
+    WeightUpdate,
+    patched_meta_model,
+)
 from laden.memory.plan import parse_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,7 +151,8 @@ def test_gradient_checkpointing_auto_follows_the_prediction(tmp_path):
         (line,) = resolve_auto(cfg, budget)
         return cfg.actor.gradient_checkpointing, line
 
-    without = FsdpTraining().estimate(tiny_rl_config(tmp_path), _shapes()).gpu
+    base = tiny_rl_config(tmp_path)
+    without = FsdpTraining(patched_meta_model(base)).estimate(base, _shapes()).gpu
     assert resolved(int(without / HEADROOM) + 16)[0] is False  # fits without recompute: the faster choice
     on, line = resolved(int(without / HEADROOM) - 16)
     assert on is True and "auto -> true: predicted training peak" in line

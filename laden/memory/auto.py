@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from laden.memory.estimate import GIB, FsdpTraining, ModelShapes, host_memory_bytes
+from laden.memory.estimate import GIB, FsdpTraining, ModelShapes, host_memory_bytes, patched_meta_model
 
 HEADROOM = 0.9
 """The share of the budget a prediction may use (the allocator's slack, the runtime, other processes)."""
@@ -43,7 +43,8 @@ def resolve_auto(cfg: Any, budget: int) -> list[str]:
             lines.append(f"actor.gradient_checkpointing=auto -> false: {actor.backend} recomputes by design")
         else:
             try:
-                shapes = ModelShapes.from_path(actor.path)
+                model = patched_meta_model(cfg)
+                shapes = ModelShapes.from_model(model)
             except (OSError, ValueError) as err:  # a .gguf file, or no config.json: nothing to plan from
                 actor.gradient_checkpointing = True
                 lines.append(f"actor.gradient_checkpointing=auto -> true: no shapes to plan from ({err})")
@@ -51,7 +52,7 @@ def resolve_auto(cfg: Any, budget: int) -> list[str]:
             peaks = {}
             for on in (False, True):
                 actor.gradient_checkpointing = on
-                peaks[on] = FsdpTraining().estimate(cfg, shapes).gpu
+                peaks[on] = FsdpTraining(model).estimate(cfg, shapes).gpu
             limit = int(HEADROOM * budget)
             actor.gradient_checkpointing = peaks[False] > limit
             lines.append(

@@ -118,6 +118,24 @@ def meta_model(path: str) -> Any:
         return AutoModelForCausalLM.from_config(config)
 
 
+def patched_meta_model(cfg: Any) -> Any:
+    """`meta_model(actor.path)` with the model patches the run applies (`actor.lean_activations`,
+    `actor.tiled_mlp_tokens`, ...), which change what each layer saves."""
+    import logging
+
+    from laden.engine.runtime import patch_model
+
+    model = meta_model(cfg.actor.path)
+    runtime_log = logging.getLogger("laden.runtime")
+    level = runtime_log.level
+    runtime_log.setLevel(logging.WARNING)  # the run logs what it patches; the plan does not repeat it
+    try:
+        patch_model(cfg, model)
+    finally:
+        runtime_log.setLevel(level)
+    return model
+
+
 class MemoryEstimator(Protocol):
     """One phase of one engine: its predicted components on one rank."""
 
@@ -156,36 +174,64 @@ def tokens_per_microbatch(cfg: Any) -> int:
     return int(cfg.actor.mb_spec.max_tokens_per_mb or longest)
 
 
-def activation_bytes(cfg: Any, shapes: ModelShapes, tokens: int, *, checkpointed: bool) -> int:
-    """Saved activations of one micro-batch's forward (an estimate): with recompute the layer
-    boundaries plus one layer's saved tensors; without, every layer's. A decoder layer saves about
-    its two norms' inputs (2h), q / k / v and the attention output (2 q + 2 kv widths) and the MLP's
-    gate, up and activation (3i), in the compute dtype."""
-    s = shapes
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    per_token_layer = (2 * s.hidden_size + 2 * q + 2 * kv + 3 * s.intermediate_size) * _nbytes(
-        cfg.actor.dtype
-    )
-    boundary = s.hidden_size * _nbytes(cfg.actor.dtype)
-    if checkpointed:
-        return tokens * (s.num_layers * boundary + per_token_layer)
-    return tokens * s.num_layers * per_token_layer
+def layer_activations(model: Any, cfg: Any, tokens: int) -> list[tuple[int, int]]:
+    """Per pipeline step of `model` (embedding, decoder layers, head and loss): the (kept, transient)
+    activation bytes of a `tokens` micro-batch, from `laden.model.split.activation_bytes` (checked
+    against saved-tensor hooks there), at the compute dtype, with the loss's logits one chunk of
+    `actor.loss_chunk_size` tokens under `actor.chunked_loss` and every token without."""
+    from laden.model.dtypes import torch_dtype
+    from laden.model.split import activation_bytes, split_causal_lm
+
+    chunk = cfg.actor.loss_chunk_size if cfg.actor.chunked_loss else max(tokens, 1)
+    dtype = torch_dtype(cfg.actor.dtype)
+    return [
+        activation_bytes(step, tokens, dtype=dtype, loss_chunk_size=chunk)
+        for step in split_causal_lm(model).layers
+    ]
 
 
-def logits_bytes(cfg: Any, shapes: ModelShapes, tokens: int) -> int:
-    """The loss's logits and their gradient in fp32: one chunk of `actor.loss_chunk_size` tokens
-    with `actor.chunked_loss`, every token without."""
-    rows = min(tokens, cfg.actor.loss_chunk_size) if cfg.actor.chunked_loss else tokens
-    return 2 * rows * shapes.vocab_size * 4
+def fsdp_activation_bytes(
+    model: Any, cfg: Any, shapes: ModelShapes, tokens: int, *, autocast: bool
+) -> dict[str, int]:
+    """The fsdp step's activation peak of one micro-batch, by part (an estimate).
+
+    Without recompute every decoder layer keeps what it saves; with `actor.gradient_checkpointing`
+    each keeps its input and one layer at a time recomputes the rest. Under autocast (`fsdp:d1`
+    with fp32 masters) the residual stream stays fp32 (4 bytes for the five hidden-width values a
+    layer saves, not the compute dtype's) and each linear saves its weight's compute-dtype cast:
+    every decoder layer's without recompute, one layer's with. On top: the embedding's output, the
+    head's kept tensors, and the largest transient of one step (a layer's backward, the loss's
+    chunk, the embedding's dense gradient)."""
+    pairs = layer_activations(model, cfg, tokens)
+    (embed_kept, embed_tmp), decoders, (head_kept, head_tmp) = pairs[0], pairs[1:-1], pairs[-1]
+    b = _nbytes(cfg.actor.dtype)
+    widen = tokens * 5 * shapes.hidden_size * (4 - b) if autocast else 0
+    boundary = tokens * shapes.hidden_size * (4 if autocast else b)
+    layer_weights = shapes.layer_params * b if autocast else 0
+    if cfg.actor.gradient_checkpointing:
+        layers = len(decoders) * boundary + max(k for k, _ in decoders) + widen + layer_weights
+    else:
+        layers = sum(k for k, _ in decoders) + len(decoders) * (widen + layer_weights)
+    transient = max(max(t for _, t in decoders) + widen, head_tmp, embed_tmp)
+    return {
+        "decoder layers": layers,
+        "embedding and head": embed_kept + head_kept,
+        "largest transient": transient,
+    }
 
 
 class FsdpTraining:
     """The fsdp engine's training step on one rank (`actor.backend: fsdp:dN[tM][cK]`)."""
 
+    def __init__(self, model: Any = None) -> None:
+        self.model = model
+        """`actor.path`'s model on the meta device (`meta_model`), if the caller built it already."""
+
     def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
         from laden.config import AllocationMode
 
         mode = AllocationMode.parse(cfg.actor.backend)
+        model = self.model if self.model is not None else meta_model(cfg.actor.path)
         shards = mode.dp * mode.cp * mode.tp
         master = master_dtype(cfg).itemsize
         n = shapes.num_params
@@ -197,19 +243,21 @@ class FsdpTraining:
             Component("gradients", **{where: sharded(master)}),
             Component(f"optimizer states ({cfg.actor.optimizer.type})", **{where: sharded(states)}),
         ]
+        if where == "gpu" and not (shards > 1 and cfg.actor.fsdp.memory_efficient_load):
+            # the model is read (or initialised) on the host whole before the engine moves it
+            loaded = n * _nbytes(cfg.actor.optimizer_dtype)
+            parts.append(Component("host: the model as loaded, before it moves to the GPU", host=loaded))
         tokens = tokens_per_microbatch(cfg)
         compute = _nbytes(cfg.actor.dtype)
-        if shards > 1 or compute != master:  # unsharded compute-dtype copies of a layer and the next
+        distributed = shards > 1
+        autocast = not distributed and compute != master
+        if distributed:  # unsharded compute-dtype copies of a layer and the next
             biggest = max(shapes.layer_params, shapes.embed_params, shapes.head_params)
             parts.append(Component("gathered layers (this and the prefetched next)", gpu=2 * biggest * compute // mode.tp, exact=False))  # fmt: skip
         act_tokens = math.ceil(tokens / mode.cp)
-        parts.append(Component(
-            "activations" + (" (recompute)" if cfg.actor.gradient_checkpointing else ""),
-            gpu=activation_bytes(cfg, shapes, act_tokens, checkpointed=cfg.actor.gradient_checkpointing),
-            exact=False,
-        ))  # fmt: skip
-        parts.append(Component("loss logits" + (" (chunked)" if cfg.actor.chunked_loss else ""),
-                               gpu=logits_bytes(cfg, shapes, act_tokens), exact=False))  # fmt: skip
+        recompute = " (recompute)" if cfg.actor.gradient_checkpointing else ""
+        for name, nbytes in fsdp_activation_bytes(model, cfg, shapes, act_tokens, autocast=autocast).items():
+            parts.append(Component(f"activations: {name}{recompute}", gpu=nbytes // mode.tp, exact=False))
         return PhaseEstimate("training", f"fsdp ({cfg.actor.backend})", parts)
 
 
@@ -217,12 +265,14 @@ class RoundPipeTraining:
     """The roundpipe engine: model states in host memory (exact, `roundpipe.host.memory`), the GPU
     holding two stages at a time under `actor.roundpipe.model_memory_limit`."""
 
-    def __init__(self, model: Any = None) -> None:
+    def __init__(self, model: Any = None, gpu_capacity: int | None = None) -> None:
         self.model = model
         """`actor.path`'s model on the meta device (`meta_model`), if the caller built it already."""
+        self.gpu_capacity = gpu_capacity
+        """The GPU's bytes: without `model_memory_limit` the engine plans for 60% of them."""
 
     def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
-        from laden.engine.roundpipe.host.memory import predict_engine_host_bytes
+        from laden.engine.roundpipe.host.memory import predict_engine_gpu_bytes, predict_engine_host_bytes
         from laden.model.dtypes import torch_dtype
         from laden.optim import OptimSettings
 
@@ -241,19 +291,28 @@ class RoundPipeTraining:
             for kind, b in by_kind.items()
             if b
         ]
-        if limit:
-            parts.append(
-                Component("stages on the GPU (model_memory_limit)", gpu=int(limit * GIB), exact=False)
+        gpu, plan = predict_engine_gpu_bytes(
+            model, optim=OptimSettings.from_config(cfg.actor.optimizer, 1), compute_dtype=torch_dtype(cfg.actor.dtype),
+            optimizer_dtype=torch_dtype(cfg.actor.optimizer_dtype), recompute_grain=rp.recompute_grain,
+            max_tokens_per_mb=tokens, model_memory_limit=limit, gpu_capacity=self.gpu_capacity,
+            loss_chunk_size=cfg.actor.loss_chunk_size if cfg.actor.chunked_loss else tokens,
+        )  # fmt: skip
+        stages = f"{len(plan.fwd_plan)} forward + {len(plan.bwd_plan)} backward stages"
+        parts.append(
+            Component(
+                f"two stages resident: weights, gradients, activations ({stages})", gpu=gpu, exact=False
             )
-        parts.append(Component("loss logits" + (" (chunked)" if cfg.actor.chunked_loss else ""),
-                               gpu=logits_bytes(cfg, shapes, tokens), exact=False))  # fmt: skip
+        )
         return PhaseEstimate("training", f"roundpipe ({cfg.actor.backend})", parts)
 
 
 class NativeGeneration:
     """The embedded rollout engine: its weights, its paged KV cache and the sampler's logits."""
 
-    def __init__(self, gpu_capacity: int | None = None) -> None:
+    def __init__(self, gpu_capacity: int | None = None, trainer_resident: int = 0) -> None:
+        self.trainer_resident = trainer_resident
+        """GPU bytes the trainer keeps on the engine's GPU while it generates (its model states,
+        colocated); the engine's cache fills what `mem_fraction_static` leaves after them."""
         self.gpu_capacity = gpu_capacity
         """Bytes of the GPU planned for: the cache then fills `native.mem_fraction_static` of it after the
         weights and a profiling pass, as the engine sizes it on CUDA; None: the engine's CPU sizing."""
@@ -279,11 +338,14 @@ class NativeGeneration:
         widths = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         prefill = prefill_tokens * widths * dtype.itemsize
         parts = [Component(f"weights ({cfg.actor.dtype})", gpu=weights)]
+        if self.trainer_resident:
+            parts.insert(0, Component("the trainer's model states (same GPU)", gpu=self.trainer_resident))
         if self.gpu_capacity is not None:
             parts.append(
                 Component(f"prefill activations ({prefill_tokens} tokens)", gpu=prefill, exact=False)
             )
-            cache = max(0, int(cfg.native.mem_fraction_static * self.gpu_capacity) - weights - prefill)
+            taken = weights + prefill + self.trainer_resident
+            cache = max(0, int(cfg.native.mem_fraction_static * self.gpu_capacity) - taken)
             cache = cache // per_block * per_block
             how = f"mem_fraction_static={cfg.native.mem_fraction_static}"
         else:  # what every request in flight needs at its longest, as the engine sizes it off the GPU
@@ -319,25 +381,27 @@ class WeightUpdate:
         return PhaseEstimate("weight update", mode, parts)
 
 
-def training_estimator(cfg: Any, model: Any = None) -> MemoryEstimator:
+def training_estimator(cfg: Any, model: Any = None, gpu_capacity: int | None = None) -> MemoryEstimator:
     """The estimator of `actor.backend`'s training step (`model`: its meta-device build, if made)."""
     from laden.config import AllocationMode
 
     backend = AllocationMode.parse(cfg.actor.backend).backend
     if backend == "roundpipe":
-        return RoundPipeTraining(model)
+        return RoundPipeTraining(model, gpu_capacity)
     if backend == "fsdp":
-        return FsdpTraining()
+        return FsdpTraining(model)
     raise ValueError(f"actor.backend={cfg.actor.backend!r}: laden plan has no estimator for {backend!r} yet")
 
 
 def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEstimate]:
     """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update."""
-    model = meta_model(cfg.actor.path)
+    model = patched_meta_model(cfg)
     shapes = ModelShapes.from_model(model)
-    phases = [training_estimator(cfg, model).estimate(cfg, shapes)]
+    phases = [training_estimator(cfg, model, gpu_capacity).estimate(cfg, shapes)]
     if job == "rl" and cfg.rollout.backend.startswith("native:"):
-        phases.append(NativeGeneration(gpu_capacity).estimate(cfg, shapes))
+        colocated = cfg.cluster.n_gpus_per_node < 2 and not cfg.actor.fsdp.offload_params
+        resident = sum(c.gpu for c in phases[0].components if c.exact) if colocated else 0
+        phases.append(NativeGeneration(gpu_capacity, resident).estimate(cfg, shapes))
     if job == "rl":
         phases.append(WeightUpdate().estimate(cfg, shapes))
     return phases

@@ -119,3 +119,26 @@ def plot(phases: list[PhaseEstimate], path: str, *, gpu_budget: int | None, host
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_json(path: str, phases: list[PhaseEstimate], measured: list[Any], cfg: Any) -> None:
+    """The plan per phase (components, totals) and, with `--profile`, what was measured, as one object."""
+    import json
+
+    from laden.memory.profile import relative_error
+
+    by_phase = {m.phase: m for m in measured}
+    out = {"backend": cfg.actor.backend, "rollout": cfg.rollout.backend, "phases": []}
+    for p in phases:
+        m = by_phase.get(p.phase)
+        entry: dict[str, Any] = {
+            "phase": p.phase, "engine": p.engine, "predicted_gpu": p.gpu, "predicted_host": p.host,
+            "components": [{"name": c.name, "gpu": c.gpu, "host": c.host, "exact": c.exact} for c in p.components],
+        }  # fmt: skip
+        if m is not None:
+            entry["measured"] = m.as_dict()
+            entry["gpu_error"] = relative_error(p.gpu, m.gpu)
+            entry["host_error"] = relative_error(p.host, m.host)
+        out["phases"].append(entry)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)

@@ -461,3 +461,33 @@ def default_memory_limit_gib(devices: Sequence[torch.device]) -> float:
         else:
             totals.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DEFAULT_MEMORY_FRACTION * min(totals) / GIB
+
+
+def device_peak_bytes(
+    plan: ModelExecutePlan, model: PlannableModel, *, tokens_per_microbatch: int | None, recompute_grain: str
+) -> int:
+    """Predicted device peak of one training step of `plan` (run type "fused"), from the costs it was made from.
+
+    Two stages are resident at once: the one computing (forward: its weights and one layer's
+    activations; backward: weights, gradient accumulators, the activations `recompute_grain`
+    keeps and the largest transient) and the next one being prefetched (forward: its weights;
+    backward: weights and accumulators). The fused stage counts as the first backward stage,
+    and the last forward stage prefetches it. Inputs in flight between stages are left out.
+    """
+    fwd, bwd, resident = layer_costs(model, tokens_per_microbatch, recompute_grain)
+    weights = model.layer_bytes(with_grads=False)
+
+    def cost(costs: _Costs, stage: range) -> int:
+        return sum(costs.sizes[i] for i in stage) + max(costs.peaks[i] for i in stage)
+
+    peak = 0
+    fwd_stages, bwd_stages = list(plan.fwd_plan), list(plan.bwd_plan)
+    for i, stage in enumerate(fwd_stages):
+        upcoming = (
+            fwd_stages[i + 1] if i + 1 < len(fwd_stages) else (bwd_stages[0] if bwd_stages else range(0))
+        )
+        peak = max(peak, cost(fwd, stage) + sum(weights[j] for j in upcoming))
+    for i, stage in enumerate(bwd_stages):
+        upcoming = bwd_stages[i + 1] if i + 1 < len(bwd_stages) else range(0)
+        peak = max(peak, cost(bwd, stage) + sum(resident[j] for j in upcoming))
+    return peak

@@ -193,14 +193,7 @@ def predict_engine_host_bytes(
     engine's `OptimSettings`. With `num_microbatches` and `max_tokens_per_mb`, the stage plan
     the engine would make (or `execute_plan`) gives an `activations` estimate too.
     """
-    from laden.model.split import split_causal_lm
-    from laden.optim import is_no_decay
-
-    layers = list(split_causal_lm(model).layers)
-    layout = HostLayout(
-        layers, param_names={id(p): n for n, p in model.named_parameters()}, compute_dtype=compute_dtype,
-        master_dtype=optim.master_dtype(optimizer_dtype), group_key=is_no_decay,
-    )  # fmt: skip
+    layout = _layout(model, optim, compute_dtype, optimizer_dtype)
     states = optimizer_state_keys(optim.type, getattr(optim, "momentum", 0.0))
     out = planned_host_bytes(
         layout, pin_mode=pin_model, pinned=pinned, optim_step=optim_step, optimizer_states=states,
@@ -217,6 +210,57 @@ def predict_engine_host_bytes(
             compute_dtype=compute_dtype, pinned=pinned,
         )  # fmt: skip
     return out
+
+
+def predict_engine_gpu_bytes(
+    model: nn.Module,
+    *,
+    optim: Any,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    optimizer_dtype: torch.dtype = torch.float32,
+    recompute_grain: Literal["stage", "layer"] = "stage",
+    max_tokens_per_mb: int | None = None,
+    model_memory_limit: float | None = None,
+    gpu_capacity: int | None = None,
+    min_stages: int | None = None,
+    num_devices: int = 1,
+    loss_chunk_size: int | None = None,
+) -> tuple[int, ModelExecutePlan]:
+    """The device peak of one training step of a `RoundPipeEngine` with these arguments, and its plan.
+
+    The plan is the one the engine makes (`ModelExecutePlan.auto("fused", ...)` over the same
+    per-layer costs); its limit is `model_memory_limit`, else 60% of `gpu_capacity` bytes (the
+    engine's default on that GPU), else of this machine's first device. The peak is
+    `plan.device_peak_bytes`: two stages resident at once, from the same byte counts.
+    """
+    from laden.engine.roundpipe.plan import DEFAULT_MEMORY_FRACTION, device_peak_bytes
+
+    view = _LayoutPlanView(
+        _layout(model, optim, compute_dtype, optimizer_dtype), num_devices, loss_chunk_size
+    )
+    limit = model_memory_limit
+    if limit is None and gpu_capacity is not None:
+        limit = DEFAULT_MEMORY_FRACTION * gpu_capacity / (1 << 30)
+    plan = ModelExecutePlan.auto(
+        "fused", view, model_memory_limit=limit, min_stages=min_stages, tokens_per_microbatch=max_tokens_per_mb,
+        recompute_grain=recompute_grain,
+    )  # fmt: skip
+    peak = device_peak_bytes(
+        plan, view, tokens_per_microbatch=max_tokens_per_mb, recompute_grain=recompute_grain
+    )
+    return peak, plan
+
+
+def _layout(
+    model: nn.Module, optim: Any, compute_dtype: torch.dtype, optimizer_dtype: torch.dtype
+) -> HostLayout:
+    from laden.model.split import split_causal_lm
+    from laden.optim import is_no_decay
+
+    return HostLayout(
+        list(split_causal_lm(model).layers), param_names={id(p): n for n, p in model.named_parameters()},
+        compute_dtype=compute_dtype, master_dtype=optim.master_dtype(optimizer_dtype), group_key=is_no_decay,
+    )  # fmt: skip
 
 
 class _LayoutPlanView:

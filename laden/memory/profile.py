@@ -1,0 +1,247 @@
+"""`laden plan --profile`: one step of each phase at its worst case, measured, beside the prediction.
+
+The worst case of each phase is what its knobs allow at most:
+
+- training: the engine `actor.backend` names, built as `laden sft` / `laden rl` build it (the
+  same loading, patches and optimizer), runs one optimizer step on micro-batches of the full
+  token budget (`tokens_per_microbatch`), each packed with sequences of the longest length the
+  dataset allows, `min_micro_batches` of them (the roundpipe engine parks activations per
+  micro-batch); the loss is the configured cross-entropy (an RL objective's extra per-token
+  fields are a few bytes a token);
+- generation (`laden rl` with the native engine): the engine built beside the trainer as the RL
+  trainer builds it (its KV cache then fills what `native.mem_fraction_static` leaves after
+  the trainer), then `max_concurrent_rollouts` requests of the longest prompt, each generating
+  exactly `gconfig.max_new_tokens` tokens;
+- weight update: one update of every weight into that engine (in place, or through a version
+  directory for `actor.weight_update_mode: disk`).
+
+Measured per phase: the GPU's allocated peak (`torch.cuda.max_memory_allocated`) over the
+phase, process-wide, as the estimators count it (training: from before the model is built;
+generation: the trainer's resident bytes included, as `NativeGeneration` counts them; the
+weight update: above what is allocated before it, as `WeightUpdate` counts it), the reserved
+peak beside it, and the host's resident-set high-water mark (`VmHWM`, reset per phase) above
+the resident set when the phase began, which leaves out the interpreter, torch and the CUDA
+context. One process only: a `dN` layout of several ranks is profiled per rank by a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laden.memory.estimate import GIB, PhaseEstimate
+
+log = logging.getLogger("laden.profile")
+
+
+@dataclass(slots=True)
+class Measured:
+    phase: str
+    gpu: int | None
+    """Allocated peak over the phase (bytes; None without a GPU)."""
+    gpu_reserved: int | None
+    """The caching allocator's reserved peak (bytes; None without a GPU)."""
+    host: int | None
+    """Resident-set high-water mark above the resident set at the phase's start (None where /proc has none)."""
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "gpu": self.gpu, "gpu_reserved": self.gpu_reserved, "host": self.host,
+                "seconds": round(self.seconds, 3)}  # fmt: skip
+
+
+class _Phase:
+    """Measures one phase: GPU peaks from the allocator, the host's from /proc/self (VmHWM, reset)."""
+
+    def __init__(self, name: str, device: torch.device, *, gpu_from_zero: bool) -> None:
+        self.name, self.device, self.gpu_from_zero = name, device, gpu_from_zero
+        self.result: Measured | None = None
+
+    def __enter__(self) -> _Phase:
+        gc.collect()
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.gpu_base = 0 if self.gpu_from_zero else torch.cuda.memory_allocated(self.device)
+        self.host_base = _reset_host_peak()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gpu = reserved = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            gpu = torch.cuda.max_memory_allocated(self.device) - self.gpu_base
+            reserved = torch.cuda.max_memory_reserved(self.device)
+        peak = _proc_status("VmHWM")
+        host = None if peak is None or self.host_base is None else peak - self.host_base
+        self.result = Measured(self.name, gpu, reserved, host, time.perf_counter() - self.t0)
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_host_peak() -> int | None:
+    """Reset VmHWM to the current resident set (Linux's clear_refs "5"); that resident set, or None."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _proc_status("VmRSS")
+
+
+def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> list[Any]:
+    """Micro-batches of the full token budget, packed with the longest sequences (random tokens)."""
+    from laden.data.batch import pack_samples
+    from laden.memory.estimate import tokens_per_microbatch
+    from laden.sft.trainer import min_micro_batches
+
+    tokens = tokens_per_microbatch(cfg)
+    longest = min(
+        tokens,
+        cfg.train_dataset.max_length + (cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(max(1, min_micro_batches(cfg))):
+        lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest > 1 else [])
+        samples = [(torch.randint(0, vocab_size, (n,), generator=gen).tolist(), [1] * n) for n in lengths]
+        out.append(pack_samples(samples))
+    return out
+
+
+def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
+    """Run each phase of `job` once at its worst case in this process and measure it (module docstring)."""
+    from laden.engine.runtime import batch_device, build_engine, load_model, seed_everything, start_runtime
+
+    rt = start_runtime()
+    if rt.world_size != 1:
+        raise ValueError(
+            f"laden plan --profile runs one process, and {rt.world_size} were launched; profile one rank's "
+            "share by planning for it without --profile, or run the job itself"
+        )
+    seed_everything(cfg.seed)
+    device = torch.device(rt.device)
+    results: list[Measured] = []
+    with _Phase("training", device, gpu_from_zero=True) as phase:
+        model = load_model(cfg, rt)
+        engine = build_engine(cfg, model, rt, total_steps=1)
+        del model
+        mbs = [mb.to(batch_device(cfg, rt)) for mb in worst_case_micro_batches(cfg, _vocab(cfg))]
+        out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+        loss = float(out["loss"])
+        del mbs
+    assert phase.result is not None
+    results.append(phase.result)
+    log.info("profile: training step done (loss %.3f) in %.1f s", loss, phase.result.seconds)
+    if job == "rl" and cfg.rollout.backend.startswith("native:"):
+        results += _profile_rollout(cfg, engine, device)
+    return results
+
+
+def _vocab(cfg: Any) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(cfg.actor.path, local_files_only=True).vocab_size)
+
+
+def _profile_rollout(cfg: Any, trainer: Any, device: torch.device) -> list[Measured]:
+    """Generation and one weight update, with the native engine beside the trainer."""
+    import asyncio
+
+    from laden.model.dtypes import torch_dtype
+    from laden.model.hf.loading import skeleton_causal_lm
+    from laden.rollout import GenerationRequest, SamplingParams
+    from laden.rollout.factory import build_rollout_engine, max_concurrent_rollouts
+
+    copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
+    engine = build_rollout_engine(cfg, model=copy, device=device)
+    del copy
+    engine.load_weights(trainer.named_weights(), version=0)
+    results = []
+    with _Phase("weight update", device, gpu_from_zero=False) as phase:
+        if cfg.actor.weight_update_mode == "disk":
+            import tempfile
+
+            from laden.weights import WeightUpdateMeta, write_weights
+
+            with tempfile.TemporaryDirectory(prefix="laden-profile-") as tmp:
+                meta = WeightUpdateMeta.from_disk(
+                    "profile", "profile", tmp, weight_chunked_mem_mb=cfg.actor.weight_chunked_mem_mb
+                )
+                assert meta.path is not None
+                named = trainer.named_weights(torch_dtype(cfg.actor.dtype), device="cpu")
+                write_weights(named, meta.path, 1, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=1)
+                asyncio.run(engine.update_weights(meta, version=1))
+        else:
+            asyncio.run(engine.update_weights(trainer.named_weights(), version=1))
+    assert phase.result is not None
+    results.append(phase.result)
+    n = max_concurrent_rollouts(cfg)
+    sampling = SamplingParams(max_new_tokens=cfg.gconfig.max_new_tokens, temperature=1.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    vocab = _vocab(cfg)
+    prompt = cfg.train_dataset.max_length
+    requests = [
+        GenerationRequest(
+            rid=f"p{i}",
+            input_ids=tuple(torch.randint(0, vocab, (prompt,), generator=gen).tolist()),
+            sampling=sampling,
+        )
+        for i in range(n)
+    ]
+    with _Phase("generation", device, gpu_from_zero=True) as phase:
+        done = engine.generate_sync(requests)
+    assert phase.result is not None and len(done) == n
+    results.append(phase.result)
+    asyncio.run(engine.close())
+    return results
+
+
+def render_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str:
+    """Predicted next to measured per phase, with the relative error of each side."""
+    by_phase = {m.phase: m for m in measured}
+    lines = ["profile: predicted vs measured (one step of each phase at its worst case)",
+             f"  {'phase':<14} {'GPU pred':>9} {'GPU meas':>9} {'err':>7} {'reserved':>9} "
+             f"{'host pred':>9} {'host meas':>9} {'err':>7}"]  # fmt: skip
+    for p in phases:
+        m = by_phase.get(p.phase)
+        if m is None:
+            continue
+        lines.append(
+            f"  {p.phase:<14} {p.gpu / GIB:>9.2f} {_gib(m.gpu)} {_err(p.gpu, m.gpu)} {_gib(m.gpu_reserved)} "
+            f"{p.host / GIB:>9.2f} {_gib(m.host)} {_err(p.host, m.host)}"
+        )
+    lines.append("  (GiB; err = predicted / measured - 1; the host side excludes the process's own baseline)")
+    return "\n".join(lines)
+
+
+def _gib(value: int | None) -> str:
+    return f"{'-':>9}" if value is None else f"{value / GIB:>9.2f}"
+
+
+def _err(predicted: int, measured: int | None) -> str:
+    if measured is None or measured <= 0:
+        return f"{'-':>7}"
+    return f"{(predicted / measured - 1) * 100:>+6.1f}%"
+
+
+def relative_error(predicted: int, measured: int | None) -> float | None:
+    """predicted / measured - 1, or None when nothing was measured."""
+    if measured is None or measured <= 0:
+        return None
+    return predicted / measured - 1
