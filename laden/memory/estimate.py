@@ -174,6 +174,22 @@ def tokens_per_microbatch(cfg: Any) -> int:
     return int(cfg.actor.mb_spec.max_tokens_per_mb or longest)
 
 
+def checkpoint_pages(cfg: Any) -> list[Component]:
+    """The checkpoint's safetensors files as read (memory-mapped, so their pages count in the resident
+    set while the model loads); nothing for a random init (`actor.init_from_config`)."""
+    from pathlib import Path
+
+    path = Path(cfg.actor.path)
+    if cfg.actor.init_from_config or not path.is_dir():
+        return []
+    nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return (
+        [Component("host: the checkpoint's pages, memory-mapped while it loads", host=nbytes)]
+        if nbytes
+        else []
+    )
+
+
 def layer_activations(model: Any, cfg: Any, tokens: int) -> list[tuple[int, int]]:
     """Per pipeline step of `model` (embedding, decoder layers, head and loss): the (kept, transient)
     activation bytes of a `tokens` micro-batch, from `laden.model.split.activation_bytes` (checked
@@ -247,6 +263,7 @@ class FsdpTraining:
             # the model is read (or initialised) on the host whole before the engine moves it
             loaded = n * _nbytes(cfg.actor.optimizer_dtype)
             parts.append(Component("host: the model as loaded, before it moves to the GPU", host=loaded))
+            parts += checkpoint_pages(cfg)
         tokens = tokens_per_microbatch(cfg)
         compute = _nbytes(cfg.actor.dtype)
         distributed = shards > 1
@@ -256,8 +273,13 @@ class FsdpTraining:
             parts.append(Component("gathered layers (this and the prefetched next)", gpu=2 * biggest * compute // mode.tp, exact=False))  # fmt: skip
         act_tokens = math.ceil(tokens / mode.cp)
         recompute = " (recompute)" if cfg.actor.gradient_checkpointing else ""
-        for name, nbytes in fsdp_activation_bytes(model, cfg, shapes, act_tokens, autocast=autocast).items():
-            parts.append(Component(f"activations: {name}{recompute}", gpu=nbytes // mode.tp, exact=False))
+        acts = fsdp_activation_bytes(model, cfg, shapes, act_tokens, autocast=autocast)
+        total = sum(acts.values()) // mode.tp
+        if where == "gpu":
+            # gradients are set to None after each step and filled by backward as it frees the
+            # activations it walks: the step peaks at the larger of the two, not at their sum
+            total = max(0, total - parts[1].gpu)
+        parts.append(Component(f"activations above the gradients{recompute}", gpu=total, exact=False))
         return PhaseEstimate("training", f"fsdp ({cfg.actor.backend})", parts)
 
 
@@ -291,6 +313,7 @@ class RoundPipeTraining:
             for kind, b in by_kind.items()
             if b
         ]
+        parts += checkpoint_pages(cfg)
         gpu, plan = predict_engine_gpu_bytes(
             model, optim=OptimSettings.from_config(cfg.actor.optimizer, 1), compute_dtype=torch_dtype(cfg.actor.dtype),
             optimizer_dtype=torch_dtype(cfg.actor.optimizer_dtype), recompute_grain=rp.recompute_grain,

@@ -6,7 +6,8 @@ The worst case of each phase is what its knobs allow at most:
   same loading, patches and optimizer), runs one optimizer step on micro-batches of the full
   token budget (`tokens_per_microbatch`), each packed with sequences of the longest length the
   dataset allows, `min_micro_batches` of them (the roundpipe engine parks activations per
-  micro-batch); the loss is the configured cross-entropy (an RL objective's extra per-token
+  micro-batch), two steps (`TRAINING_STEPS`: the second's forward runs with the optimizer's
+  states allocated, as every later step does); the loss is the configured cross-entropy (an RL objective's extra per-token
   fields are a few bytes a token);
 - generation (`laden rl` with the native engine): the engine built beside the trainer as the RL
   trainer builds it (its KV cache then fills what `native.mem_fraction_static` leaves after
@@ -38,6 +39,10 @@ import torch
 from laden.memory.estimate import GIB, PhaseEstimate
 
 log = logging.getLogger("laden.profile")
+
+TRAINING_STEPS = 2
+"""Optimizer steps the training profile runs: the first allocates the optimizer's states (a first
+step's forward runs without them), the second is the steady state every later step repeats."""
 
 
 @dataclass(slots=True)
@@ -142,12 +147,15 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
         engine = build_engine(cfg, model, rt, total_steps=1)
         del model
         mbs = [mb.to(batch_device(cfg, rt)) for mb in worst_case_micro_batches(cfg, _vocab(cfg))]
-        out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
-        loss = float(out["loss"])
+        for _ in range(TRAINING_STEPS):
+            out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+            loss = float(out["loss"])
         del mbs
     assert phase.result is not None
     results.append(phase.result)
-    log.info("profile: training step done (loss %.3f) in %.1f s", loss, phase.result.seconds)
+    log.info(
+        "profile: %d training steps done (loss %.3f) in %.1f s", TRAINING_STEPS, loss, phase.result.seconds
+    )
     if job == "rl" and cfg.rollout.backend.startswith("native:"):
         results += _profile_rollout(cfg, engine, device)
     return results
