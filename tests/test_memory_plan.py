@@ -174,3 +174,106 @@ def test_a_run_records_the_value_auto_chose(tmp_path):
     )
     saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
     assert saved["actor"]["gradient_checkpointing"] is False  # the tiny model fits this machine's memory
+
+
+def test_auto_values_are_listed_and_unknown_knobs_refused(tmp_path):
+    from laden.config import ConfigError
+
+    cfg = tiny_rl_config(
+        tmp_path,
+        "actor.mb_spec.max_tokens_per_mb=auto",
+        "max_concurrent_rollouts=auto",
+        "~rollout.max_concurrent_rollouts",
+    )
+    assert cfg.auto == ["rollout.max_concurrent_rollouts", "actor.mb_spec.max_tokens_per_mb"]
+    assert cfg.actor.mb_spec.max_tokens_per_mb is None and cfg.rollout.max_concurrent_rollouts is None
+    with pytest.raises(ConfigError, match="they are one knob"):  # the tiny job sets rollout's to 64
+        tiny_rl_config(tmp_path, "max_concurrent_rollouts=auto")
+    with pytest.raises(ConfigError, match="auto: 'seed' cannot be chosen automatically"):
+        tiny_rl_config(tmp_path, "auto=[seed]")
+
+
+def _training_peak(cfg):
+    return FsdpTraining(patched_meta_model(cfg)).estimate(cfg, _shapes()).gpu
+
+
+@pytest.mark.parametrize("gc", ["false", "auto"])
+def test_the_auto_token_budget_is_the_largest_that_fits(tmp_path, gc):
+    from laden.memory.auto import HEADROOM, resolve_auto
+
+    longest = 48 + 8  # the tiny RL job: prompt budget plus max_new_tokens
+    fixed = tiny_rl_config(tmp_path, "actor.gradient_checkpointing=false")
+    peaks = {}
+    for k in (1, 5, 6, 32):
+        fixed.actor.mb_spec.max_tokens_per_mb = k * longest
+        peaks[k] = _training_peak(fixed)
+    budget = int((peaks[5] + peaks[6]) / 2 / HEADROOM)  # five longest sequences fit, six do not
+    cfg = tiny_rl_config(
+        tmp_path, "actor.mb_spec.max_tokens_per_mb=auto", f"actor.gradient_checkpointing={gc}"
+    )
+    lines = resolve_auto(cfg, budget)
+    assert cfg.actor.mb_spec.max_tokens_per_mb == 5 * longest and cfg.auto == []
+    assert cfg.actor.gradient_checkpointing is False  # one longest sequence fits without recompute
+    assert _training_peak(cfg) <= HEADROOM * budget < peaks[6]
+    assert any("actor.mb_spec.max_tokens_per_mb=auto -> 280 (5 longest sequences" in line for line in lines)
+    roomy = tiny_rl_config(tmp_path, "actor.mb_spec.max_tokens_per_mb=auto")
+    resolve_auto(roomy, int(peaks[32] / HEADROOM) + 1)
+    assert roomy.actor.mb_spec.max_tokens_per_mb == 32 * longest  # the whole step (8 prompts x 4 samples)
+    tight = tiny_rl_config(tmp_path, "actor.mb_spec.max_tokens_per_mb=auto")
+    (line,) = resolve_auto(tight, 1)
+    assert tight.actor.mb_spec.max_tokens_per_mb == longest and "it does not fit" in line
+
+
+def test_auto_roundpipe_knobs_fit_the_budget(tmp_path):
+    from laden.memory.auto import HEADROOM, resolve_auto
+
+    def peak(cfg):
+        return RoundPipeTraining(patched_meta_model(cfg)).estimate(cfg, _shapes())
+
+    base = ["actor.backend=roundpipe:d1", "actor.mb_spec.max_tokens_per_mb=512"]
+    whole = peak(tiny_rl_config(tmp_path, *base, "actor.roundpipe.model_memory_limit=100"))
+    smallest = peak(tiny_rl_config(tmp_path, *base, "actor.roundpipe.model_memory_limit=0.0001"))
+    budget = int((smallest.gpu + whole.gpu) / 2 / HEADROOM)  # the whole model in one stage does not fit
+    cfg = tiny_rl_config(tmp_path, *base, "actor.roundpipe.model_memory_limit=auto",
+                         "actor.roundpipe.recompute_grain=auto", "actor.roundpipe.num_microbatch=auto")  # fmt: skip
+    lines = resolve_auto(cfg, budget, host_budget=2**40)
+    rp = cfg.actor.roundpipe
+    assert rp.recompute_grain in ("stage", "layer") and 0 < rp.model_memory_limit < budget / 2**30
+    assert peak(cfg).gpu <= HEADROOM * budget
+    assert rp.num_microbatch == 4  # 32 sequences of 56 tokens, 9 to a micro-batch of 512 tokens
+    assert [line.split("=auto")[0] for line in lines] == [
+        "actor.roundpipe.model_memory_limit", "actor.roundpipe.recompute_grain", "actor.roundpipe.num_microbatch",
+    ]  # fmt: skip
+
+
+def test_auto_rollout_knobs(tmp_path):
+    from laden.memory.auto import resolve_auto
+
+    knobs = ["rollout.max_concurrent_rollouts=auto", "native.mem_fraction_static=auto",
+             "actor.weight_chunked_mem_mb=auto"]  # fmt: skip
+    cfg = tiny_rl_config(tmp_path, *knobs)
+    resolve_auto(cfg, 2**34)
+    assert cfg.rollout.max_concurrent_rollouts == 8 * 4  # the requests one step has in flight
+    assert cfg.native.mem_fraction_static == 0.9 and cfg.actor.weight_chunked_mem_mb == 1024
+    ahead = tiny_rl_config(tmp_path, *knobs, "rollout.max_head_offpolicyness=2")
+    resolve_auto(ahead, 2**34)
+    assert ahead.rollout.max_concurrent_rollouts == 8 * 4 * 3
+    small = tiny_rl_config(tmp_path, "actor.weight_chunked_mem_mb=auto")
+    resolve_auto(small, int((_training_peak(small) + 2 * 300 * 2**20) / 0.9))
+    assert small.actor.weight_chunked_mem_mb == 256  # two buckets of 256 MB fit beside the peak, of 512 not
+
+
+def test_a_run_with_every_auto_knob_records_its_choices(tmp_path):
+    import yaml
+
+    from laden.rl.trainer import run_rl
+
+    knobs = ["actor.gradient_checkpointing=auto", "actor.mb_spec.max_tokens_per_mb=auto",
+             "rollout.max_concurrent_rollouts=auto", "native.mem_fraction_static=auto",
+             "actor.weight_chunked_mem_mb=auto", "total_train_steps=1"]  # fmt: skip
+    result = run_rl(tiny_rl_config(tmp_path, *knobs), progress=False)
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert saved["auto"] == [] and saved["actor"]["mb_spec"]["max_tokens_per_mb"] == 32 * 56
+    assert (
+        saved["rollout"]["max_concurrent_rollouts"] == 32 and saved["actor"]["weight_chunked_mem_mb"] == 1024
+    )

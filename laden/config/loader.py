@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from laden.config.areal import from_areal
-from laden.config.schema import LadenConfig
+from laden.config.schema import AUTO_KNOBS, LadenConfig
 from laden.config.validate import validate_config
 
 Job = Literal["sft", "rl", "any"]
@@ -73,7 +73,15 @@ def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenC
         raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
     data = _resolve_interpolations(dict(data), errors)
     data = from_areal(data, job=job, laden_keys=all_keys(), errors=errors)
-    cfg = _build(LadenConfig, data, "", errors)
+    plain: dict[str, Any] = copy.deepcopy(dict(data))
+    autos = _take_autos(plain, errors)
+    cfg = _build(LadenConfig, plain, "", errors)
+    cfg.auto = [*dict.fromkeys([*cfg.auto, *autos])]
+    errors += [
+        f"auto: {name!r} cannot be chosen automatically; the knobs that can: {', '.join(AUTO_KNOBS)}"
+        for name in cfg.auto
+        if name not in AUTO_KNOBS
+    ]
     _cluster_from_launcher(cfg, data.get("cluster"))
     errors += validate_config(cfg, job=job)
     if errors:
@@ -81,6 +89,32 @@ def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenC
     if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)
         cfg.rollout.max_concurrent_rollouts = cfg.max_concurrent_rollouts
     return cfg
+
+
+def _take_autos(data: dict[str, Any], errors: list[str]) -> list[str]:
+    """Remove every `AUTO_KNOBS` field whose value is `auto` from `data` (the field keeps its default
+    until the planner resolves it) and return their dotted names."""
+    found = []
+    if data.get("max_concurrent_rollouts") == "auto":  # the top-level alias the OOM guide writes
+        del data["max_concurrent_rollouts"]
+        rollout = data.get("rollout")
+        given = rollout.get("max_concurrent_rollouts") if isinstance(rollout, Mapping) else None
+        if given not in (None, "auto"):
+            errors.append(
+                f"max_concurrent_rollouts=auto but rollout.max_concurrent_rollouts={given!r}: they are one knob; "
+                "set one of them (or both to auto)"
+            )
+        else:
+            found.append("rollout.max_concurrent_rollouts")
+    for name in AUTO_KNOBS:
+        *parents, leaf = name.split(".")
+        node: Any = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, dict) and node.get(leaf) == "auto":
+            del node[leaf]
+            found.append(name)
+    return found
 
 
 def _cluster_from_launcher(cfg: LadenConfig, given: Any) -> None:

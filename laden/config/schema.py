@@ -364,6 +364,18 @@ class CheckpointConfig:
     """Export a Hugging Face model directory at the end of training."""
 
 
+AUTO_KNOBS = (
+    "actor.mb_spec.max_tokens_per_mb",
+    "actor.roundpipe.num_microbatch",
+    "actor.roundpipe.recompute_grain",
+    "actor.roundpipe.model_memory_limit",
+    "rollout.max_concurrent_rollouts",
+    "native.mem_fraction_static",
+    "actor.weight_chunked_mem_mb",
+)
+"""The fields that take the value `auto` besides `actor.gradient_checkpointing` (`LadenConfig.auto`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LadenConfig:
     """The whole run."""
@@ -380,6 +392,10 @@ class LadenConfig:
     """Stop after this many optimizer steps; None = run all epochs."""
     max_concurrent_rollouts: int | None = None
     """Alias of `rollout.max_concurrent_rollouts` (as the OOM guide writes it); setting both differently is an error."""
+    auto: list[str] = field(default_factory=list)
+    """Knobs the planner chooses at start-up (dotted names, from `AUTO_KNOBS`), for this run's memory: writing
+    `auto` as one of their values (`actor.mb_spec.max_tokens_per_mb: auto`) lists it here. Each is resolved
+    before anything is built, logged with its predicted peaks, and `config.yaml` records the chosen value."""
     oom_policy: Literal["raise", "auto"] = "raise"
     """On an out-of-memory error: report the knob to change (and stop; a rerun resumes), or `auto`:
     re-split the training step and retry it with the same samples, and make a `laden rl` in-place

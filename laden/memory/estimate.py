@@ -206,6 +206,13 @@ def layer_activations(model: Any, cfg: Any, tokens: int) -> list[tuple[int, int]
     ]
 
 
+WIDENED = 3
+"""Hidden-width values per token a decoder layer saves in fp32 under autocast rather than in the
+compute dtype (the residual stream's: the layer's input, the residual after attention, the
+output), with the patches `laden sft` applies; matched to the fsdp:d1 peaks measured on an H200
+(`benchmarks/plan_accuracy.py`)."""
+
+
 def fsdp_activation_bytes(
     model: Any, cfg: Any, shapes: ModelShapes, tokens: int, *, autocast: bool
 ) -> dict[str, int]:
@@ -213,15 +220,15 @@ def fsdp_activation_bytes(
 
     Without recompute every decoder layer keeps what it saves; with `actor.gradient_checkpointing`
     each keeps its input and one layer at a time recomputes the rest. Under autocast (`fsdp:d1`
-    with fp32 masters) the residual stream stays fp32 (4 bytes for the five hidden-width values a
-    layer saves, not the compute dtype's) and each linear saves its weight's compute-dtype cast:
+    with fp32 masters) the residual stream stays fp32 (4 bytes for `WIDENED` of the hidden-width
+    values a layer saves, not the compute dtype's) and each linear saves its weight's compute-dtype cast:
     every decoder layer's without recompute, one layer's with. On top: the embedding's output, the
     head's kept tensors, and the largest transient of one step (a layer's backward, the loss's
     chunk, the embedding's dense gradient)."""
     pairs = layer_activations(model, cfg, tokens)
     (embed_kept, embed_tmp), decoders, (head_kept, head_tmp) = pairs[0], pairs[1:-1], pairs[-1]
     b = _nbytes(cfg.actor.dtype)
-    widen = tokens * 5 * shapes.hidden_size * (4 - b) if autocast else 0
+    widen = tokens * WIDENED * shapes.hidden_size * (4 - b) if autocast else 0
     boundary = tokens * shapes.hidden_size * (4 if autocast else b)
     layer_weights = shapes.layer_params * b if autocast else 0
     if cfg.actor.gradient_checkpointing:
@@ -277,8 +284,11 @@ class FsdpTraining:
         total = sum(acts.values()) // mode.tp
         if where == "gpu":
             # gradients are set to None after each step and filled by backward as it frees the
-            # activations it walks: the step peaks at the larger of the two, not at their sum
-            total = max(0, total - parts[1].gpu)
+            # activations it walks: the step peaks at the larger of the two, not at their sum. The
+            # first gradient is the head's (the embedding's when tied), landed in the master dtype
+            # while every activation is still alive.
+            head = math.ceil((shapes.head_params or shapes.embed_params) / shards) * master
+            total = max(0, total + head - parts[1].gpu)
         parts.append(Component(f"activations above the gradients{recompute}", gpu=total, exact=False))
         return PhaseEstimate("training", f"fsdp ({cfg.actor.backend})", parts)
 

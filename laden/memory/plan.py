@@ -43,7 +43,9 @@ def default_budgets() -> tuple[int | None, int | None]:
     """(this machine's first GPU, or None; its host memory)."""
     import torch
 
-    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    from laden.memory.auto import process_gpu_bytes
+
+    gpu = process_gpu_bytes(torch.device("cuda", 0)) if torch.cuda.is_available() else None
     return gpu, host_memory_bytes()
 
 

@@ -177,7 +177,7 @@ def _profile_rollout(cfg: Any, trainer: Any, device: torch.device) -> list[Measu
     from laden.rollout.factory import build_rollout_engine, max_concurrent_rollouts
 
     copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
-    engine = build_rollout_engine(cfg, model=copy, device=device)
+    engine: Any = build_rollout_engine(cfg, model=copy, device=device)  # the native engine (NativeEngine)
     del copy
     engine.load_weights(trainer.named_weights(), version=0)
     results = []

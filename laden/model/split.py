@@ -308,7 +308,9 @@ def activation_bytes(
         # one chunk's fp32 logits and their fp32 log-softmax (then the softmax and its compute-dtype
         # copy); the fp32 [V, H] accumulator and a chunk's [V, H] product (laden.model.loss; on CUDA
         # the product goes straight into the accumulator, but the estimate keeps the CPU's bound)
-        return kept, chunk * vocab * max(8, 4 + b) + vocab * hidden * (4 + b)
+        # with the logits whole (no chunking) their compute-dtype matmul output stays beside the fp32 pair
+        per_logit = 8 + b if chunk >= num_tokens else max(8, 4 + b)
+        return kept, chunk * vocab * per_logit + vocab * hidden * (4 + b)
     return 0, 0
 
 

@@ -468,14 +468,18 @@ def device_peak_bytes(
 ) -> int:
     """Predicted device peak of one training step of `plan` (run type "fused"), from the costs it was made from.
 
-    Two stages are resident at once: the one computing (forward: its weights and one layer's
-    activations; backward: weights, gradient accumulators, the activations `recompute_grain`
-    keeps and the largest transient) and the next one being prefetched (forward: its weights;
-    backward: weights and accumulators). The fused stage counts as the first backward stage,
-    and the last forward stage prefetches it. Inputs in flight between stages are left out.
+    Two stages are resident at once: the one computing and the next one being prefetched. In
+    forward the computing stage holds its weights and one layer's activations, the prefetched
+    one its weights. In backward the computing stage holds its weights, the activations
+    `recompute_grain` keeps, the largest transient, and the gradients of one layer (each layer's
+    gradients leave for the host as its backward ends); the prefetched stage holds its weights
+    and gradient accumulators. The fused stage counts as the first backward stage, and the last
+    forward stage prefetches it. Inputs in flight between stages are left out. Checked against
+    measured peaks on an H200 (`benchmarks/plan_accuracy.py`, `benchmarks/RESULTS.md`).
     """
     fwd, bwd, resident = layer_costs(model, tokens_per_microbatch, recompute_grain)
     weights = model.layer_bytes(with_grads=False)
+    grads = [r - w for r, w in zip(resident, weights)]
 
     def cost(costs: _Costs, stage: range) -> int:
         return sum(costs.sizes[i] for i in stage) + max(costs.peaks[i] for i in stage)
@@ -489,5 +493,6 @@ def device_peak_bytes(
         peak = max(peak, cost(fwd, stage) + sum(weights[j] for j in upcoming))
     for i, stage in enumerate(bwd_stages):
         upcoming = bwd_stages[i + 1] if i + 1 < len(bwd_stages) else range(0)
-        peak = max(peak, cost(bwd, stage) + sum(resident[j] for j in upcoming))
+        computing = cost(bwd, stage) - sum(grads[j] for j in stage) + max(grads[j] for j in stage)
+        peak = max(peak, computing + sum(resident[j] for j in upcoming))
     return peak
