@@ -49,7 +49,18 @@ TRAINING: dict[str, tuple[str, list[str]]] = {
     "roundpipe-1.7b-4k-limit8": ("qwen3-1.7b", ["actor.backend=roundpipe:d1", "train_dataset.max_length=4096", "actor.mb_spec.max_tokens_per_mb=16384", "actor.roundpipe.model_memory_limit=8", "actor.roundpipe.num_microbatch=2"]),
     "roundpipe-1.7b-16k-layer": ("qwen3-1.7b", ["actor.backend=roundpipe:d1", "train_dataset.max_length=16384", "actor.mb_spec.max_tokens_per_mb=16384", "actor.roundpipe.recompute_grain=layer", "actor.roundpipe.model_memory_limit=8"]),
     "roundpipe-1.7b-32k": ("qwen3-1.7b", ["actor.backend=roundpipe:d1", "train_dataset.max_length=32768", "actor.mb_spec.max_tokens_per_mb=32768", "actor.roundpipe.model_memory_limit=16"]),
+    # held out: measured after the estimators were last changed, not used to choose them
+    "fsdp-0.6b-16k-gc-full-logits": ("qwen3-0.6b", ["actor.backend=fsdp:d1", "train_dataset.max_length=16384", "actor.mb_spec.max_tokens_per_mb=16384", "actor.gradient_checkpointing=true", "actor.chunked_loss=false"]),
+    "fsdp-1.7b-4k": ("qwen3-1.7b", ["actor.backend=fsdp:d1", "train_dataset.max_length=4096", "actor.mb_spec.max_tokens_per_mb=4096", "actor.gradient_checkpointing=false"]),
+    "roundpipe-0.6b-16k-limit8": ("qwen3-0.6b", ["actor.backend=roundpipe:d1", "train_dataset.max_length=16384", "actor.mb_spec.max_tokens_per_mb=16384", "actor.roundpipe.model_memory_limit=8"]),
+    "roundpipe-1.7b-8k-layer-full-logits": ("qwen3-1.7b", ["actor.backend=roundpipe:d1", "train_dataset.max_length=8192", "actor.mb_spec.max_tokens_per_mb=8192", "actor.roundpipe.recompute_grain=layer", "actor.chunked_loss=false", "actor.roundpipe.model_memory_limit=10"]),
 }  # fmt: skip
+HELD_OUT = (
+    "fsdp-0.6b-16k-gc-full-logits",
+    "fsdp-1.7b-4k",
+    "roundpipe-0.6b-16k-limit8",
+    "roundpipe-1.7b-8k-layer-full-logits",
+)
 GENERATION: dict[str, tuple[str, list[str]]] = {
     "native-0.6b-b64-1k": ("qwen3-0.6b", ["rollout.max_concurrent_rollouts=64", "train_dataset.max_length=512", "gconfig.max_new_tokens=512"]),
     "native-0.6b-b256-1k": ("qwen3-0.6b", ["rollout.max_concurrent_rollouts=256", "train_dataset.max_length=128", "gconfig.max_new_tokens=1024"]),
@@ -104,7 +115,7 @@ def run_one(
            *COMMON, *overrides]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    record: dict[str, Any] = {"config": name, "job": job, "overrides": overrides, "rc": proc.returncode,
+    record: dict[str, Any] = {"config": name, "job": job, "held_out": name in HELD_OUT, "overrides": overrides, "rc": proc.returncode,
                               "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if out.exists():
