@@ -76,7 +76,8 @@ class MicroBatchSpec:
     """How a batch is split into micro-batches for forward/backward."""
 
     max_tokens_per_mb: int | None = None
-    """Token budget per micro-batch, the main training-memory knob; None = max_length (+ max_new_tokens for RL)."""
+    """Token budget per micro-batch, the main training-memory knob; None = max_length (+ max_new_tokens for RL);
+    `auto`: the largest whole number of longest sequences whose predicted training peak fits (`laden.memory.auto`)."""
     n_mbs: int = 1
     """Minimum number of micro-batches per step."""
     packing_algorithm: Literal["ffd", "kk"] = "ffd"
@@ -130,12 +131,14 @@ class RoundPipeConfig:
     """Knobs of the `roundpipe` actor backend (CPU-resident model, GPUs as a stateless pool)."""
 
     num_microbatch: int | None = None
-    """Micro-batches per step (more = lower GPU peak, more host activations); None = planner picks."""
+    """At least this many micro-batches per step (more = lower GPU peak, more host activations); None = as many as
+    the token budget packs; `auto`: that count, with the host peak it parks checked."""
     recompute_grain: Literal["stage", "layer"] = "stage"
-    """Backward recomputation per stage (faster) or per layer (lower GPU peak)."""
+    """Backward recomputation per stage (faster) or per layer (lower GPU peak); `auto`: stage when its predicted peak fits."""
     model_memory_limit: float | None = None
     """GiB of GPU memory the plan may use (stage weights, gradient accumulators, activations; a prefetched
-    stage beside the computing one); None = 60% of what this process may allocate on the GPU."""
+    stage beside the computing one); None = 60% of what this process may allocate on the GPU; `auto`: the largest
+    limit whose predicted peak fits."""
     pin_model: Literal["alloc", "register", "off"] = "alloc"
     """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand: frozen weights
     loaded memory-mapped in the compute dtype stay file-backed, so a LoRA model may exceed host memory; slowest)."""
@@ -212,7 +215,8 @@ class ActorConfig:
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024
-    """MiB per bucket of the chunked NCCL weight update."""
+    """MiB per bucket of the chunked NCCL weight update (and per shard of a disk update); `auto`: the largest of
+    1024, 512, ..., 64 whose two copies fit beside the larger phase peak."""
     group_size: int = 1
     """Completions per prompt that form a GRPO group (AReaL's `${gconfig.n_samples}`); laden's groups come from `gconfig.n_samples`, so 1 or that value."""
     ppo_n_minibatches: int = 1
@@ -314,7 +318,8 @@ class RolloutConfig:
     backend: str = "native:d1"
     """Rollout allocation mode `<backend>:<dims>`, e.g. `native:d1` or `sglang:d2t2`."""
     max_concurrent_rollouts: int | None = None
-    """Sequences in flight at once in the rollout engine (the main generation-memory knob); the rest queue; None = 256."""
+    """Sequences in flight at once in the rollout engine (the main generation-memory knob); the rest queue; None = 256;
+    `auto`: what the KV cache holds at full length, at most what a step can have in flight."""
     max_head_offpolicyness: int = 0
     """How many weight versions a rollout may lag behind the trainer; 0 = on-policy."""
 
@@ -332,7 +337,8 @@ class NativeConfig:
     """Settings of the embedded generation engine."""
 
     mem_fraction_static: float = 0.8
-    """Fraction of the GPU's memory (what this process may use: all of it, or its `torch.cuda.set_per_process_memory_fraction` share) the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1]."""
+    """Fraction of the GPU's memory (what this process may use: all of it, or its `torch.cuda.set_per_process_memory_fraction` share) the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1];
+    `auto`: 0.9 when the engine has the GPU while it generates, else what the training peak leaves."""
 
 
 @dataclass(kw_only=True, slots=True)
