@@ -9,7 +9,7 @@ from rl_runs import ASSETS, tiny_rl_config
 from laden.cli import main
 from laden.config import load_config
 from laden.memory.doctor import classify, diagnose
-from laden.memory.oom import PhaseOOMError
+from laden.memory.oom import PhaseOOMError, TrainingOOMError
 
 GPU_OOM = """Traceback (most recent call last):
   File "/opt/laden/laden/rl/trainer.py", line 612, in _train_on
@@ -163,3 +163,36 @@ def test_an_in_place_update_that_runs_out_of_memory_is_made_again_through_disk(t
     with pytest.raises(PhaseOOMError):  # oom_policy=raise: the phase, its fixes, and a stop
         failed.clear()
         run_rl(tiny_rl_config(tmp_path / "raised", "total_train_steps=4"), progress=False)
+
+
+def test_an_rl_step_that_runs_out_of_memory_is_made_again_on_split_micro_batches(
+    tmp_path, monkeypatch, caplog
+):
+    """oom_policy=auto: the same documents in smaller micro-batches; rewards and weights as never failed."""
+    import logging
+
+    from laden.engine.fsdp import FSDPEngine
+    from laden.rl.trainer import run_rl
+
+    steps = ("total_train_steps=3", "oom_policy=auto")
+    never = run_rl(tiny_rl_config(tmp_path / "never", *steps), progress=False)
+    original, failures = FSDPEngine.forward_backward, []
+
+    def out_of_memory_above_128_tokens(self, micro_batches, *args, **kwargs):
+        if max(mb.num_tokens for mb in micro_batches) > 128:
+            failures.append(max(mb.num_tokens for mb in micro_batches))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return original(self, micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPEngine, "forward_backward", out_of_memory_above_128_tokens)
+    with caplog.at_level(logging.WARNING, logger="laden.rl"):
+        retried = run_rl(tiny_rl_config(tmp_path / "retried", *steps), progress=False)
+    assert len(failures) >= 3 and "retrying the same documents in" in caplog.text  # every step split
+    assert retried.rewards == never.rewards
+    from safetensors.torch import load_file
+
+    a, b = (load_file(r.run_dir / "checkpoints" / "step_3" / "model.safetensors") for r in (never, retried))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)  # the summation order differs
+    with pytest.raises(TrainingOOMError, match="training step 1 ran out of GPU memory"):
+        run_rl(tiny_rl_config(tmp_path / "raised", "total_train_steps=3"), progress=False)

@@ -230,3 +230,36 @@ def test_packed_forward_backward_equals_per_document(tiny_model):
     for packed, param in zip(packed_grads, tiny_model.parameters()):
         torch.testing.assert_close(packed, param.grad)
     assert batch.num_loss_tokens == sum(sum(m[1:]) for _, m in samples)
+
+
+def test_split_documents_keeps_every_token_and_the_summed_loss():
+    import torch.nn.functional as F
+
+    from laden.data.batch import pack_samples, split_documents
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        (torch.randint(0, 50, (n,), generator=gen).tolist(), [0, 0] + [1] * (n - 2)) for n in (5, 9, 3, 7)
+    ]
+    fields = {"advantages": [torch.rand(len(ids), generator=gen).tolist() for ids, _ in samples]}
+    whole = pack_samples(samples, pad_to_multiple_of=8, fields=fields)
+    parts = split_documents(whole)
+    assert [p.seqlens for p in parts] == [[5, 9], [3, 7]] and sum(
+        p.num_tokens for p in parts
+    ) == whole.num_tokens
+    assert sum(p.num_loss_tokens for p in parts) == whole.num_loss_tokens
+    assert (
+        parts[1].cu_seqlens.tolist() == [0, 3, 10, 16] and parts[1].max_seqlen == 7
+    )  # the padding goes last
+    logits = torch.randn(whole.num_tokens, 50, generator=gen)
+
+    def loss(batch, offset):
+        rows = logits[offset : offset + batch.num_tokens]
+        per = F.cross_entropy(rows, batch.labels.clamp(min=0), reduction="none") * batch.fields["advantages"]
+        return (per * (batch.labels != -100)).sum()
+
+    torch.testing.assert_close(loss(parts[0], 0) + loss(parts[1], parts[0].num_tokens), loss(whole, 0))
+    for name in ("input_ids", "position_ids", "labels"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
+    one = pack_samples(samples[:1])
+    assert split_documents(one) == [one]

@@ -336,3 +336,27 @@ def test_valid_dataset_fail_fast_says_it_has_no_effect():
     )
     (line,) = fields_without_effect(cfg, job="sft", engine="fsdp")
     assert line.startswith("valid_dataset.fail_fast=True has no effect") and "train_dataset.fail_fast" in line
+
+
+def test_an_oom_at_one_sequence_per_micro_batch_is_retried_with_layer_recompute(tmp_path, monkeypatch):
+    """oom_policy=auto: halving down to one longest sequence, then layer recompute; as if it ran so."""
+    never = run_sft(
+        _cfg(tmp_path, "small", "actor.mb_spec.max_tokens_per_mb=64", "actor.gradient_checkpointing=true"),
+        progress=False,
+    )
+    original, failures = FSDPEngine.forward_backward, []
+
+    def oom_without_recompute(self, micro_batches, *args, **kwargs):
+        if not self.recomputes:
+            failures.append(max(mb.num_tokens for mb in micro_batches))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return original(self, micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPEngine, "forward_backward", oom_without_recompute)
+    retried = run_sft(_cfg(tmp_path, "retried", "oom_policy=auto"), progress=False)
+    # the first step only (recompute stays on): packed at 512, 256, 128 and 64 tokens, then at one longest
+    # sequence (50 tokens) before recompute
+    assert failures == [396, 250, 100, 50, 50]
+    a, b = _final_state(never.run_dir), _final_state(retried.run_dir)
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)  # packed otherwise

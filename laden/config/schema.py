@@ -404,8 +404,10 @@ class LadenConfig:
     before anything is built, logged with its predicted peaks, and `config.yaml` records the chosen value."""
     oom_policy: Literal["raise", "auto"] = "raise"
     """On an out-of-memory error: report the knob to change (and stop; a rerun resumes), or `auto`:
-    re-split the training step and retry it with the same samples, and make a `laden rl` in-place
-    weight update again through disk. Generation runs out of memory: reported either way."""
+    re-split the training step and retry it with the same samples (the token budget halved down to one
+    longest sequence; in `laden rl` the same documents in smaller micro-batches; then layer recompute),
+    and make a `laden rl` in-place weight update again through disk. The native engine's generation
+    lowers its concurrency and re-queues under either policy (reported when one sequence cannot fit)."""
     log_freq_steps: int = 1
     """Log metrics every this many optimizer steps."""
     reward_fn: str = "laden.rl.rewards:math_reward"

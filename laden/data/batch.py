@@ -84,6 +84,39 @@ class PackedBatch:
         return replace(self, fields={**self.fields, **fields})
 
 
+def split_documents(batch: PackedBatch) -> list[PackedBatch]:
+    """The batch as two batches of whole documents (split where the tokens are halved), with the same
+    tokens, labels and per-token fields: a loss summed over them equals the batch's. One document
+    (or one and the padding): `[batch]`. Counts its loss tokens from the labels (one device sync)."""
+    lengths = list(batch.seqlens)
+    if len(lengths) < 2:
+        return [batch]
+    half, k, total = batch.num_tokens / 2, 1, lengths[0]
+    while k < len(lengths) - 1 and total + lengths[k] <= half:
+        total += lengths[k]
+        k += 1
+    padding = batch.num_padding_tokens
+    parts = []
+    for docs, lo, hi, pad in ((lengths[:k], 0, total, 0), (lengths[k:], total, batch.num_tokens, padding)):
+        bounds = [0]
+        for n in [*docs, *([pad] if pad else [])]:
+            bounds.append(bounds[-1] + n)
+        labels = batch.labels[lo:hi]
+        parts.append(
+            PackedBatch(
+                input_ids=batch.input_ids[lo:hi],
+                position_ids=batch.position_ids[lo:hi],
+                labels=labels,
+                cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=batch.cu_seqlens.device),
+                max_seqlen=max([*docs, pad]),
+                num_loss_tokens=int((labels != -100).sum()),
+                seqlens=docs,
+                fields={name: value[lo:hi] for name, value in batch.fields.items()},
+            )  # fmt: skip
+        )
+    return parts
+
+
 def pack_samples(
     samples: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,

@@ -16,7 +16,8 @@ not depend on what a step computes lives here, once:
   batch, and the global normaliser every rank computes from host data;
 - `OOMRetry`: a training step that runs out of memory is re-split into smaller micro-batches
   and retried with the same samples (`oom_policy: auto`), so no sample is dropped and the
-  retried step equals one that used the smaller budget from the start. Under torchrun the
+  retried step equals one that used the smaller budget from the start; at one longest sequence per
+  micro-batch the last retry turns on layer recompute (`recompute`). Under torchrun the
   ranks agree before the step's collectives: every rank packs and places its micro-batches,
   then all ranks exchange whether that worked (one all-reduce on a gloo group), and all retry
   together. An out-of-memory error inside an engine's collective part of the step cannot be
@@ -298,6 +299,9 @@ class OOMRetry:
     """The run's config (`oom_policy`, and the knobs the advice names)."""
     rt: Runtime
     """This process; under torchrun the ranks agree on every retry."""
+    recompute: Callable[[], bool] | None = None
+    """Turns on layer recompute in the engine (True if it was off): the last retry, once the token budget
+    cannot shrink (one process only; `enable_recompute` of the fsdp engine)."""
 
     def __call__(
         self,
@@ -336,6 +340,13 @@ class OOMRetry:
 
     def _smaller(self, tokens_per_mb: int, longest: int, step: int, exc: BaseException | None) -> int:
         """The halved budget for the retry, or the error when there is none."""
+        last_resort = self.cfg.oom_policy == "auto" and tokens_per_mb <= longest and exc is not None
+        if last_resort and self.rt.world_size == 1 and self.recompute is not None and self.recompute():
+            log.warning(
+                "step %d ran out of memory at one longest sequence per micro-batch (%d tokens); retrying with "
+                "layer recompute (actor.gradient_checkpointing on from now)", step, tokens_per_mb,
+            )  # fmt: skip
+            return tokens_per_mb
         if self.cfg.oom_policy != "auto" or tokens_per_mb <= longest:
             if exc is None:  # another rank failed; it raises the full report
                 raise RuntimeError(

@@ -202,6 +202,7 @@ class _Run:
         self.counters = _Counters()
         self._rollout_rng: list[int] | None = None
         self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
+        self._step_now = 0  # the step being trained (for error reports)
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laden-train")
 
     # ------------------------------------------------------------------ set-up
@@ -502,6 +503,7 @@ class _Run:
 
     async def _step(self, step: int, groups: list[list[Any]], gen_s: float, wait_s: float) -> dict[str, Any]:
         cfg = self.cfg
+        self._step_now = step
         version = step - 1  # the policy version trained on now: weight versions count training steps
         k = cfg.rollout.max_head_offpolicyness
         kept = []
@@ -683,7 +685,7 @@ class _Run:
                 self._reference_logprobs(mbs)
         for mbs in chunk_mbs:
             normalizer = self._sum(self.objective.loss_normalizer(mbs))
-            loss = self.engine.forward_backward(mbs, self.objective, normalizer=max(normalizer, 1))
+            loss = self._forward_backward(mbs, max(normalizer, 1))
             step_out = self.engine.optimizer_step()
             stats = self.objective.pop_stats()
             values = {"loss": loss, **step_out, **stats}
@@ -694,6 +696,42 @@ class _Run:
             critic_chunks = [[t for g in groups[i::n] for t in g] for i in range(n)]
             metrics.update(self.critic.update(critic_chunks, *critic_targets))
         return metrics
+
+    def _forward_backward(self, mbs: list[PackedBatch], normalizer: int) -> torch.Tensor:
+        """The policy's gradients of `mbs`. Under `oom_policy: auto` in one process, a step that runs out of
+        memory is made again on the same documents: each micro-batch split in two at a document boundary
+        (`split_documents`), as often as it takes, then with layer recompute. `forward_backward` starts
+        from fresh gradients and the loss is a sum over tokens, so the step is the one a run without the
+        failure makes (up to the summation order). Otherwise, or when nothing is left to split, the error
+        names the knob changes."""
+        from laden.data.batch import split_documents
+        from laden.memory.oom import TrainingOOMError
+
+        cfg = self.cfg
+        while True:
+            try:
+                return self.engine.forward_backward(mbs, self.objective, normalizer=normalizer)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                release_cached_memory()
+                self.objective.pop_stats()  # the failed attempt's partial statistics
+                tokens = max(mb.num_tokens for mb in mbs)
+                if cfg.oom_policy == "auto" and self.rt.world_size == 1:
+                    split = [part for mb in mbs for part in split_documents(mb)]
+                    if len(split) > len(mbs):
+                        log.warning("step %d ran out of memory at %d tokens per micro-batch; retrying the same "
+                                    "documents in %d micro-batches", self._step_now, tokens, len(split))  # fmt: skip
+                        mbs = split
+                        continue
+                    recompute = getattr(self.engine, "enable_recompute", None)
+                    if recompute is not None and recompute():
+                        log.warning("step %d ran out of memory at one sequence per micro-batch; retrying with "
+                                    "layer recompute (on from now)", self._step_now)  # fmt: skip
+                        continue
+                longest = max(max(mb.seqlens, default=0) for mb in mbs)
+                raise TrainingOOMError(cfg, step=self._step_now, tokens_per_mb=tokens, longest_seq=longest, cause=exc,
+                                       in_collectives=self.rt.world_size > 1) from exc  # fmt: skip
 
     def _advantages(
         self, trajs: list[Any], shares: list[Any]

@@ -157,6 +157,7 @@ class FSDPEngine:
             "eager",
         ):
             set_attention(model, "auto")
+        self.recomputes = gradient_checkpointing
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)  # FSDP2 re-gathers the weights in the recompute
         model.train()
@@ -164,6 +165,15 @@ class FSDPEngine:
             assert self.mesh is not None
             apply_tensor_parallel(model, self.mesh.axis("tp"))
         self.model = model
+
+    def enable_recompute(self) -> bool:
+        """Per-decoder-layer activation recompute from the next forward on (an out-of-memory retry under
+        `oom_policy: auto`); False when it is on already. The gradients are the same, the step slower."""
+        if self.recomputes:
+            return False
+        enable_gradient_checkpointing(self.model)
+        self.recomputes = True
+        return True
 
     def _shard(self, memory_efficient_load: bool) -> None:
         if self.mesh is None:
