@@ -9,7 +9,8 @@ configurations run `--parallel` at a time (their peaks are per process; the roun
 stage plan reads the GPU's total, not its free memory).
 
 One JSON line per configuration on stdout (predicted and measured bytes per phase, the errors),
-then a summary line: how many phases are within the targets (GPU 10%, host 15%).
+then a summary line: how many phases are within the targets (GPU 10%, host 15%, or 64 MiB where
+both sides are that small).
 
     python benchmarks/plan_accuracy.py --work /tmp/plan_acc                  # the whole sweep (H200)
     python benchmarks/plan_accuracy.py --work /tmp/plan_acc --only fsdp-0.6b-2k --shapes tiny   # CPU smoke
@@ -33,6 +34,8 @@ from bench_common import QWEN3_SHAPES, git_commit  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "laden" / "assets"
 GPU_TARGET, HOST_TARGET = 0.10, 0.15
+SMALL = 64 * 2**20
+"""Peaks this close count as met whatever their ratio (the native engine's host side: 0 predicted, 0 to 30 MiB measured)."""
 
 K = 1024
 # name: (shape, job, overrides)
@@ -170,11 +173,12 @@ def main() -> int:
             if p["phase"] not in wanted:
                 continue
             for side, target in (("gpu", GPU_TARGET), ("host", HOST_TARGET)):
-                err = p[f"{side}_error"]
-                if err is None:
+                measured = (p["measured"] or {}).get(side)
+                if measured is None:
                     continue
+                predicted = p[f"predicted_{side}"]
                 within[side][1] += 1
-                within[side][0] += abs(err) <= target
+                within[side][0] += abs(predicted - measured) <= max(target * measured, SMALL)
     print(json.dumps({"summary": True, "gpu_within_10pct": within["gpu"], "host_within_15pct": within["host"],
                       "configs": len(records), "failed": [r["config"] for r in records if r["rc"] != 0]}))  # fmt: skip
     return 0
