@@ -171,6 +171,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         plot(phases, args.plot, gpu_budget=gpu, host_budget=host)
         print(f"breakdown drawn in {args.plot}")
+    if args.gpus:
+        from laden.memory.plan import suggest_backends
+
+        if gpu is None:
+            raise SystemExit(
+                "laden plan --gpus: give --gpu-mem too (this machine has no GPU to read it from)"
+            )
+        print("\n".join(suggest_backends(cfg, gpus=args.gpus, gpu_budget=gpu, host_budget=host, job=job)))
     measured = []
     if args.profile:
         from laden.memory.profile import profile_phases, render_profile
@@ -253,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", action="store_true",
         help="run one step of each phase at its worst case here and print the measured peaks beside the predicted",
     )  # fmt: skip
+    plan.add_argument(
+        "--gpus", type=int, default=None, help="suggest actor.backend / rollout.backend for this many GPUs"
+    )
     plan.add_argument("--json", default=None, help="also write the plan (and the profile) to this JSON file")
     plan.set_defaults(func=cmd_plan)
 

@@ -277,3 +277,31 @@ def test_a_run_with_every_auto_knob_records_its_choices(tmp_path):
     assert (
         saved["rollout"]["max_concurrent_rollouts"] == 32 and saved["actor"]["weight_chunked_mem_mb"] == 1024
     )
+
+
+def test_the_suggested_layout_is_the_fastest_that_fits(tmp_path):
+    from laden.memory.auto import HEADROOM
+    from laden.memory.plan import suggest_backends
+
+    cfg = tiny_rl_config(tmp_path)
+    model = patched_meta_model(cfg)
+
+    def peak(backend, gc):
+        c = tiny_rl_config(
+            tmp_path, f"actor.backend={backend}", f"actor.gradient_checkpointing={str(gc).lower()}"
+        )
+        return FsdpTraining(model).estimate(c, _shapes()).gpu
+
+    plain, recompute = peak("fsdp:d1", False), peak("fsdp:d1", True)
+    assert recompute < plain
+
+    def suggested(budget, job="sft", gpus=1):
+        return suggest_backends(
+            cfg, gpus=gpus, gpu_budget=int(budget / HEADROOM), host_budget=2**40, job=job
+        )[1]
+
+    assert suggested(plain + 1024).split() == ["actor.backend=fsdp:d1", "actor.gradient_checkpointing=false"]
+    assert "fsdp:d1 actor.gradient_checkpointing=true" in suggested(recompute + 1024)
+    # below fsdp's smallest peak: the roundpipe engine plans its stages for the GPU it is given
+    assert "actor.backend=roundpipe:d1" in suggested(recompute - 1024)
+    assert "rollout.backend=native:d1 cluster.n_gpus_per_node=2" in suggested(plain + 1024, "rl", gpus=2)

@@ -77,7 +77,7 @@ class MicroBatchSpec:
 
     max_tokens_per_mb: int | None = None
     """Token budget per micro-batch, the main training-memory knob; None = max_length (+ max_new_tokens for RL);
-    `auto`: the largest whole number of longest sequences whose predicted training peak fits (`laden.memory.auto`)."""
+    `auto` (the actor's): the largest whole number of longest sequences whose predicted training peak fits (`laden.memory.auto`)."""
     n_mbs: int = 1
     """Minimum number of micro-batches per step."""
     packing_algorithm: Literal["ffd", "kk"] = "ffd"
@@ -132,12 +132,12 @@ class RoundPipeConfig:
 
     num_microbatch: int | None = None
     """At least this many micro-batches per step (more = lower GPU peak, more host activations); None = as many as
-    the token budget packs; `auto`: that count, with the host peak it parks checked."""
+    the token budget packs; `auto` (the actor's): that count, with the host peak it parks checked."""
     recompute_grain: Literal["stage", "layer"] = "stage"
-    """Backward recomputation per stage (faster) or per layer (lower GPU peak); `auto`: stage when its predicted peak fits."""
+    """Backward recomputation per stage (faster) or per layer (lower GPU peak); `auto` (the actor's): stage when its predicted peak fits."""
     model_memory_limit: float | None = None
     """GiB of GPU memory the plan may use (stage weights, gradient accumulators, activations; a prefetched
-    stage beside the computing one); None = 60% of what this process may allocate on the GPU; `auto`: the largest
+    stage beside the computing one); None = 60% of what this process may allocate on the GPU; `auto` (the actor's): the largest
     limit whose predicted peak fits."""
     pin_model: Literal["alloc", "register", "off"] = "alloc"
     """Pinned host weights: `alloc` (fastest, ~1.5x model in RAM), `register` (~1x), `off` (on demand: frozen weights

@@ -1,13 +1,17 @@
 """`laden plan`: the predicted GPU and host peaks of every phase of a config, against the budgets.
 
-    laden plan --config X.yaml [--gpu-mem 24GiB] [--host-mem 128GiB] [--plot out.png] [dotted overrides]
+    laden plan --config X.yaml [--gpu-mem 24GiB] [--host-mem 128GiB] [--plot out.png] [--gpus N] [--profile]
+               [--json out.json] [dotted overrides]
 
 One table per phase (`laden.memory.estimate`): each component's bytes on one rank, marked
 exact (what the engine allocates) or estimated, the phase's totals, and against each budget
 (default: this machine's GPU and host memory; without a GPU, `--gpu-mem` or none) whether it
 fits and, when it does not, the component that binds and the knob changes that fix it, with
 values for this config (`laden.memory.oom`). `--plot` draws each phase's GPU and host bytes as
-stacked bars, one segment per component, with the budgets as lines (needs matplotlib).
+stacked bars, one segment per component, with the budgets as lines (needs matplotlib). `--gpus N`
+suggests the fastest `actor.backend` / `rollout.backend` predicted to fit N GPUs (`suggest_backends`);
+`--profile` runs each phase once at its worst case and prints the measured peaks beside the predicted
+(`laden.memory.profile`); `--json` writes both.
 """
 
 from __future__ import annotations
@@ -144,3 +148,66 @@ def write_json(path: str, phases: list[PhaseEstimate], measured: list[Any], cfg:
         out["phases"].append(entry)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+
+
+def suggest_backends(cfg: Any, *, gpus: int, gpu_budget: int, host_budget: int | None, job: str) -> list[str]:
+    """The fastest layout predicted to fit `gpus` GPUs of `gpu_budget` bytes (and the host), as lines.
+
+    Training, in the order laden expects them to run fastest: `fsdp:dN` without recompute, with
+    `actor.gradient_checkpointing`, then `roundpipe:dN` (the model in host memory, one host store per
+    process). The first whose predicted peak per rank fits `HEADROOM` of the GPU (and whose processes'
+    host peaks together fit the host) is suggested. For `laden rl`: on one GPU the native engine is
+    colocated; on two or more, when the trainer fits one GPU, the engine gets the second
+    (`cluster.n_gpus_per_node: 2`, generation and training at once), else one engine per trainer
+    process (`native:dN`).
+    """
+    import copy
+
+    from laden.memory.auto import HEADROOM
+    from laden.memory.estimate import ModelShapes, patched_meta_model, training_estimator
+
+    limit = int(HEADROOM * gpu_budget)
+    host_limit = int(HEADROOM * host_budget) if host_budget else None
+
+    def trial(backend: str, gc: bool) -> Any:
+        c = copy.deepcopy(cfg)
+        c.actor.backend, c.actor.gradient_checkpointing = backend, gc
+        model = patched_meta_model(c)
+        return training_estimator(c, model, gpu_budget).estimate(c, ModelShapes.from_model(model))
+
+    def fits(phase: Any, procs: int) -> bool:
+        return phase.gpu <= limit and (host_limit is None or phase.host * procs <= host_limit)
+
+    def first_fit(n: int) -> tuple[str, bool, Any] | None:
+        for backend, gc in ((f"fsdp:d{n}", False), (f"fsdp:d{n}", True), (f"roundpipe:d{n}", False)):
+            phase = trial(backend, gc)
+            if fits(phase, n):
+                return backend, gc, phase
+        return None
+
+    lines = [f"suggested for {gpus} GPU(s) of {gpu_budget / GIB:.1f} GiB:"]
+    layouts = [(1, "second")] if job == "rl" and gpus >= 2 else []
+    layouts.append((gpus, "colocated"))
+    for n, rollout in layouts:
+        found = first_fit(n)
+        if found is None:
+            continue
+        backend, gc, phase = found
+        knobs = [f"actor.backend={backend}", f"actor.gradient_checkpointing={str(gc).lower()}"]
+        if job == "rl" and rollout == "second":
+            knobs += ["rollout.backend=native:d1", "cluster.n_gpus_per_node=2"]
+            why = "the trainer fits one GPU, the native engine generates on the second while it trains"
+        elif job == "rl":
+            knobs.append(f"rollout.backend=native:d{n}")
+            why = "one native engine per trainer process, on its GPU"
+        else:
+            why = "the fastest layout predicted to fit"
+        lines.append(f"  {' '.join(knobs)}")
+        lines.append(
+            f"    ({why}; training peak {phase.gpu / GIB:.2f} GiB per GPU, host {phase.host * n / GIB:.2f} GiB)"
+        )
+        return lines
+    lines.append(
+        "  nothing fits: every layout's predicted training peak exceeds the budget; see the fixes above"
+    )
+    return lines
