@@ -305,3 +305,30 @@ def test_the_suggested_layout_is_the_fastest_that_fits(tmp_path):
     # below fsdp's smallest peak: the roundpipe engine plans its stages for the GPU it is given
     assert "actor.backend=roundpipe:d1" in suggested(recompute - 1024)
     assert "rollout.backend=native:d1 cluster.n_gpus_per_node=2" in suggested(plain + 1024, "rl", gpus=2)
+
+
+def test_laden_plan_profiles_each_phase_without_a_gpu(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "plan.json"
+    overrides = [f"cluster.fileroot={tmp_path}", "actor.mb_spec.max_tokens_per_mb=auto"]
+    assert main(["plan", "--job", "rl", "--profile", "--json", str(out), *overrides]) == 0
+    text = capsys.readouterr().out
+    assert "profile: predicted vs measured" in text and "actor.mb_spec.max_tokens_per_mb=auto -> " in text
+    plan = json.loads(out.read_text())
+    phases = {p["phase"]: p for p in plan["phases"]}
+    assert set(phases) == {"training", "generation", "weight update"}
+    for p in phases.values():
+        measured = p["measured"]
+        assert measured["gpu"] is None and measured["seconds"] > 0  # no GPU here: host figures only
+        assert measured["host"] is None or measured["host"] >= 0
+    assert phases["training"]["predicted_gpu"] > 0 and phases["training"]["components"]
+
+
+def test_the_profile_packs_the_full_budget_of_longest_sequences(tmp_path):
+    from laden.memory.profile import worst_case_micro_batches
+
+    cfg = tiny_rl_config(tmp_path, "actor.mb_spec.max_tokens_per_mb=500", "actor.mb_spec.n_mbs=2")
+    mbs = worst_case_micro_batches(cfg, vocab_size=100)
+    assert [mb.seqlens for mb in mbs] == [[56] * 8 + [52]] * 2  # 48 + 8 tokens, the rest of 500 in the last
+    assert all(mb.num_tokens == 500 and int(mb.input_ids.max()) < 100 for mb in mbs)
