@@ -360,3 +360,29 @@ def test_an_oom_at_one_sequence_per_micro_batch_is_retried_with_layer_recompute(
     a, b = _final_state(never.run_dir), _final_state(retried.run_dir)
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)  # packed otherwise
+
+
+def test_a_step_that_runs_out_of_memory_leaves_a_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    """oom_policy=raise: the error names the fixes, the steps before it are checkpointed, and a rerun
+    resumes at the failed step and ends where a run that never failed ends (bitwise)."""
+    from laden.memory.oom import TrainingOOMError
+
+    never = run_sft(_cfg(tmp_path, "never"), progress=False)
+    original, calls = FSDPEngine.forward_backward, []
+
+    def oom_at_step_5(self, micro_batches, *args, **kwargs):
+        calls.append(1)
+        if self.version == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return original(self, micro_batches, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(FSDPEngine, "forward_backward", oom_at_step_5)
+        with pytest.raises(TrainingOOMError, match="training step 5 ran out of GPU memory"):
+            run_sft(_cfg(tmp_path, "failed"), progress=False)
+    run_dir = tmp_path / "sft-tiny" / "failed"
+    assert (run_dir / "checkpoints" / "step_4").is_dir()  # save_freq_steps=3 alone would have left step 3
+    resumed = run_sft(_cfg(tmp_path, "failed"), progress=False)
+    a, b = _final_state(never.run_dir), _final_state(resumed.run_dir)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key

@@ -61,6 +61,7 @@ from laden.engine.runtime import (
     shard_for_rank,
     start_runtime,
 )
+from laden.memory.oom import TrainingOOMError
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 
@@ -324,9 +325,16 @@ class _Loop:
                 if freq and done % freq == 0 and done < self.total_steps:
                     self.save(done)
                     saved = done
-        except KeyboardInterrupt:
-            if rt.world_size == 1 and done > saved:  # one process: nothing waits in a collective
-                log.warning("interrupted after step %d: writing a checkpoint before stopping", done)
+        except (KeyboardInterrupt, TrainingOOMError) as stop:
+            # one process: nothing waits in a collective. A step that runs out of memory fails before it
+            # changes a parameter (in packing, forward, backward, or the optimizer's first allocation
+            # of its states), so the engine still holds step `done`'s state: a rerun resumes at the
+            # failed step with the knobs the error names.
+            if rt.world_size == 1 and done > saved:
+                why = (
+                    "interrupted" if isinstance(stop, KeyboardInterrupt) else "out of memory in the next step"
+                )
+                log.warning("%s after step %d: writing a checkpoint before stopping", why, done)
                 self.save(done, data_state=data_state)
             raise
         finally:
