@@ -239,18 +239,16 @@ def test_split_documents_keeps_every_token_and_the_summed_loss():
 
     gen = torch.Generator().manual_seed(0)
     samples = [
-        (torch.randint(0, 50, (n,), generator=gen).tolist(), [0, 0] + [1] * (n - 2)) for n in (5, 9, 3, 7)
+        (torch.randint(0, 50, (n,), generator=gen).tolist(), [0, 0] + [1] * (n - 2)) for n in (5, 9, 3, 6)
     ]
     fields = {"advantages": [torch.rand(len(ids), generator=gen).tolist() for ids, _ in samples]}
     whole = pack_samples(samples, pad_to_multiple_of=8, fields=fields)
     parts = split_documents(whole)
-    assert [p.seqlens for p in parts] == [[5, 9], [3, 7]] and sum(
+    assert [p.seqlens for p in parts] == [[5, 9], [3, 6]] and sum(
         p.num_tokens for p in parts
     ) == whole.num_tokens
     assert sum(p.num_loss_tokens for p in parts) == whole.num_loss_tokens
-    assert (
-        parts[1].cu_seqlens.tolist() == [0, 3, 10, 16] and parts[1].max_seqlen == 7
-    )  # the padding goes last
+    assert parts[1].cu_seqlens.tolist() == [0, 3, 9, 10] and parts[1].max_seqlen == 6  # the padding goes last
     logits = torch.randn(whole.num_tokens, 50, generator=gen)
 
     def loss(batch, offset):

@@ -85,16 +85,15 @@ class PackedBatch:
 
 
 def split_documents(batch: PackedBatch) -> list[PackedBatch]:
-    """The batch as two batches of whole documents (split where the tokens are halved), with the same
+    """The batch as two batches of whole documents (cut at the boundary nearest half the tokens), with the same
     tokens, labels and per-token fields: a loss summed over them equals the batch's. One document
     (or one and the padding): `[batch]`. Counts its loss tokens from the labels (one device sync)."""
     lengths = list(batch.seqlens)
     if len(lengths) < 2:
         return [batch]
-    half, k, total = batch.num_tokens / 2, 1, lengths[0]
-    while k < len(lengths) - 1 and total + lengths[k] <= half:
-        total += lengths[k]
-        k += 1
+    prefix = [sum(lengths[:i]) for i in range(1, len(lengths))]  # tokens before each possible cut
+    k = min(range(1, len(lengths)), key=lambda i: (abs(2 * prefix[i - 1] - batch.num_tokens), i))
+    total = prefix[k - 1]
     padding = batch.num_padding_tokens
     parts = []
     for docs, lo, hi, pad in ((lengths[:k], 0, total, 0), (lengths[k:], total, batch.num_tokens, padding)):
