@@ -163,7 +163,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         host = parse_size(args.host_mem, option="--host-mem")
     from laden.memory.auto import resolve_auto
 
-    for line in resolve_auto(cfg, gpu if gpu is not None else host or 0, host_budget=host):  # a run's choices
+    for line in resolve_auto(
+        cfg, gpu if gpu is not None else host or 0, host_budget=host, for_gpu=gpu is not None
+    ):
         print(line)
     phases = plan_phases(cfg, gpu_capacity=gpu, job=job)
     text, fits = render(phases, cfg, gpu_budget=gpu, host_budget=host)

@@ -332,3 +332,25 @@ def test_the_profile_packs_the_full_budget_of_longest_sequences(tmp_path):
     mbs = worst_case_micro_batches(cfg, vocab_size=100)
     assert [mb.seqlens for mb in mbs] == [[56] * 8 + [52]] * 2  # 48 + 8 tokens, the rest of 500 in the last
     assert all(mb.num_tokens == 500 and int(mb.input_ids.max()) < 100 for mb in mbs)
+
+
+def test_auto_concurrency_for_a_gpu_is_what_its_kv_cache_holds(tmp_path):
+    from laden.memory.auto import resolve_auto
+
+    roomy = tiny_rl_config(tmp_path, "rollout.max_concurrent_rollouts=auto")
+    (line,) = resolve_auto(roomy, 2**34, for_gpu=True)
+    assert (
+        roomy.rollout.max_concurrent_rollouts == 32 and "the KV cache" in line
+    )  # capped at a step's requests
+    none = tiny_rl_config(tmp_path, "rollout.max_concurrent_rollouts=auto")
+    (line,) = resolve_auto(none, 12 * 2**20, for_gpu=True)  # 80% of 12 MiB: less than the prefill pass
+    assert none.rollout.max_concurrent_rollouts == 1 and "holds no whole sequence" in line
+    budget = 12 * 2**20
+    while True:  # the smallest budget (by 5% steps) whose cache holds a sequence, and fewer than 32
+        budget = int(budget * 1.05)
+        tight = tiny_rl_config(tmp_path, "rollout.max_concurrent_rollouts=auto")
+        (line,) = resolve_auto(tight, budget, for_gpu=True)
+        if "holds no whole" not in line:
+            break
+    held = int(line.split(" holds ")[1].split()[0])
+    assert 1 <= tight.rollout.max_concurrent_rollouts == held < 32

@@ -66,8 +66,14 @@ def training_budget(device: torch.device) -> int:
     return host_memory_bytes() or 0
 
 
-def resolve_auto(cfg: Any, budget: int, *, host_budget: int | None = None) -> list[str]:
-    """Set every `auto` knob of `cfg` (in place); one line per choice (see the module docstring)."""
+def resolve_auto(
+    cfg: Any, budget: int, *, host_budget: int | None = None, for_gpu: bool | None = None
+) -> list[str]:
+    """Set every `auto` knob of `cfg` (in place); one line per choice (see the module docstring).
+
+    `for_gpu`: whether `budget` is a GPU's (the engines' CUDA sizing: the KV cache from
+    `mem_fraction_static`, roundpipe's limit from the GPU); default: whether this machine has one.
+    """
     wanted = set(cfg.auto)
     if cfg.actor.gradient_checkpointing != "auto" and not wanted:
         return []
@@ -77,7 +83,9 @@ def resolve_auto(cfg: Any, budget: int, *, host_budget: int | None = None) -> li
         shapes = ModelShapes.from_model(model)
     except (OSError, ValueError) as err:  # a .gguf file, or no config.json: nothing to plan from
         return _fallbacks(cfg, wanted, f"no shapes to plan from ({err})")
-    auto = _Resolver(cfg, model, shapes, budget, host)
+    auto = _Resolver(
+        cfg, model, shapes, budget, host, torch.cuda.is_available() if for_gpu is None else for_gpu
+    )
     lines: list[str] = []
     if cfg.actor.gradient_checkpointing == "auto":
         lines.append(auto.gradient_checkpointing("actor.mb_spec.max_tokens_per_mb" in wanted))
@@ -134,14 +142,16 @@ def _batch_sequences(cfg: Any) -> int:
 class _Resolver:
     """The choices of `resolve_auto`, each from the estimators at the values chosen before it."""
 
-    def __init__(self, cfg: Any, model: Any, shapes: ModelShapes, budget: int, host: int) -> None:
+    def __init__(
+        self, cfg: Any, model: Any, shapes: ModelShapes, budget: int, host: int, on_gpu: bool
+    ) -> None:
         from laden.config import AllocationMode
 
         self.cfg, self.model, self.shapes = cfg, model, shapes
         self.limit = int(HEADROOM * budget)
         self.budget, self.host_limit = budget, int(HEADROOM * host) if host else None
         self.engine = AllocationMode.parse(cfg.actor.backend).backend
-        self.on_gpu = torch.cuda.is_available()
+        self.on_gpu = on_gpu
 
     # ---- training
     def training(self) -> Any:
@@ -290,6 +300,11 @@ class _Resolver:
         )  # fmt: skip
         fit = cache // per_block // (math.ceil(_longest(cfg) / 32) + 1)
         cfg.rollout.max_concurrent_rollouts = max(1, min(inflight, fit))
+        if fit < 1:
+            return (
+                f"1: the KV cache ({_size(cache)}) holds no whole sequence of {_longest(cfg)} tokens; the engine "
+                "will refuse to start: raise native.mem_fraction_static or shorten the context (see laden plan)"
+            )
         return (
             f"{cfg.rollout.max_concurrent_rollouts}: the KV cache ({_size(cache)}) holds {fit} sequences "
             f"of {_longest(cfg)} tokens, and a step has at most {inflight} requests in flight"
