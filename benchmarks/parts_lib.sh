@@ -1,5 +1,10 @@
-# Shared by the device drivers that run named parts (run_rollout_h200.sh, run_rl_h200.sh); source it,
+# Shared by the device drivers that run named parts (run_rollout_h200.sh, run_rl_h200.sh, run_plan_h200.sh); source it,
 # do not run it. The sourcing script sets: out (its output folder) and parts (" name name ... ").
+
+# Sourcing sets the drivers' environment: this checkout first on the import path (ahead of any wheel
+# directory the driver put there), and the allocator setting (ALLOC_CONF, default expandable segments).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 
 # want NAME: whether PARTS names it.
 want() { [[ $parts == *" $1 "* ]]; }

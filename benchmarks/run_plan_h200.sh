@@ -10,8 +10,6 @@ set -uo pipefail
 out=${1:?usage: PARTS="tests train gen" bash benchmarks/run_plan_h200.sh OUTDIR}
 parts=" ${PARTS:-train} "
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 source benchmarks/parts_lib.sh
 work=${WORK:-/tmp/plan_acc}
 want tests && run tests "${TESTS_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider \

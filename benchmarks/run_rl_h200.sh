@@ -25,8 +25,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     >"$out/pip.log" 2>&1 || echo "!! wheel install failed (see pip.log)" >&2
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 source benchmarks/parts_lib.sh
 tok=runs/smol-tok
 want tests && gpu_tests "${TESTS_S:-200}"

@@ -11,8 +11,6 @@ set -uo pipefail
 out=${1:?usage: PARTS="tests A B greedy weights" bash benchmarks/run_rollout_h200.sh OUTDIR}
 parts=" ${PARTS:-tests A B} "
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 source benchmarks/parts_lib.sh
 want tests && gpu_tests "${TESTS_S:-240}"
 want A && run A "${A_S:-300}" python benchmarks/generate_throughput.py --workload A --batch 64 256 \

@@ -40,9 +40,10 @@ from laden.memory.estimate import (
     GIB,
     FsdpTraining,
     ModelShapes,
-    NativeGeneration,
     RoundPipeTraining,
     host_memory_bytes,
+    longest_sequence,
+    native_generation,
     patched_meta_model,
 )
 
@@ -74,19 +75,27 @@ def resolve_auto(
     `for_gpu`: whether `budget` is a GPU's (the engines' CUDA sizing: the KV cache from
     `mem_fraction_static`, roundpipe's limit from the GPU); default: whether this machine has one.
     """
+    from laden.config import AllocationMode
+
     wanted = set(cfg.auto)
+    lines: list[str] = []
+    if (
+        cfg.actor.gradient_checkpointing == "auto"
+        and AllocationMode.parse(cfg.actor.backend).backend != "fsdp"
+    ):
+        cfg.actor.gradient_checkpointing = False  # decided without the model's shapes
+        lines.append(f"actor.gradient_checkpointing=auto -> false: {cfg.actor.backend} recomputes by design")
     if cfg.actor.gradient_checkpointing != "auto" and not wanted:
-        return []
+        return lines
     host = host_budget if host_budget is not None else host_memory_bytes() or 0
     try:
         model = patched_meta_model(cfg)
         shapes = ModelShapes.from_model(model)
     except (OSError, ValueError) as err:  # a .gguf file, or no config.json: nothing to plan from
-        return _fallbacks(cfg, wanted, f"no shapes to plan from ({err})")
+        return lines + _fallbacks(cfg, wanted, f"no shapes to plan from ({err})")
     auto = _Resolver(
         cfg, model, shapes, budget, host, torch.cuda.is_available() if for_gpu is None else for_gpu
     )
-    lines: list[str] = []
     if cfg.actor.gradient_checkpointing == "auto":
         lines.append(auto.gradient_checkpointing("actor.mb_spec.max_tokens_per_mb" in wanted))
     for knob, choose in (
@@ -115,8 +124,10 @@ def _fallbacks(cfg: Any, wanted: set[str], why: str) -> list[str]:
         cfg.actor.gradient_checkpointing = True
         lines.append(f"actor.gradient_checkpointing=auto -> true: {why}")
     if "actor.mb_spec.max_tokens_per_mb" in wanted:
-        cfg.actor.mb_spec.max_tokens_per_mb = _longest(cfg)
-        lines.append(f"actor.mb_spec.max_tokens_per_mb=auto -> {_longest(cfg)} (one longest sequence): {why}")
+        cfg.actor.mb_spec.max_tokens_per_mb = longest_sequence(cfg)
+        lines.append(
+            f"actor.mb_spec.max_tokens_per_mb=auto -> {longest_sequence(cfg)} (one longest sequence): {why}"
+        )
     if "actor.roundpipe.recompute_grain" in wanted:
         cfg.actor.roundpipe.recompute_grain = "layer"
         lines.append(f"actor.roundpipe.recompute_grain=auto -> layer: {why}")
@@ -124,13 +135,6 @@ def _fallbacks(cfg: Any, wanted: set[str], why: str) -> list[str]:
     lines += [f"{knob}=auto -> its default: {why}" for knob in rest]
     cfg.auto = []
     return lines
-
-
-def _longest(cfg: Any) -> int:
-    """The longest sequence a micro-batch must hold: the prompt budget (plus `max_new_tokens` for RL)."""
-    return cfg.train_dataset.max_length + (
-        cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0
-    )
 
 
 def _batch_sequences(cfg: Any) -> int:
@@ -169,13 +173,10 @@ class _Resolver:
         return f"{_size(self.limit)} ({HEADROOM:.0%} of {_size(self.budget)})"
 
     def gradient_checkpointing(self, token_budget_auto: bool) -> str:
-        actor = self.cfg.actor
-        if self.engine != "fsdp":
-            actor.gradient_checkpointing = False
-            return f"actor.gradient_checkpointing=auto -> false: {actor.backend} recomputes by design"
+        actor = self.cfg.actor  # fsdp: `resolve_auto` decides the other engines
         given = actor.mb_spec.max_tokens_per_mb
         if token_budget_auto:  # the token budget is chosen next, from at least one longest sequence
-            actor.mb_spec.max_tokens_per_mb = _longest(self.cfg)
+            actor.mb_spec.max_tokens_per_mb = longest_sequence(self.cfg)
         peaks = {}
         for on in (False, True):
             actor.gradient_checkpointing = on
@@ -189,7 +190,7 @@ class _Resolver:
         )
 
     def max_tokens_per_mb(self) -> str:
-        spec, longest = self.cfg.actor.mb_spec, _longest(self.cfg)
+        spec, longest = self.cfg.actor.mb_spec, longest_sequence(self.cfg)
         most = max(1, _batch_sequences(self.cfg))
         lo, hi = 1, most  # the largest k in [1, most] whose k longest sequences fit (peaks grow with k)
         spec.max_tokens_per_mb = longest
@@ -244,8 +245,8 @@ class _Resolver:
 
     def num_microbatch(self) -> str:
         cfg = self.cfg
-        tokens = cfg.actor.mb_spec.max_tokens_per_mb or _longest(cfg)
-        per_mb = max(1, tokens // _longest(cfg))
+        tokens = cfg.actor.mb_spec.max_tokens_per_mb or longest_sequence(cfg)
+        per_mb = max(1, tokens // longest_sequence(cfg))
         cfg.actor.roundpipe.num_microbatch = max(1, math.ceil(_batch_sequences(cfg) / per_mb))
         host = self.training().host
         verdict = (
@@ -270,7 +271,7 @@ class _Resolver:
             cfg.native.mem_fraction_static = 0.9
             return "0.9: colocated and synchronous, the engine frees its KV cache while the trainer trains"
         train = self.training()
-        resident = sum(c.gpu for c in train.components if c.exact)
+        resident = train.resident_gpu
         share = HEADROOM - (train.gpu - resident) / self.budget
         cfg.native.mem_fraction_static = round(min(0.9, max(0.05, share)), 3)
         return (
@@ -279,10 +280,7 @@ class _Resolver:
         )
 
     def _generation(self) -> Any:
-        train = self.training()
-        resident = sum(c.gpu for c in train.components if c.exact) if self._colocated() else 0
-        capacity = self.budget if self.on_gpu else None
-        return NativeGeneration(capacity, resident).estimate(self.cfg, self.shapes)
+        return native_generation(self.cfg, self.shapes, self.training(), self.budget if self.on_gpu else None)
 
     def max_concurrent_rollouts(self) -> str:
         from laden.rollout.native.kv_cache import KVCache
@@ -298,16 +296,16 @@ class _Resolver:
             num_layers=self.shapes.num_layers, block_size=32, kv_heads=self.shapes.num_kv_heads,
             head_dim=self.shapes.head_dim, dtype=torch.bfloat16 if cfg.actor.dtype == "bfloat16" else torch.float32,
         )  # fmt: skip
-        fit = cache // per_block // (math.ceil(_longest(cfg) / 32) + 1)
+        fit = cache // per_block // (math.ceil(longest_sequence(cfg) / 32) + 1)
         cfg.rollout.max_concurrent_rollouts = max(1, min(inflight, fit))
         if fit < 1:
             return (
-                f"1: the KV cache ({_size(cache)}) holds no whole sequence of {_longest(cfg)} tokens; the engine "
+                f"1: the KV cache ({_size(cache)}) holds no whole sequence of {longest_sequence(cfg)} tokens; the engine "
                 "will refuse to start: raise native.mem_fraction_static or shorten the context (see laden plan)"
             )
         return (
             f"{cfg.rollout.max_concurrent_rollouts}: the KV cache ({_size(cache)}) holds {fit} sequences "
-            f"of {_longest(cfg)} tokens, and a step has at most {inflight} requests in flight"
+            f"of {longest_sequence(cfg)} tokens, and a step has at most {inflight} requests in flight"
         )
 
     def weight_chunked_mem_mb(self) -> str:

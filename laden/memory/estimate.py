@@ -52,6 +52,11 @@ class PhaseEstimate:
     def host(self) -> int:
         return sum(c.host for c in self.components)
 
+    @property
+    def resident_gpu(self) -> int:
+        """GPU bytes that stay between steps: the exact components (model states), not the step's transients."""
+        return sum(c.gpu for c in self.components if c.exact)
+
     def largest(self, where: str) -> Component | None:
         """The component with the most bytes on `where` ("gpu" or "host")."""
         ranked = [c for c in self.components if getattr(c, where) > 0]
@@ -166,12 +171,16 @@ def _state_keys(cfg: Any) -> int:
     return len(optimizer_state_keys(opt.type, getattr(opt, "momentum", 0.0)))
 
 
-def tokens_per_microbatch(cfg: Any) -> int:
-    """The largest micro-batch the trainer packs: the token budget, else one longest sequence."""
-    longest = cfg.train_dataset.max_length + (
+def longest_sequence(cfg: Any) -> int:
+    """The longest sequence a micro-batch must hold: the prompt budget (plus `max_new_tokens` for RL)."""
+    return cfg.train_dataset.max_length + (
         cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0
     )
-    return int(cfg.actor.mb_spec.max_tokens_per_mb or longest)
+
+
+def tokens_per_microbatch(cfg: Any) -> int:
+    """The largest micro-batch the trainer packs: the token budget, else one longest sequence."""
+    return int(cfg.actor.mb_spec.max_tokens_per_mb or longest_sequence(cfg))
 
 
 def checkpoint_pages(cfg: Any) -> list[Component]:
@@ -426,15 +435,22 @@ def training_estimator(cfg: Any, model: Any = None, gpu_capacity: int | None = N
     raise ValueError(f"actor.backend={cfg.actor.backend!r}: laden plan has no estimator for {backend!r} yet")
 
 
+def native_generation(
+    cfg: Any, shapes: ModelShapes, training: PhaseEstimate, gpu_capacity: int | None
+) -> PhaseEstimate:
+    """The native engine's generation phase beside `training`'s resident bytes when both share the GPU
+    (`cluster.n_gpus_per_node` < 2: the engine then runs on the trainer's GPU)."""
+    resident = training.resident_gpu if cfg.cluster.n_gpus_per_node < 2 else 0
+    return NativeGeneration(gpu_capacity, resident).estimate(cfg, shapes)
+
+
 def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEstimate]:
     """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update."""
     model = patched_meta_model(cfg)
     shapes = ModelShapes.from_model(model)
     phases = [training_estimator(cfg, model, gpu_capacity).estimate(cfg, shapes)]
     if job == "rl" and cfg.rollout.backend.startswith("native:"):
-        colocated = cfg.cluster.n_gpus_per_node < 2 and not cfg.actor.fsdp.offload_params
-        resident = sum(c.gpu for c in phases[0].components if c.exact) if colocated else 0
-        phases.append(NativeGeneration(gpu_capacity, resident).estimate(cfg, shapes))
+        phases.append(native_generation(cfg, shapes, phases[0], gpu_capacity))
     if job == "rl":
         phases.append(WeightUpdate().estimate(cfg, shapes))
     return phases

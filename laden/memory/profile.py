@@ -112,14 +112,11 @@ def _reset_host_peak() -> int | None:
 def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> list[Any]:
     """Micro-batches of the full token budget, packed with the longest sequences (random tokens)."""
     from laden.data.batch import pack_samples
-    from laden.memory.estimate import tokens_per_microbatch
+    from laden.memory.estimate import longest_sequence, tokens_per_microbatch
     from laden.sft.trainer import min_micro_batches
 
     tokens = tokens_per_microbatch(cfg)
-    longest = min(
-        tokens,
-        cfg.train_dataset.max_length + (cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0),
-    )
+    longest = min(tokens, longest_sequence(cfg))
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(max(1, min_micro_batches(cfg))):
@@ -146,7 +143,8 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
         model = load_model(cfg, rt)
         engine = build_engine(cfg, model, rt, total_steps=1)
         del model
-        mbs = [mb.to(batch_device(cfg, rt)) for mb in worst_case_micro_batches(cfg, _vocab(cfg))]
+        vocab = _vocab(cfg)
+        mbs = [mb.to(batch_device(cfg, rt)) for mb in worst_case_micro_batches(cfg, vocab)]
         for _ in range(TRAINING_STEPS):
             out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
             loss = float(out["loss"])
@@ -157,7 +155,7 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
         "profile: %d training steps done (loss %.3f) in %.1f s", TRAINING_STEPS, loss, phase.result.seconds
     )
     if job == "rl" and cfg.rollout.backend.startswith("native:"):
-        results += _profile_rollout(cfg, engine, device)
+        results += _profile_rollout(cfg, engine, device, vocab)
     return results
 
 
@@ -167,19 +165,17 @@ def _vocab(cfg: Any) -> int:
     return int(AutoConfig.from_pretrained(cfg.actor.path, local_files_only=True).vocab_size)
 
 
-def _profile_rollout(cfg: Any, trainer: Any, device: torch.device) -> list[Measured]:
+def _profile_rollout(cfg: Any, trainer: Any, device: torch.device, vocab: int) -> list[Measured]:
     """Generation and one weight update, with the native engine beside the trainer."""
     import asyncio
 
     from laden.model.dtypes import torch_dtype
-    from laden.model.hf.loading import skeleton_causal_lm
     from laden.rollout import GenerationRequest, SamplingParams
-    from laden.rollout.factory import build_rollout_engine, max_concurrent_rollouts
+    from laden.rollout.factory import max_concurrent_rollouts, native_engine_from_weights
 
-    copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
-    engine: Any = build_rollout_engine(cfg, model=copy, device=device)  # the native engine (NativeEngine)
-    del copy
-    engine.load_weights(trainer.named_weights(), version=0)
+    engine = native_engine_from_weights(
+        cfg, trainer.named_weights(), device=device
+    )  # as `laden rl` builds it
     results = []
     with _Phase("weight update", device, gpu_from_zero=False) as phase:
         if cfg.actor.weight_update_mode == "disk":
@@ -202,7 +198,6 @@ def _profile_rollout(cfg: Any, trainer: Any, device: torch.device) -> list[Measu
     n = max_concurrent_rollouts(cfg)
     sampling = SamplingParams(max_new_tokens=cfg.gconfig.max_new_tokens, temperature=1.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(cfg.seed)
-    vocab = _vocab(cfg)
     prompt = cfg.train_dataset.max_length
     requests = [
         GenerationRequest(

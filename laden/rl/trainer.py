@@ -42,7 +42,6 @@ counters) are written every `checkpoint.save_freq_steps` and at the end, and a r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -345,8 +344,7 @@ class _Run:
 
     def _rollout_engine(self, *, version: int):
         """The rollout engine, holding its own copy of the policy in the compute dtype."""
-        from laden.model.hf.loading import skeleton_causal_lm
-        from laden.rollout.factory import build_rollout_engine
+        from laden.rollout.factory import build_rollout_engine, native_engine_from_weights
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -358,13 +356,10 @@ class _Run:
         if device != self.rt.device:
             log.info("rollout engine %s on %s, the trainer on %s: generation and training run on separate GPUs",
                      cfg.rollout.backend, device, self.rt.device)  # fmt: skip
-        # every parameter is overwritten by the trainer's below: no second read or random init
-        copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
-        # the engine captures its CUDA graphs and compiles its kernels on the current device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            engine = build_rollout_engine(cfg, model=copy, tokenizer=self.tokenizer, device=device)
         # the trainer's weights (a resumed run's, or its own initialisation) before the first rollout
-        engine.load_weights(self.engine.named_weights(), version=version)  # type: ignore[attr-defined]
+        engine = native_engine_from_weights(
+            cfg, self.engine.named_weights(), device=device, tokenizer=self.tokenizer, version=version
+        )
         log.info("rollout engine %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
         generator = getattr(getattr(engine, "core", None), "generator", None)
         if self._rollout_rng is not None and generator is not None:  # resumed: sampling continues as it was

@@ -104,3 +104,25 @@ def build_rollout_engine(
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r} needs a model directory: set actor.path")
     kwargs.setdefault("max_concurrent_requests", max_concurrent_rollouts(cfg))
     return start_server_engine(mode, model_dir=path, cfg=cfg, **kwargs)
+
+
+def native_engine_from_weights(
+    cfg: LadenConfig, named_weights: Any, *, device: Any, tokenizer: Any = None, version: int = 0
+) -> Any:
+    """The native engine on `device` with its own copy of the policy in `actor.dtype`, filled from
+    `named_weights` (a trainer's `named_weights()`): built on a zero skeleton of `actor.path`, so the
+    weights are neither read twice nor initialised at random. Its CUDA graphs and kernels are made on
+    `device`."""
+    import contextlib
+
+    import torch
+
+    from laden.model.dtypes import torch_dtype
+    from laden.model.hf.loading import skeleton_causal_lm
+
+    device = torch.device(device)
+    copy = skeleton_causal_lm(cfg.actor.path, dtype=torch_dtype(cfg.actor.dtype), device=device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        engine: Any = build_rollout_engine(cfg, model=copy, tokenizer=tokenizer, device=device)
+    engine.load_weights(named_weights, version=version)
+    return engine
