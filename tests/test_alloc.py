@@ -11,6 +11,7 @@ from laden.config.alloc import (
     DIM_LETTERS,
     IMPLEMENTED_BACKENDS,
     AllocationMode,
+    archon_layout,
     check_alloc,
     head_rule_errors,
     valid_head_sizes,
@@ -124,13 +125,19 @@ def test_implemented_seed_modes_are_valid(text, role):
     assert check_alloc(text, role=role, field=f"{role}.backend") == []
 
 
-def test_archon_is_structurally_valid_but_not_implemented():
-    mode = AllocationMode.parse("archon:d2p2e2")
-    assert check_alloc(mode, role="actor", field="actor.backend", require_implemented=False) == []
-    assert check_alloc(mode, role="actor", field="actor.backend") == [
-        "actor.backend='archon:d2p2e2': backend 'archon' is not implemented yet; "
-        "implemented actor backends: fsdp, roundpipe"
-    ]
+@pytest.mark.parametrize(
+    "text", ["archon:d2p2e2", "archon:d1p2", "megatron:d2p2e2", "megatron:(attn:d4p2|ffn:e2)"]
+)
+def test_archon_and_megatron_modes_run(text):
+    assert check_alloc(text, role="actor", field="actor.backend") == []
+
+
+def test_archon_refuses_tensor_and_context_parallel_with_the_same_gpus_as_data():
+    (error,) = check_alloc("archon:d2p2t2", role="actor", field="actor.backend")
+    assert "not tensor or context parallel (t2, c1)" in error and "(archon:d4p2)" in error
+    (error,) = check_alloc("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", role="actor", field="actor.backend")
+    assert "(t4, c2)" in error and "(megatron:d16p2e2)" in error
+    assert archon_layout(AllocationMode.parse("megatron:(attn:d4p2|ffn:e2)")) == (4, 2, 2)
 
 
 def test_pipeline_on_fsdp_names_the_backends_that_support_it():

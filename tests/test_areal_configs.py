@@ -369,12 +369,12 @@ def test_expert_parallel_counted_as_areal_counts_it():
         "megatron:(attn:d1p12t4|ffn:d1p12e4)",
     ],
 )
-def test_moe_hybrid_form_parses_round_trips_and_is_not_implemented(text):
+def test_moe_hybrid_form_parses_round_trips_and_its_tensor_parallel_is_refused(text):
     mode = AllocationMode.parse(text)
     assert mode.format() == text and AllocationMode.parse(mode.format()) == mode
     assert check_alloc(mode, role="actor", field="actor.backend", require_implemented=False) == []
     (error,) = check_alloc(mode, role="actor", field="actor.backend")
-    assert "the MoE hybrid form (attn:...|ffn:...)" in error and "is not implemented yet" in error
+    assert "implements data, pipeline and expert parallel, not tensor or context parallel" in error
 
 
 def test_moe_hybrid_rules():

@@ -228,9 +228,14 @@ def test_top_level_max_concurrent_rollouts_alias():
     assert "max_concurrent_rollouts=200 conflicts with rollout.max_concurrent_rollouts=256" in error
 
 
-def test_archon_loads_as_not_implemented():
-    (error,) = _errors([*SFT, "actor.backend=archon:d2p2e2", "cluster.n_gpus_per_node=4"])
-    assert "backend 'archon' is not implemented yet; implemented actor backends: fsdp, roundpipe" in error
+def test_archon_loads_and_its_section_warns_under_another_engine():
+    cfg = load_config(None, [*SFT, "actor.backend=archon:d2p2e2", "cluster.n_gpus_per_node=4",
+                             "actor.archon.pp_schedule=GPipe"])  # fmt: skip
+    assert cfg.actor.archon.pp_schedule == "GPipe"
+    (error,) = _errors([*SFT, "actor.archon.pp_schedule=ZBVZeroBubble"])
+    assert "actor.archon.pp_schedule" in error and "Interleaved1F1B" in error
+    with pytest.warns(UserWarning, match=r"actor.archon.\{pp_schedule\} are ignored"):
+        load_config(None, [*SFT, "actor.archon.pp_schedule=GPipe"])
 
 
 def test_gpu_totals():

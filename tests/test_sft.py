@@ -264,6 +264,31 @@ def test_torchrun_data_parallel_d2_equals_single_process(tmp_path, backend):
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)
 
 
+def test_torchrun_archon_d1p2_equals_fsdp_single_process(tmp_path):
+    """`laden sft` with actor.backend=archon:d1p2 (two pipeline stages, gloo) == fsdp:d1 in one process:
+    the exported model, every step's loss, and its checkpoints (every stage's tensors written by rank 0)."""
+    from safetensors.torch import load_file
+
+    single = run_sft(
+        _cfg(tmp_path, "d1", "total_train_steps=4", "checkpoint.save_freq_steps=2"), progress=False
+    )
+    p2 = _torchrun_sft(tmp_path, "p2", 2, "actor.backend=archon:d1p2")
+    for a, b in (
+        (single.run_dir / "hf", p2 / "hf"),
+        (single.run_dir / "checkpoints" / "step_4", p2 / "checkpoints" / "step_4"),
+    ):
+        for stem in ("model", "optimizer"):
+            if not (a / f"{stem}.safetensors").exists():
+                continue
+            want, got = load_file(a / f"{stem}.safetensors"), load_file(b / f"{stem}.safetensors")
+            assert want.keys() == got.keys()
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+    la = [json.loads(x)["loss"] for x in (single.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (p2 / "metrics.jsonl").read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)
+
+
 def test_activation_knobs_change_memory_not_the_model(tmp_path, caplog):
     """actor.lean_activations (the default), actor.tiled_mlp_tokens and actor.fused_elementwise change
     memory and kernels, not the model that comes out (Hugging Face's modules as the reference)."""

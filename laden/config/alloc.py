@@ -46,10 +46,11 @@ FFN_LETTERS = "dtpe"
 """Dimension letters of the `ffn:` half of the hybrid form."""
 
 IMPLEMENTED_BACKENDS: dict[Role, tuple[str, ...]] = {
-    "actor": ("fsdp", "roundpipe"),
+    "actor": ("fsdp", "roundpipe", "archon", "megatron"),
     "rollout": ("native", "vllm", "sglang"),
 }
-"""Backends that laden can run today, per role: the two training engines; the embedded native
+"""Backends that laden can run today, per role: the training engines (`megatron:` modes run on the
+archon engine, with a warning: laden has no Megatron-Core); the embedded native
 engine (`native:dN`, `native:dNtM` tensor parallel) and the vLLM and SGLang servers (started when
 installed)."""
 
@@ -303,6 +304,8 @@ def check_alloc(
 
 def _not_implemented_errors(mode: AllocationMode, *, role: Role, field: str, text: str) -> list[str]:
     implemented = ", ".join(IMPLEMENTED_BACKENDS[role]) or "none yet"
+    if mode.backend in HYBRID_BACKENDS:
+        return _archon_errors(mode, field=field, text=text)
     if mode.ffn is not None:
         return [
             f"{field}={text!r}: the MoE hybrid form (attn:...|ffn:...) of backend {mode.backend!r} is not "
@@ -320,6 +323,28 @@ def _not_implemented_errors(mode: AllocationMode, *, role: Role, field: str, tex
             f"{mode.backend}:d{mode.dp}t{mode.tp * mode.pp} (the same GPUs as t), or p1"
         ]
     return []
+
+
+def archon_layout(mode: AllocationMode) -> tuple[int, int, int]:
+    """(d, p, e) of an `archon:` / `megatron:` mode the archon engine runs (the hybrid form's attention
+    half gives d and p, its ffn half e)."""
+    return mode.dp, mode.pp, mode.ffn.ep if mode.ffn is not None else mode.ep
+
+
+def _archon_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
+    """The archon engine runs data, pipeline and expert parallel; not tensor or context parallel yet."""
+    tp = max(mode.tp, mode.ffn.tp if mode.ffn is not None else 1)
+    if tp == 1 and mode.cp == 1:
+        return []
+    _, pp, ep = archon_layout(mode)
+    same = (
+        f"{mode.backend}:d{mode.num_gpus // pp}" + (f"p{pp}" if pp > 1 else "") + (f"e{ep}" if ep > 1 else "")
+    )
+    return [
+        f"{field}={text!r}: the archon engine (which runs {mode.backend}: modes) implements data, pipeline "
+        f"and expert parallel, not tensor or context parallel (t{tp}, c{mode.cp}) inside a pipeline stage "
+        f"yet; use the same GPUs as data parallel ({same}) or fsdp:dXtYcZ without p and e"
+    ]
 
 
 def _unknown_backend_error(mode: AllocationMode, *, role: Role, field: str, text: str) -> str:

@@ -270,8 +270,8 @@ _GROUPS: tuple[_Group, ...] = (
            "engine", _rl),
     _Group("critic.lora_rank critic.lora_alpha critic.target_modules critic.peft_type", "read only with "
            "critic.use_lora, which laden refuses", _never),
-    _Group("critic.megatron critic.archon", "the megatron and archon engines are not implemented in laden; "
-           "critic.backend names the engine that runs", _rl),
+    _Group("critic.megatron critic.archon", "laden's critic trains on the fsdp or roundpipe engine "
+           "(critic.backend); the archon and megatron settings do not apply to it", _rl),
     _Group("critic.fsdp.*", "laden's fsdp engine chooses its own wrapping and sharding", _rl),
     _Group("critic.mb_spec.*", "laden splits a batch into the fewest micro-batches of at most "
            "critic.mb_spec.max_tokens_per_mb tokens (at least critic.mb_spec.n_mbs), without grouping or rounding",
@@ -312,8 +312,12 @@ _GROUPS: tuple[_Group, ...] = (
            "epochs; set total_train_steps"),
     _Group("gconfig.*", "laden's generation reads gconfig.n_samples, max_new_tokens, min_new_tokens, temperature, "
            "top_p, top_k, greedy, stop, stop_token_ids and ignore_eos only", _rl),
-    _Group("actor.megatron actor.archon", "the megatron and archon engines are not implemented in laden; "
-           "actor.backend names the engine that runs"),
+    _Group("actor.megatron", "laden has no Megatron-Core: megatron: allocation modes run on laden's archon engine "
+           "(PyTorch's pipeline schedules, FSDP2 within a stage, expert parallel) with their d, p and e; Megatron's "
+           "own settings do not apply"),
+    _Group("actor.archon.*", "laden's archon engine reads actor.archon.pp_schedule and pp_layers_per_stage; it cuts "
+           "stages by parameter bytes plus kept activations (not by layer counts), recomputes whole decoder layers "
+           "with actor.gradient_checkpointing, routes experts in the compute dtype, and has no compile or fp8"),
     _Group("actor.fsdp.*", "laden's fsdp engine chooses its own wrapping and sharding"),
     _Group("actor.mb_spec.*", "laden splits a batch into the fewest micro-batches of at most "
            "actor.mb_spec.max_tokens_per_mb tokens (at least actor.mb_spec.n_mbs), without grouping or rounding"),

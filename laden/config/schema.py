@@ -149,6 +149,26 @@ class RoundPipeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ArchonConfig:
+    """Knobs of the `archon` actor backend (pipeline stages, FSDP2 within each, experts over `e`)."""
+
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
+    """Pipeline schedule: `1F1B` (one micro-batch's activations per stage in flight), `Interleaved1F1B`
+    (several looped stages per rank: a smaller bubble, more sends), `GPipe` (all forwards, then all backwards:
+    every micro-batch's activations alive at once)."""
+    pp_layers_per_stage: int | None = None
+    """With `Interleaved1F1B`: decoder layers per virtual stage, which sets the stages per rank
+    (ceil(layers / (p * this))); None = 2 stages per rank. Stages are cut by cost (weights plus kept
+    activations), so a stage holds about this many layers, not exactly."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-Experts models: weight of the router's load-balancing loss (per layer, Switch
+    Transformer's); None = the model config's `router_aux_loss_coef`; 0 = off."""
+    moe_capacity_factor: float | None = None
+    """Mixture-of-Experts models: each expert takes at most this factor times its even share of a
+    micro-batch's token assignments, the rest are dropped (counted in `moe_dropped_fraction`); None = dropless."""
+
+
+@dataclass(kw_only=True, slots=True)
 class NormConfig:
     """Centre and scale per-completion values (AReaL's `NormConfig`); keys left out of a mapping take these defaults (AReaL's: batch level)."""
 
@@ -271,6 +291,8 @@ class ActorConfig:
     """Knobs of the `fsdp` backend."""
     roundpipe: RoundPipeConfig = field(default_factory=RoundPipeConfig)
     """Knobs of the `roundpipe` backend."""
+    archon: ArchonConfig = field(default_factory=ArchonConfig)
+    """Knobs of the `archon` backend (and of `megatron:` allocations, which run on it)."""
     reward_norm: NormConfig | None = None
     """Normalisation of the shaped rewards (e.g. group mean and std); null = rewards as they are."""
     adv_norm: NormConfig | None = field(

@@ -48,7 +48,7 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ),
     ("critic", frozenset({"rl"}), "`laden rl` (PPO's value model)"),
 )
-_ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe"}
+_ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe", "archon": "actor.archon"}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -410,7 +410,12 @@ def _critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     if errors or critic is None or actor is None:
         return errors  # actor.backend's own errors are reported by `_alloc_errors`
     shown = f"critic.backend={c.backend!r}" if c.backend else f"critic.backend='' ({cfg.actor.backend!r})"
-    if actor.tp > 1:
+    if critic.backend in ("archon", "megatron"):
+        errors.append(
+            f"{shown}: the critic's value head does not run on the archon engine yet; set critic.backend: "
+            f"fsdp:d{critic.num_gpus}"
+        )
+    elif actor.tp > 1:
         errors.append(
             f"actor.backend={cfg.actor.backend!r} with a critic: the critic trains in the actor's processes and its "
             "one-output value head has no tensor-parallel split; use t=1 in actor.backend (e.g. "
@@ -640,7 +645,8 @@ def _warn_optimizer(cfg: LadenConfig) -> None:
 
 def _warn_ignored_sections(cfg: LadenConfig) -> None:
     backend = cfg.actor.backend.partition(":")[0]
-    for section in ("fsdp", "roundpipe"):
+    backend = "archon" if backend == "megatron" else backend  # megatron: modes run on the archon engine
+    for section in ("fsdp", "roundpipe", "archon"):
         value = getattr(cfg.actor, section)
         if backend != section and value != type(value)():
             changed = [

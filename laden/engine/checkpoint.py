@@ -95,9 +95,11 @@ def save_engine(
     """Write `engine.state_dict()` into `path` (every rank calls it; rank 0 writes)."""
     state = engine.state_dict()
     writers = {stem: ShardWriter(path, max_shard_bytes, stem=stem) for stem in ("model", "optimizer")}
-    for stem, key, t in _flat_tensors(state):
-        full = host_copy(t)  # every rank joins the gather
+    items = getattr(engine, "checkpoint_items", None)  # a pipeline engine: every stage's tensors to rank 0
+    flat = items() if items is not None else ((s, k, host_copy(t)) for s, k, t in _flat_tensors(state))
+    for stem, key, full in flat:  # every rank joins the gathers
         if rank == 0:
+            assert full is not None
             writers[stem].add(key, full)
     if rank != 0:
         return

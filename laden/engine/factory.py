@@ -1,8 +1,8 @@
 """Build the train engine that `actor.backend` names, from the resolved config.
 
 Every `fsdp` allocation builds `FSDPEngine` (one plain process for `fsdp:d1` without torchrun,
-FSDP2 under a process group otherwise); `roundpipe` builds `RoundPipeEngine`, imported only
-when asked for.
+FSDP2 under a process group otherwise); `roundpipe` builds `RoundPipeEngine`, `archon` (and
+`megatron`, which runs on it) `ArchonEngine`, each imported only when asked for.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ def build_engine(
         from laden.engine.roundpipe import build_roundpipe_engine
 
         return build_roundpipe_engine(cfg, model, mode=mode, optim=settings, device=device)
+    if mode.backend in ("archon", "megatron"):
+        from laden.engine.archon import build_archon_engine
+
+        return build_archon_engine(cfg, model, mode=mode, optim=settings, device=device)
     raise ValueError(
-        f"actor.backend={cfg.actor.backend!r}: backend {mode.backend!r} has no engine; use fsdp or roundpipe"
+        f"actor.backend={cfg.actor.backend!r}: backend {mode.backend!r} has no engine; use fsdp, roundpipe or archon"
     )
 
 

@@ -142,8 +142,9 @@ def resolve_auto_knobs(cfg: LadenConfig, rt: Runtime) -> None:
 
 
 def engine_kind(cfg: LadenConfig) -> str:
-    """`fsdp` or `roundpipe`: the engine `actor.backend` runs."""
-    return AllocationMode.parse(cfg.actor.backend).backend
+    """`fsdp`, `roundpipe` or `archon` (which runs `megatron:` modes too): the engine `actor.backend` runs."""
+    backend = AllocationMode.parse(cfg.actor.backend).backend
+    return "archon" if backend == "megatron" else backend
 
 
 def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:

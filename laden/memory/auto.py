@@ -84,7 +84,9 @@ def resolve_auto(
         and AllocationMode.parse(cfg.actor.backend).backend != "fsdp"
     ):
         cfg.actor.gradient_checkpointing = False  # decided without the model's shapes
-        lines.append(f"actor.gradient_checkpointing=auto -> false: {cfg.actor.backend} recomputes by design")
+        why = ("recomputes by design" if cfg.actor.backend.startswith("roundpipe:") else
+               "laden plan has no estimator for this engine yet; set true to recompute")  # fmt: skip
+        lines.append(f"actor.gradient_checkpointing=auto -> false: {cfg.actor.backend} {why}")
     if cfg.actor.gradient_checkpointing != "auto" and not wanted:
         return lines
     host = host_budget if host_budget is not None else host_memory_bytes() or 0

@@ -1,1 +1,7 @@
-"""The `archon` engine (issue [10]): pipeline parallel first (`laden.engine.archon.pipeline`)."""
+"""The `archon` engine: pipeline stages over `torch.distributed.pipelining`, FSDP2 within each stage,
+Mixture-of-Experts layers over expert-parallel ranks (`laden.engine.archon.engine`)."""
+
+from laden.engine.archon.engine import ArchonEngine
+from laden.engine.archon.factory import build_archon_engine
+
+__all__ = ["ArchonEngine", "build_archon_engine"]

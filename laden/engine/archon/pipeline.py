@@ -27,18 +27,17 @@ wiring; `laden sft` and `laden rl` still refuse `archon:`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from laden.data.batch import PackedBatch
 
-Schedule = Literal["GPipe", "1F1B"]
-SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
+Schedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
+SCHEDULES: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
 
 
 def stage_bounds(costs: Sequence[int], num_stages: int) -> list[range]:
@@ -103,8 +102,14 @@ def pad_to(batch: PackedBatch, num_tokens: int) -> PackedBatch:
     )
 
 
-class _StageModule(nn.Module):
-    """A stage's pipeline steps; reads the micro-batch it computes from the step's list (module docstring)."""
+class StageModule(nn.Module):
+    """A stage's pipeline steps; reads the micro-batch it computes from the step's list (module docstring).
+
+    The first stage takes token ids `[1, T]`, the others hidden states `[1, T, H]`; the last returns
+    the micro-batch's objective times `loss_scale` as a `[1]` tensor (or, with `outputs` set, the
+    objective's per-token dictionary), the others hidden states. `before_micro_batch(mb)`, when set,
+    runs before each micro-batch (the router loss's weight of that micro-batch, `laden.model.moe`).
+    """
 
     def __init__(self, steps: Sequence[nn.Module], *, first: bool, last: bool) -> None:
         super().__init__()
@@ -112,14 +117,22 @@ class _StageModule(nn.Module):
         self.first, self.last = first, last
         self.micro_batches: list[PackedBatch] = []
         self.objective: Any = None
-        self.normalizer = 1.0
+        self.loss_scale = 1.0
         self.calls = 0
+        self.before_micro_batch: Callable[[PackedBatch], None] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def start(self, micro_batches: list[PackedBatch], objective: Any, loss_scale: float) -> None:
+        """The step's micro-batches (read in order by the forwards that follow) and its objective."""
+        self.micro_batches, self.objective = micro_batches, objective
+        self.loss_scale, self.calls = float(loss_scale), 0
+
+    def forward(self, x: torch.Tensor) -> Any:
         from laden.model.split import DecoderState
 
         mb = self.micro_batches[self.calls]
         self.calls += 1
+        if self.before_micro_batch is not None:
+            self.before_micro_batch(mb)
         packed = dict(cu_seq_lens_q=mb.cu_seqlens, cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
                       max_length_k=mb.max_seqlen)  # fmt: skip
         steps = list(self.steps)
@@ -133,146 +146,36 @@ class _StageModule(nn.Module):
         if head is None:
             return state.hidden_states
         out = head(state)
-        return (self.objective(out.hidden_states[0], out.lm_head_weight, mb) / self.normalizer).reshape(1)
+        value = self.objective(out.hidden_states[0], out.lm_head_weight, mb)
+        if isinstance(value, dict):  # forward's per-token outputs
+            return value
+        return (value.float() * self.loss_scale).reshape(1)
 
 
-class PipelineTrainer:
-    """One pipeline stage of a causal LM and its optimizer, in this process (module docstring).
+def build_schedule(stages: Sequence[Any], *, name: str, num_micro_batches: int) -> Any:
+    """PyTorch's schedule `name` over this rank's `PipelineStage`s (one, or several for Interleaved1F1B).
 
-    model: the whole model, on this process's device (each process builds the same one); only this
-    stage's steps are kept. group: the pipeline's process group (rank r computes stage r).
+    The loss is the last stage's output itself (already the objective's scaled sum), and the
+    schedule does not rescale gradients (`scale_grads=False`): the objective's normalizer does.
     """
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        optim: Any,
-        group: Any = None,
-        schedule: Schedule = "1F1B",
-        device: torch.device | str = "cpu",
-        plan_tokens: int = 4096,
-        loss_chunk_size: int = 1024,
-        bounds: Sequence[range] | None = None,
-    ) -> None:
-        from laden.model.attention import set_attention
-        from laden.model.split import split_causal_lm
-        from laden.optim import build_optimizer, param_groups_with_decay
+    def loss_fn(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        return out.sum()
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"actor.archon.pp_schedule={schedule!r}: use one of {SCHEDULES}")
-        self.group: Any = group if group is not None else dist.group.WORLD  # a ProcessGroup
-        self.rank, self.num_stages = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.device, self.schedule_name = torch.device(device), schedule
-        set_attention(model, "auto")  # packed rows: the varlen kernel keeps the documents apart
-        split = split_causal_lm(model)
-        steps = list(split.layers)
-        dtype = next(model.parameters()).dtype
-        self.bounds = list(bounds) if bounds is not None else stage_bounds(
-            step_costs(steps, plan_tokens, dtype=dtype, loss_chunk_size=loss_chunk_size), self.num_stages
-        )  # fmt: skip
-        mine = self.bounds[self.rank]
-        self.first, self.last = mine.start == 0, mine.stop == len(steps)
-        self.module = _StageModule([steps[i] for i in mine], first=self.first, last=self.last).to(self.device)
-        self.hidden_size = int(split.config.hidden_size)
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.named = [(names[id(p)], p) for p in self.module.parameters()]
-        self.tied = bool(getattr(split.config, "tie_word_embeddings", False)) and self.num_stages > 1
-        if self.tied:  # every rank takes part in creating it; the first and the last use it
-            ends = [dist.get_global_rank(cast(Any, self.group), r) for r in (0, self.num_stages - 1)]
-            self._tied_group = dist.new_group(ends)
-        self.optim_settings = optim
-        self.optimizer = build_optimizer(param_groups_with_decay(self.named, optim.weight_decay), optim)
-        self.scheduler = optim.build_scheduler(self.optimizer)
-        self._built: tuple[int, int] | None = None
-        self._schedule: Any = None
+    if name == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B(list(stages), n_microbatches=num_micro_batches, loss_fn=loss_fn,
+                                       scale_grads=False)  # fmt: skip
+    kind = Schedule1F1B if name == "1F1B" else ScheduleGPipe
+    (stage,) = stages
+    return kind(stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False)
 
-    # ---- the schedule
-    def _build(self, num_tokens: int, num_mbs: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        if self._built == (num_tokens, num_mbs):
-            return
-        dtype = next(self.module.parameters()).dtype
-        hidden = torch.zeros(
-            1, num_tokens, self.hidden_size, dtype=dtype, device=self.device, requires_grad=True
-        )
-        inputs = torch.zeros(1, num_tokens, dtype=torch.long, device=self.device) if self.first else hidden
-        outputs = torch.zeros(1, device=self.device, requires_grad=True) if self.last else hidden
-        stage = PipelineStage(self.module, self.rank, self.num_stages, self.device, input_args=(inputs,),
-                              output_args=(outputs,), group=self.group)  # fmt: skip
-        kind = Schedule1F1B if self.schedule_name == "1F1B" else ScheduleGPipe
-        self._schedule = kind(
-            stage, n_microbatches=num_mbs, loss_fn=lambda out, _: out.sum(), scale_grads=False
-        )
-        self._built = (num_tokens, num_mbs)
-
-    def forward_backward(
-        self, micro_batches: Sequence[PackedBatch], objective: Any, *, normalizer: float
-    ) -> torch.Tensor:
-        """Fresh gradients of `sum(objective(mb)) / normalizer` on this stage; returns the loss (every stage)."""
-        length = max(mb.num_tokens for mb in micro_batches)
-        mbs = [pad_to(mb.to(self.device), length) for mb in micro_batches]
-        self._build(length, len(mbs))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.module.micro_batches, self.module.objective = mbs, objective
-        self.module.normalizer, self.module.calls = float(normalizer), 0
-        losses: list[torch.Tensor] = []
-        if self.first:
-            self._schedule.step(torch.stack([mb.input_ids for mb in mbs]))
-        elif self.last:
-            self._schedule.step(target=torch.zeros(len(mbs), 1, device=self.device), losses=losses)
-        else:
-            self._schedule.step()
-        loss = torch.stack(losses).sum().detach() if self.last else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=dist.get_global_rank(self.group, self.num_stages - 1), group=self.group)
-        if self.tied:
-            self._sum_tied_gradients()
-        return loss
-
-    def _tied_params(self) -> list[torch.Tensor]:
-        """This stage's copy of the tied embedding / head weight (first and last stage), or none."""
-        steps: list[Any] = list(self.module.steps)
-        if self.first:
-            return [steps[0].embed_tokens.weight]
-        if self.last:
-            return [steps[-1].lm_head.weight]
-        return []
-
-    def _sum_tied_gradients(self) -> None:
-        """The first and the last stage add their copies' gradients (a group of those two ranks)."""
-        for p in self._tied_params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self._tied_group)
-
-    def optimizer_step(self) -> dict[str, torch.Tensor]:
-        """Clip the gradient norm over every stage, step the optimizer and the schedule."""
-        grads = [p.grad for _, p in self.named if p.grad is not None]
-        square = torch.zeros((), device=self.device)
-        for g in grads:
-            square = square + g.float().pow(2).sum()
-        if self.tied and self.last:  # the tied weight counts once, on the first stage
-            for p in self._tied_params():
-                assert p.grad is not None
-                square = square - p.grad.float().pow(2).sum()
-        dist.all_reduce(square, group=self.group)
-        norm = square.sqrt()
-        clip = self.optim_settings.gradient_clipping
-        if clip > 0:
-            scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(scale)
-        lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        self.scheduler.step()
-        return {"grad_norm": norm, "lr": lr}
-
-    def train_batch(
-        self, micro_batches: Sequence[PackedBatch], *, global_num_loss_tokens: int, objective: Any = None
-    ) -> dict[str, torch.Tensor]:
-        from laden.model.objective import CrossEntropy
-
-        objective = objective or CrossEntropy(chunked=True)
-        loss = self.forward_backward(micro_batches, objective, normalizer=max(global_num_loss_tokens, 1))
-        return {"loss": loss, **self.optimizer_step()}
+def padded_count(count: int, *, name: str, num_ranks: int) -> int:
+    """The micro-batch count a schedule accepts, at least `count`: 1F1B runs at least one per stage,
+    Interleaved1F1B a multiple of the pipeline ranks (whole rounds), GPipe any count."""
+    if name == "GPipe" or num_ranks == 1:
+        return count
+    if name == "1F1B":
+        return max(count, num_ranks)
+    return max(num_ranks, -(-count // num_ranks) * num_ranks)

@@ -1,0 +1,59 @@
+"""Map the resolved `actor.*` configuration onto `ArchonEngine` (`archon:` and `megatron:` modes)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from laden.config.alloc import archon_layout
+from laden.engine.archon.engine import ArchonEngine
+from laden.model.dtypes import torch_dtype
+from laden.optim import OptimSettings
+
+log = logging.getLogger("laden.archon")
+
+DEFAULT_VIRTUAL_STAGES = 2
+"""Looped stages per rank under `Interleaved1F1B` when `actor.archon.pp_layers_per_stage` is unset."""
+
+
+def build_archon_engine(
+    cfg: Any, model: nn.Module, *, mode: Any, optim: OptimSettings, device: torch.device
+) -> ArchonEngine:
+    """The engine for `actor.backend: archon:dXpYeZ` (or a `megatron:` mode, with one warning)."""
+    actor, archon = cfg.actor, cfg.actor.archon
+    if mode.backend == "megatron":
+        log.warning(
+            "actor.backend=%r: laden has no Megatron-Core; the mode runs on the archon engine (PyTorch's "
+            "pipeline schedules, FSDP2 and expert parallel) with the same d, p and e", actor.backend
+        )  # fmt: skip
+    if actor.use_lora:
+        raise ValueError(
+            "actor.use_lora=true is not supported by the archon engine; use actor.backend: fsdp:dN"
+        )
+    dp, pp, ep = archon_layout(mode)
+    coef = archon.router_aux_loss_coef
+    if coef is None:
+        coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return ArchonEngine(
+        model, dp=dp, pp=pp, ep=ep, device=device, dtype=torch_dtype(actor.dtype),
+        optimizer_dtype=torch_dtype(actor.optimizer_dtype), optim=optim, schedule=archon.pp_schedule,
+        virtual_stages=virtual_stages(archon, model, pp), gradient_checkpointing=actor.gradient_checkpointing is True,
+        chunked_loss=actor.chunked_loss, loss_chunk_size=actor.loss_chunk_size,
+        plan_tokens=int(actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length or 4096), router_aux_loss_coef=coef,
+        capacity_factor=archon.moe_capacity_factor,
+    )  # fmt: skip
+
+
+def virtual_stages(archon: Any, model: nn.Module, pp: int) -> int:
+    """Looped stages per rank: 1 but under `Interleaved1F1B`, where `pp_layers_per_stage` sets it."""
+    if archon.pp_schedule != "Interleaved1F1B":
+        return 1
+    if archon.pp_layers_per_stage is None:
+        return DEFAULT_VIRTUAL_STAGES
+    config: Any = model.config
+    layers = int(config.num_hidden_layers)
+    return max(1, math.ceil(layers / (pp * archon.pp_layers_per_stage)))

@@ -1,0 +1,204 @@
+"""The archon engine (`laden.engine.archon`) on gloo equals a plain one-process step at every layout.
+
+The reference is stock Hugging Face: each document through the model's own forward on its own (no
+packing, no laden code), the summed next-token cross-entropy over the loss tokens divided by the
+step's loss-token count, `torch.nn.utils.clip_grad_norm_` and `torch.optim.SGD` (Adam's first step,
+about lr * sign(g), would turn float noise in near-zero gradients into whole steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from workers import run_workers
+
+from laden.engine.archon.pipeline import pad_to, padded_count, stage_bounds
+
+LENGTHS = ([7, 9, 5], [12, 3], [8, 8], [6, 4, 4])
+
+
+def _model(tied: bool):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(1)
+    return [
+        [(torch.randint(3, 128, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2)) for n in mb]
+        for mb in LENGTHS
+    ]
+
+
+def _settings():
+    from laden.config import load_config
+    from laden.optim import OptimSettings
+
+    cfg = load_config("laden/assets/sft_tiny.yaml", ["actor.optimizer.type=sgd", "actor.optimizer.lr=1e-1", "actor.optimizer.lr_scheduler_type=constant",
+                                                     "actor.optimizer.warmup_steps_proportion=0", "actor.optimizer.gradient_clipping=0.5"])  # fmt: skip
+    return OptimSettings.from_config(cfg.actor.optimizer, 10)
+
+
+def _reference(tied: bool):
+    model = _model(tied)
+    samples = [s for mb in _samples() for s in mb]
+    tokens = sum(sum(mask[1:]) for _, mask in samples)
+    loss = torch.zeros(())
+    for ids, mask in samples:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        per = F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        loss = loss + (per * torch.tensor(mask[1:], dtype=torch.float32)).sum()
+    loss = loss / tokens
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # clipped
+    torch.optim.SGD(model.parameters(), lr=1e-1).step()
+    return float(loss), grads, float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine(model, dp, pp, schedule="1F1B", optim=None):
+    from laden.engine.archon import ArchonEngine
+
+    return ArchonEngine(model, dp=dp, pp=pp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
+                        plan_tokens=32, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+
+
+def _share(dp_rank, dp):
+    """This data-parallel rank's micro-batches of the step, and the step's loss-token count."""
+    from laden.data import pack_samples
+
+    every = [pack_samples(mb) for mb in _samples()]
+    return every[dp_rank::dp], sum(mb.num_loss_tokens for mb in every)
+
+
+def _layout(rank, world, tied, schedule, dp, pp):
+    engine = _engine(_model(tied), dp, pp, schedule)
+    mbs, total = _share(engine.dp_rank, dp)
+    before = float(engine.eval_batch(mbs, global_num_loss_tokens=total)["loss"])
+    out = engine.train_batch(mbs, global_num_loss_tokens=total)
+    weights = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+    logprobs = [r["logprobs"] for r in engine.forward(mbs)]
+    return before, float(out["loss"]), float(out["grad_norm"]), weights, logprobs, engine.dp_rank
+
+
+LAYOUTS = [  # (world, tied, schedule, d, p)
+    (2, False, "1F1B", 1, 2),
+    (2, True, "GPipe", 1, 2),
+    (2, True, "Interleaved1F1B", 1, 2),
+    (3, True, "1F1B", 1, 3),
+    (2, True, "1F1B", 2, 1),
+    (4, True, "1F1B", 2, 2),
+]
+
+
+@pytest.mark.parametrize(("world", "tied", "schedule", "dp", "pp"), LAYOUTS)
+def test_layouts_equal_one_process(world, tied, schedule, dp, pp):
+    """archon:d1p2/d1p3/d2/d2p2 under each schedule == stock Hugging Face in one process: the loss before and
+    after, the clipping norm, every updated weight (named_weights, on every rank), forward's log-probs."""
+    loss, _, norm, params = _reference(tied)
+    updated = _model(tied)
+    updated.load_state_dict(params, strict=False)  # a tied head is the embedding
+    for before, after, rank_norm, weights, logprobs, dp_rank in run_workers(
+        _layout, world, tied, schedule, dp, pp
+    ):
+        assert before == pytest.approx(loss, rel=1e-5) and after == pytest.approx(loss, rel=1e-5)
+        assert rank_norm == pytest.approx(norm, rel=1e-4)
+        assert weights.keys() == {n for n in params if not (tied and n == "lm_head.weight")}
+        for name, value in weights.items():
+            torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=name)
+        for mb, got in zip(_samples()[dp_rank::dp], logprobs):
+            want = torch.cat([_reference_logprobs(updated, ids, mask) for ids, mask in mb])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def _reference_logprobs(model, ids, mask):
+    """log p(next token) where the next token has a label, 0 elsewhere and at the document's last token."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return torch.cat([picked * torch.tensor(mask[1:], dtype=torch.float32), torch.zeros(1)])
+
+
+def _adam():
+    from laden.config import load_config
+    from laden.optim import OptimSettings
+
+    # eps well above float noise: Adam's first steps (about lr * sign(g)) would turn noise in near-zero
+    # gradients, which differs between layouts, into whole steps
+    cfg = load_config("laden/assets/sft_tiny.yaml", ["actor.optimizer.lr=1e-2", "actor.optimizer.lr_scheduler_type=constant",
+                                                     "actor.optimizer.warmup_steps_proportion=0", "actor.optimizer.eps=1e-3"])  # fmt: skip
+    return OptimSettings.from_config(cfg.actor.optimizer, 10)
+
+
+def _steps(engine, dp, num_steps):
+    for _ in range(num_steps):
+        mbs, total = _share(engine.dp_rank, dp)
+        engine.train_batch(mbs, global_num_loss_tokens=total)
+
+
+def _save_after_one(rank, world, path, dp, pp):
+    from laden.engine.checkpoint import save_engine
+
+    engine = _engine(_model(True), dp, pp, optim=_adam())
+    _steps(engine, dp, 1)
+    save_engine(engine, Path(path), rank=rank)
+
+
+def _resume_and_step(rank, world, path, dp, pp):
+    from laden.engine.checkpoint import load_engine
+
+    engine = _engine(_model(True), dp, pp, optim=_adam())
+    load_engine(engine, Path(path))
+    _steps(engine, dp, 1)
+    return engine.version, {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+
+
+def test_checkpoint_saved_at_d2p2_resumes_at_d1_and_d1p2_and_equals_uninterrupted(tmp_path):
+    """Adam (its states matter): two steps in one plain process == one step at d2p2, saved, then one more
+    in one plain process or at d1p2 after loading."""
+    from laden.engine.checkpoint import load_engine
+
+    engine = _engine(_model(True), 1, 1, optim=_adam())
+    _steps(engine, 1, 2)
+    want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+    run_workers(_save_after_one, 4, str(tmp_path), 2, 2)
+    plain = _engine(_model(True), 1, 1, optim=_adam())
+    load_engine(plain, tmp_path)
+    _steps(plain, 1, 1)
+    resumed = [(plain.version, dict(plain.named_weights(torch.float32)))]
+    resumed += run_workers(_resume_and_step, 2, str(tmp_path), 1, 2)
+    for version, weights in resumed:
+        assert version == 2 and weights.keys() == want.keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stage_bounds_balance_costs_not_counts():
+    assert stage_bounds([10, 1, 1, 1, 1, 10], 2) == [range(0, 3), range(3, 6)]
+    assert stage_bounds([30, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    assert stage_bounds([1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(ValueError, match="cannot cut 2 pipeline steps into 3 stages"):
+        stage_bounds([1, 1], 3)
+
+
+def test_pad_to_adds_a_document_without_loss():
+    from laden.data import pack_samples
+
+    mb = pack_samples([([5, 6, 7], [0, 1, 1])])
+    padded = pad_to(mb, 8)
+    assert padded.num_tokens == 8 and padded.cu_seqlens.tolist() == [0, 3, 8] and padded.seqlens == [3]
+    assert padded.labels.tolist()[3:] == [-100] * 5 and padded.position_ids.tolist()[3:] == [0, 1, 2, 3, 4]
+    assert padded.num_loss_tokens == mb.num_loss_tokens
+
+
+def test_schedules_get_the_micro_batch_counts_they_accept():
+    assert padded_count(1, name="1F1B", num_ranks=2) == 2 and padded_count(3, name="1F1B", num_ranks=2) == 3
+    assert padded_count(3, name="Interleaved1F1B", num_ranks=2) == 4
+    assert padded_count(1, name="GPipe", num_ranks=4) == 1
