@@ -222,28 +222,35 @@ def test_refills_after_rejections_skip_no_prompt(tmp_path, monkeypatch):
     assert _metrics(result)[-1]["rejected"] == len(seen) // 3
 
 
+def test_pipeline_stages_are_refused_by_laden_rl(tmp_path):
+    cfg = _cfg(tmp_path, "actor.backend=archon:d1p2", "cluster.n_gpus_per_node=2")
+    with pytest.raises(ValueError, match="pipeline stages need the same ones"):
+        rl_trainer._refuse_unimplemented(cfg, 2)
+
+
 def test_a_tensor_parallel_native_engine_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "rollout.backend=native:d1t2", "cluster.n_gpus_per_node=4")
     with pytest.raises(ValueError, match="tensor-parallel native engine"):
         rl_trainer._refuse_unimplemented(cfg, 1)
 
 
-def test_a_roundpipe_actor_trains_like_an_fsdp_one(tmp_path):
-    """The same first step on both engine kinds (same init, same rollouts); the roundpipe actor's
+def test_roundpipe_and_archon_actors_train_like_an_fsdp_one(tmp_path):
+    """The same first step on every engine kind (same init, same rollouts); the roundpipe actor's
     micro-batches are packed on the host, where that engine takes them."""
     import torch
 
     from laden.engine.runtime import Runtime, batch_device
 
     steps = {}
-    for backend in ("fsdp:d1", "roundpipe:d1"):
+    for backend in ("fsdp:d1", "roundpipe:d1", "archon:d1"):
         result = run_rl(_cfg(tmp_path / backend.split(":")[0], "total_train_steps=2", f"actor.backend={backend}"),
                         progress=False)  # fmt: skip
         steps[backend] = _metrics(result)
-    for fsdp, roundpipe in zip(steps["fsdp:d1"], steps["roundpipe:d1"]):  # step 2 samples from the update
-        assert roundpipe["reward_mean"] == fsdp["reward_mean"]
-        for name in ("loss", "grad_norm", "entropy"):
-            assert math.isclose(roundpipe[name], fsdp[name], rel_tol=1e-4, abs_tol=1e-4), name
+    for other in ("roundpipe:d1", "archon:d1"):
+        for fsdp, step in zip(steps["fsdp:d1"], steps[other]):  # step 2 samples from the update
+            assert step["reward_mean"] == fsdp["reward_mean"]
+            for name in ("loss", "grad_norm", "entropy"):
+                assert math.isclose(step[name], fsdp[name], rel_tol=1e-4, abs_tol=1e-4), (other, name)
     on_gpu = Runtime(rank=0, world_size=1, device=torch.device("cuda", 0))
     assert batch_device(_cfg(tmp_path, "actor.backend=roundpipe:d1"), on_gpu) == torch.device("cpu")
     assert batch_device(_cfg(tmp_path), on_gpu) == torch.device("cuda", 0)

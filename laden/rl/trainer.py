@@ -136,15 +136,21 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
 
 
 def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
+    from laden.config.alloc import AllocationMode
+
     problems: list[str] = []
+    if AllocationMode.parse(cfg.actor.backend).pp > 1:
+        problems.append(
+            f"actor.backend={cfg.actor.backend!r}: laden rl gives every process its own share of the rollouts, "
+            "and pipeline stages need the same ones; train RL on archon without p (archon:dN or archon:dNeM), "
+            "or pipeline stages in laden sft"
+        )
     if world_size > 1 and cfg.actor.dynamic_sampling:
         problems.append(
             f"actor.dynamic_sampling=true under {world_size} processes: refilling rejected groups would move the "
             "ranks' data positions apart; run it in one process or set actor.dynamic_sampling: false"
         )
     backend = cfg.rollout.backend.split(":", 1)[0]
-    from laden.config.alloc import AllocationMode
-
     if backend == "native" and AllocationMode.parse(cfg.rollout.backend).tp > 1:
         problems.append(
             f"rollout.backend={cfg.rollout.backend!r}: laden rl runs a tensor-parallel native engine only "
