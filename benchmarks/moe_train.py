@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     tokens = (args.steps - args.warmup) * args.num_seqs * args.seq_len
-    total = sum(p.numel() for p in model.parameters()) if args.backend.startswith("fsdp") else engine.num_params
+    total = (
+        sum(p.numel() for p in model.parameters()) if args.backend.startswith("fsdp") else engine.num_params
+    )
     return {
         "bench": "moe_train", "backend": args.backend, "shape": args.shape, "params_b": round(total / 1e9, 3),
         "seq_len": args.seq_len, "num_seqs": args.num_seqs, "max_tokens_per_mb": args.max_tokens_per_mb,

@@ -202,3 +202,97 @@ def test_schedules_get_the_micro_batch_counts_they_accept():
     assert padded_count(1, name="1F1B", num_ranks=2) == 2 and padded_count(3, name="1F1B", num_ranks=2) == 3
     assert padded_count(3, name="Interleaved1F1B", num_ranks=2) == 4
     assert padded_count(1, name="GPipe", num_ranks=4) == 1
+
+
+# ---------------------------------------------------------------- Mixture of Experts, expert parallel
+
+
+def _moe_model():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _moe_engine(dp, pp, ep, coef=0.01, optim=None):
+    from laden.engine.archon import ArchonEngine
+
+    return ArchonEngine(_moe_model(), dp=dp, pp=pp, ep=ep, optim=optim or _settings(), plan_tokens=32,
+                        dtype=torch.float32, device=torch.device("cpu"), router_aux_loss_coef=coef)  # fmt: skip
+
+
+def _moe_layout(rank, world, dp, pp, ep):
+    engine = _moe_engine(dp, pp, ep)
+    mbs, total = _share(engine.dp_rank, dp)
+    out = engine.train_batch(mbs, global_num_loss_tokens=total)
+    return (
+        float(out["loss"]),
+        float(out["grad_norm"]),
+        {n: t.clone() for n, t in engine.named_weights(torch.float32)},
+    )
+
+
+def test_moe_without_router_loss_equals_stock_hugging_face():
+    """archon:d1 on a Qwen3-MoE model, router loss off: stock Hugging Face's per-document loss and update."""
+    from laden.data import pack_samples
+
+    model = _moe_model()
+    samples = [s for mb in _samples() for s in mb]
+    tokens = sum(sum(mask[1:]) for _, mask in samples)
+    loss = sum(
+        (F.cross_entropy(model(input_ids=torch.tensor([ids])).logits[0, :-1], torch.tensor(ids[1:]), reduction="none")
+         * torch.tensor(mask[1:], dtype=torch.float32)).sum() for ids, mask in samples) / tokens  # fmt: skip
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    torch.optim.SGD(model.parameters(), lr=1e-1).step()
+    engine = _moe_engine(1, 1, 1, coef=0.0)
+    mbs = [pack_samples(mb) for mb in _samples()]
+    out = engine.train_batch(mbs, global_num_loss_tokens=tokens)
+    assert float(out["loss"]) == pytest.approx(float(loss), rel=1e-5) and float(out["moe_aux_loss"]) > 0
+    want = dict(model.named_parameters())
+    for name, value in engine.named_weights(torch.float32):
+        torch.testing.assert_close(value, want[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("world", "dp", "pp", "ep"), [(2, 2, 1, 2), (4, 2, 2, 2)])
+def test_expert_parallel_layouts_equal_one_process(world, dp, pp, ep):
+    """archon:d2e2 and archon:d2p2e2 (experts split over two ranks, tokens exchanged all-to-all) == the same
+    MoE model with its router loss in one process: loss, clipping norm, every updated weight."""
+    from laden.data import pack_samples
+
+    engine = _moe_engine(1, 1, 1)
+    every = [pack_samples(mb) for mb in _samples()]
+    out = engine.train_batch(every, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in every))
+    want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+    for loss, norm, weights in run_workers(_moe_layout, world, dp, pp, ep):
+        assert loss == pytest.approx(float(out["loss"]), rel=1e-5)
+        assert norm == pytest.approx(float(out["grad_norm"]), rel=1e-4)
+        assert weights.keys() == want.keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _moe_save_after_one(rank, world, path):
+    from laden.engine.checkpoint import save_engine
+
+    engine = _moe_engine(2, 2, 2, optim=_adam())
+    _steps(engine, 2, 1)
+    save_engine(engine, Path(path), rank=rank)
+
+
+def test_moe_checkpoint_saved_at_d2p2e2_resumes_at_d1_and_equals_uninterrupted(tmp_path):
+    from laden.engine.checkpoint import load_engine
+
+    engine = _moe_engine(1, 1, 1, optim=_adam())
+    _steps(engine, 1, 2)
+    want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+    run_workers(_moe_save_after_one, 4, str(tmp_path))
+    resumed = _moe_engine(1, 1, 1, optim=_adam())
+    load_engine(resumed, tmp_path)
+    _steps(resumed, 1, 1)
+    assert resumed.version == 2
+    for name, value in resumed.named_weights(torch.float32):
+        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -161,8 +161,9 @@ class ArchonConfig:
     (ceil(layers / (p * this))); None = 2 stages per rank. Stages are cut by cost (weights plus kept
     activations), so a stage holds about this many layers, not exactly."""
     router_aux_loss_coef: float | None = None
-    """Mixture-of-Experts models: weight of the router's load-balancing loss (per layer, Switch
-    Transformer's); None = the model config's `router_aux_loss_coef`; 0 = off."""
+    """Mixture-of-Experts models: weight of the router's load-balancing loss, in Hugging Face's units
+    (`router_aux_loss_coef`; laden computes it per layer and averages over the layers); None = the model
+    config's; 0 = off."""
     moe_capacity_factor: float | None = None
     """Mixture-of-Experts models: each expert takes at most this factor times its even share of a
     micro-batch's token assignments, the rest are dropped (counted in `moe_dropped_fraction`); None = dropless."""

@@ -22,7 +22,9 @@ outside the group), never over the group. With `capacity_factor` c, each expert 
 `ceil(c * N * k / E)` assignments from each source rank (N that rank's tokens, padding included),
 in token order (token n's k choices before token n+1's); the rest are dropped (they add zero, as in
 Switch / GShard) and counted. None or 0 is dropless. With no group (or one rank) the parameters stay
-as they are and only the capacity applies.
+as they are and only the capacity applies. Every rank of the group must run every forward and
+backward of the same layers in the same order, also with no tokens (the all-to-alls run in both).
+The swapped modules hold the ProcessGroup, so an expert-parallel model is not copied or pickled.
 
 Router loss (`enable_router_aux_loss`). Per MoE layer and forward, over that forward's N tokens,
 the Switch Transformer loss `aux = E * sum_i f_i * P_i` (f_i: the fraction of the N*k assignments
@@ -46,7 +48,10 @@ the language-model loss. The aux is over all the tokens of the forward, padding 
 at the end of a packed row). Each rank's aux is over its own tokens.
 
 Metrics (`RouterStats.pop`): device tensors, no host sync; every forward counts except a recompute
-inside backward (activation checkpointing).
+inside backward (activation checkpointing). A forward without a graph counts too: under the roundpipe
+engine, which runs a stage's forward and then recomputes it, the recomputed layers count twice, so
+`moe_aux_loss` leans toward them (the gradient does not: only the recomputed graph is differentiated).
+The metrics are this process's: its tokens, and the MoE layers of its pipeline stages.
 """
 
 from __future__ import annotations

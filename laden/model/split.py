@@ -33,7 +33,8 @@ else is refused with a ValueError rather than split by guesswork. The mixture-of
 load-balancing loss is not computed: Hugging Face adds it only with `config.output_router_logits`
 (off in the released checkpoints), and it couples every layer's routing statistics over the whole
 batch, which a pipeline streaming one micro-batch and one stage at a time does not hold; such a
-config is refused (set `output_router_logits=False`).
+config is refused (set `output_router_logits=False`). `laden.model.moe.enable_router_aux_loss` adds a
+per-layer, per-micro-batch version that does stream (and `apply_expert_parallel` spreads the experts).
 """
 
 from __future__ import annotations
@@ -249,7 +250,8 @@ def split_causal_lm(model: nn.Module) -> SplitModel:
             f"{type(model).__name__} has config.output_router_logits=True, so its own forward adds the "
             "router load-balancing loss, which laden.model.split does not compute (it couples every layer's "
             "routing over the whole batch); set model.config.output_router_logits = False to train on the "
-            "language-model loss alone, as the released checkpoints do"
+            "language-model loss alone, as the released checkpoints do (laden.model.moe.enable_router_aux_loss "
+            "adds a per-layer load-balancing loss that streams)"
         )
     if getattr(model.lm_head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}'s lm_head has a bias; the chunked loss assumes none")

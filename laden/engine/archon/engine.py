@@ -329,6 +329,9 @@ class ArchonEngine:
     def _weigh_router_loss(self, mb: PackedBatch) -> None:
         """The router loss of the micro-batch about to run enters the gradient like its loss tokens."""
         self.moe_stats.scale = mb.num_loss_tokens * self._loss_scale
+        self.moe_stats.num_real_tokens = sum(
+            mb.seqlens
+        )  # `pad_to`'s padding document, at the end, is left out
 
     def forward_backward(
         self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
@@ -714,9 +717,21 @@ class ArchonEngine:
         saved = state["optimizer"]
         local_states = {n: {k: self._expert_slice(_local(_own_slice(v, self._as_dtensor(named[n]))), None, named[n])
                             for k, v in entry.items()} for n, entry in saved["state"].items() if n in named}  # fmt: skip
-        load_named_state(self.optimizer, names, {**saved, "state": local_states})
-        self.scheduler.load_state_dict(state["scheduler"])
+        # The param groups differ between stages and layouts (a stage without norms has no no-decay group):
+        # their hyper-parameters come from this run's settings, the schedule's position from the checkpoint.
+        load_named_state(self.optimizer, names, {**saved, "state": local_states, "param_groups": []})
+        self._load_schedule_position(state["scheduler"])
         self._version = int(state["version"])
+
+    def _load_schedule_position(self, saved: dict[str, Any]) -> None:
+        """This run's LR schedule at the checkpoint's step (every group follows the same schedule)."""
+        sched: Any = self.scheduler
+        fresh = {**sched.state_dict(), "last_epoch": saved["last_epoch"], "_step_count": saved["_step_count"]}
+        sched.load_state_dict(fresh)
+        lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
 
     def _expert_slice(
         self, value: torch.Tensor, dst: torch.Tensor | None, param: torch.Tensor

@@ -35,9 +35,12 @@ def build_archon_engine(
             "actor.use_lora=true is not supported by the archon engine; use actor.backend: fsdp:dN"
         )
     dp, pp, ep = archon_layout(mode)
+    config: Any = model.config
     coef = archon.router_aux_loss_coef
     if coef is None:
-        coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    # Hugging Face's coefficient multiplies top_k times laden's per-layer loss (laden.model.moe)
+    coef *= int(getattr(config, "num_experts_per_tok", 1) or 1)
     return ArchonEngine(
         model, dp=dp, pp=pp, ep=ep, device=device, dtype=torch_dtype(actor.dtype),
         optimizer_dtype=torch_dtype(actor.optimizer_dtype), optim=optim, schedule=archon.pp_schedule,

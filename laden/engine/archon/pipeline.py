@@ -1,27 +1,20 @@
-"""Pipeline parallel training of a causal LM over `torch.distributed.pipelining` (the `p` of `archon:`).
+"""Pipeline stages of a causal LM for the archon engine (the `p` of `archon:`), over `torch.distributed.pipelining`.
 
-The first part of the `archon` engine: one process per pipeline stage (`archon:d1pP`), each holding a
-contiguous run of the model's pipeline steps (`laden.model.split`: the embedding, decoder layers, the
-final norm and head), cut where the per-step costs balance (`stage_bounds`: parameter bytes plus
+The model is cut into contiguous runs of its pipeline steps (`laden.model.split`: the embedding, decoder
+layers, the final norm and head) where the per-step costs balance (`stage_bounds`: parameter bytes plus
 what a micro-batch's forward keeps, `laden.model.split.activation_bytes`, not the layer count), and
-PyTorch's schedules (`GPipe`, `1F1B`) over the step's token-budget micro-batches.
+PyTorch's schedules (`1F1B`, `Interleaved1F1B` with looped virtual stages, `GPipe`) run them over the
+step's token-budget micro-batches (`build_schedule`).
 
 How laden's packed micro-batches cross the pipeline: the schedule moves one tensor between stages
-(the hidden states `[1, T, H]`; the token ids into the first stage, the objective's sum out of the
-last). Every stage holds the step's micro-batches (they are packed from the same samples on every
-rank of a `d1` pipeline), and reads the positions, document boundaries, labels and per-token fields
-of the one it computes from them: the schedules run each stage's forwards in micro-batch order. The
-micro-batches of a step are padded to one length (a padding document: no loss, no attention across)
-so the stage buffers have one shape; the stages and the schedule are rebuilt when the step's length
-or micro-batch count changes. Stage shapes are given, not inferred, so no forward runs outside the
-schedule.
-
-A tied embedding and head (`tie_word_embeddings`) live on the first and the last stage as two copies;
-their gradients are summed between the two before the optimizer step, so both take the same update.
-The gradient norm for clipping is taken over every stage (the tied copy counted once).
-Not yet here (issue [10]): data, expert, tensor and context parallel within the pipeline, the
-interleaved schedules, `forward` / `named_weights` / checkpoints, and the `actor.backend: archon:`
-wiring; `laden sft` and `laden rl` still refuse `archon:`.
+(the hidden states `[1, T, H]`; the token ids into the first stage, the objective's scaled sum out of
+the last). Every stage holds the step's micro-batches (the ranks of one pipeline pack the same
+samples), and reads the positions, document boundaries, labels and per-token fields of the one it
+computes from them (`StageModule`): the schedules run each stage's forwards in micro-batch order. The
+micro-batches of a step are padded to one length (`pad_to`: a padding document, no loss, no attention
+across) so the stage buffers have one shape, and to a count the schedule accepts (`padded_count`);
+the engine rebuilds the schedule when the step's length or count changes. The cost of one length is
+the padding's compute: micro-batches packed to one token budget differ by less than a sequence.
 """
 
 from __future__ import annotations
