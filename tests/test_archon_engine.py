@@ -296,3 +296,17 @@ def test_moe_checkpoint_saved_at_d2p2e2_resumes_at_d1_and_equals_uninterrupted(t
     assert resumed.version == 2
     for name, value in resumed.named_weights(torch.float32):
         torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_megatron_modes_run_on_archon_with_one_warning(caplog):
+    import logging
+
+    from laden.config import load_config
+    from laden.engine.archon import ArchonEngine
+    from laden.engine.factory import build_engine
+
+    cfg = load_config("examples/sft_tiny.yaml", ["actor.backend=megatron:d1"], job="sft")
+    with caplog.at_level(logging.WARNING, logger="laden.archon"):
+        engine = build_engine(cfg, _model(True), total_steps=2, device=torch.device("cpu"))
+    assert isinstance(engine, ArchonEngine) and (engine.dp, engine.pp, engine.ep) == (1, 1, 1)
+    assert caplog.text.count("laden has no Megatron-Core") == 1

@@ -57,6 +57,7 @@ from laden.engine.archon.pipeline import (
 from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
 from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
+from laden.model.moe import expert_shard
 from laden.model.objective import CrossEntropy
 from laden.optim import OptimSettings, build_optimizer, param_groups_with_decay
 
@@ -165,10 +166,8 @@ class ArchonEngine:
         self.num_params_full = sum(p.numel() for p in model.parameters())
 
     def _setup_moe(self, model: nn.Module, coef: float, capacity_factor: float | None) -> Any:
-        try:  # TEMPORARY
-            from laden.model import moe
-        except ImportError:
-            return None
+        from laden.model import moe
+
         if not moe.moe_blocks(model):
             return None
         if self.ep > 1:
@@ -784,14 +783,6 @@ class ArchonEngine:
                     order.append((stem, key, r))
                     self._item_meta[(stem, key)] = (shape, getattr(torch, dtype))
         return sorted(order, key=lambda item: item[0] != "model")  # weights first, as written elsewhere
-
-
-def expert_shard(p: torch.Tensor) -> Any:
-    try:  # TEMPORARY until laden.model.moe lands
-        from laden.model.moe import expert_shard as find
-    except ImportError:
-        return None
-    return find(p)
 
 
 def _flat(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
