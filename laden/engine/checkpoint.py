@@ -80,7 +80,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- engine state
 
 
-def _flat_tensors(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def flat_tensors(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file stem, key, tensor) of an engine state: model weights, then optimizer state entries."""
     for name, t in state["model"].items():
         yield "model", name, t
@@ -96,7 +96,7 @@ def save_engine(
     state = engine.state_dict()
     writers = {stem: ShardWriter(path, max_shard_bytes, stem=stem) for stem in ("model", "optimizer")}
     items = getattr(engine, "checkpoint_items", None)  # a pipeline engine: every stage's tensors to rank 0
-    flat = items() if items is not None else ((s, k, host_copy(t)) for s, k, t in _flat_tensors(state))
+    flat = items() if items is not None else ((s, k, host_copy(t)) for s, k, t in flat_tensors(state))
     for stem, key, full in flat:  # every rank joins the gathers
         if rank == 0:
             assert full is not None
@@ -183,7 +183,7 @@ def load_engine(
     """
     state = engine.state_dict()
     readers = {stem: _Reader(path, stem) for stem in ("model", "optimizer")}
-    for stem, key, t in _flat_tensors(state):
+    for stem, key, t in flat_tensors(state):
         readers[stem].read_into(key, t, "weight" if stem == "model" else "optimizer state")
     state["optimizer"]["param_groups"] = json.loads((path / "optimizer_groups.json").read_text())
     state["scheduler"] = json.loads((path / "scheduler.json").read_text())

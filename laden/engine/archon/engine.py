@@ -745,10 +745,11 @@ class ArchonEngine:
     def checkpoint_items(self) -> Iterator[tuple[str, str, torch.Tensor | None]]:
         """(file stem, key, whole host tensor on rank 0 / None elsewhere) of the shared checkpoint layout,
         every tensor of every stage in one order; every rank iterates to the end (`laden.engine.checkpoint`)."""
+        from laden.engine.checkpoint import flat_tensors
         from laden.model.hf.export import host_copy
 
         state = self.state_dict()
-        local = {(stem, key): t for stem, key, t in _flat(state)}
+        local = {(stem, key): t for stem, key, t in flat_tensors(state)}
         order = self._global_items(local)
         rank = dist.get_rank() if self.distributed else 0
         for stem, key, owner in order:
@@ -783,14 +784,6 @@ class ArchonEngine:
                     order.append((stem, key, r))
                     self._item_meta[(stem, key)] = (shape, getattr(torch, dtype))
         return sorted(order, key=lambda item: item[0] != "model")  # weights first, as written elsewhere
-
-
-def _flat(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    for name, t in state["model"].items():
-        yield "model", name, t
-    for name, entry in state["optimizer"]["state"].items():
-        for key, t in entry.items():
-            yield "optimizer", f"{name}/{key}", t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
