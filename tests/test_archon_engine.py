@@ -63,11 +63,12 @@ def _reference(tied: bool):
     return float(loss), grads, float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _engine(model, dp, pp, schedule="1F1B", optim=None):
+def _engine(model, dp, pp, schedule="1F1B", optim=None, recompute=False):
     from laden.engine.archon import ArchonEngine
 
     return ArchonEngine(model, dp=dp, pp=pp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
-                        plan_tokens=32, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+                        plan_tokens=32, dtype=torch.float32, device=torch.device("cpu"),
+                        gradient_checkpointing=recompute)  # fmt: skip
 
 
 def _share(dp_rank, dp):
@@ -79,7 +80,8 @@ def _share(dp_rank, dp):
 
 
 def _layout(rank, world, tied, schedule, dp, pp):
-    engine = _engine(_model(tied), dp, pp, schedule)
+    recompute = schedule.endswith("+recompute")
+    engine = _engine(_model(tied), dp, pp, schedule.removesuffix("+recompute"), recompute=recompute)
     mbs, total = _share(engine.dp_rank, dp)
     before = float(engine.eval_batch(mbs, global_num_loss_tokens=total)["loss"])
     out = engine.train_batch(mbs, global_num_loss_tokens=total)
@@ -95,6 +97,7 @@ LAYOUTS = [  # (world, tied, schedule, d, p)
     (3, True, "1F1B", 1, 3),
     (2, True, "1F1B", 2, 1),
     (4, True, "1F1B", 2, 2),
+    (2, True, "1F1B+recompute", 1, 2),  # per-layer recompute (actor.gradient_checkpointing) inside the stages
 ]
 
 
