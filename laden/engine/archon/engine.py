@@ -27,6 +27,10 @@ the owning stage gathers each tensor (FSDP's `full_tensor`, the experts' all-gat
 it to every rank. `checkpoint_items` sends each tensor of the shared checkpoint layout to rank 0,
 which writes it, so a checkpoint saved at one layout loads at any other (`laden.engine.checkpoint`).
 
+The module is about 800 lines, past the house's 600: one class carries every `TrainEngine` method for
+three kinds of parallelism at once (each needs the mesh, the stage map and the expert shards); the
+stage code lives in `pipeline.py` and the experts in `laden.model.moe`.
+
 Not here yet: tensor and context parallel inside a stage (`t`, `c`), the host-state optimizers of the
 fsdp engine (`offload_params`, `per_layer_optim_step`), `adam_bf16` under a process group, LoRA.
 """
