@@ -313,3 +313,19 @@ def test_megatron_modes_run_on_archon_with_one_warning(caplog):
         engine = build_engine(cfg, _model(True), total_steps=2, device=torch.device("cpu"))
     assert isinstance(engine, ArchonEngine) and (engine.dp, engine.pp, engine.ep) == (1, 1, 1)
     assert caplog.text.count("laden has no Megatron-Core") == 1
+
+
+def test_offloaded_and_onloaded_trains_as_never_offloaded():
+    from laden.engine.base import OffloadedError
+
+    plain, moved = _engine(_model(True), 1, 1, optim=_adam()), _engine(_model(True), 1, 1, optim=_adam())
+    _steps(plain, 1, 2)
+    _steps(moved, 1, 1)
+    moved.offload()
+    with pytest.raises(OffloadedError, match="onload"):
+        _steps(moved, 1, 1)
+    moved.onload()
+    _steps(moved, 1, 1)
+    want = dict(plain.named_weights(torch.float32))
+    for name, value in moved.named_weights(torch.float32):
+        assert torch.equal(value, want[name]), name
