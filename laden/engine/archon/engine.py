@@ -205,6 +205,8 @@ class ArchonEngine:
             stage.to(self.device)
             if self.moe_stats is not None:
                 stage.before_micro_batch = self._weigh_router_loss
+            if not self.distributed and self.storage_dtype != self.compute_dtype != torch.float32:
+                stage.head_dtype = self.compute_dtype  # autocast leaves the loss's in-place GEMMs in fp32
         self.first = self.stage_ids[0] == 0
         self.last = self.stage_ids[-1] == self.num_stages - 1
         tie = bool(getattr(self.config, "tie_word_embeddings", False))

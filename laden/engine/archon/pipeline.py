@@ -113,6 +113,9 @@ class StageModule(nn.Module):
         self.loss_scale = 1.0
         self.calls = 0
         self.before_micro_batch: Callable[[PackedBatch], None] | None = None
+        self.head_dtype: torch.dtype | None = None
+        """Under autocast: the dtype the objective sees the hidden states and head weight in (the fsdp
+        engine's `ObjectiveRoot` has the reason: the loss's own GEMMs would otherwise run in fp32)."""
 
     def start(self, micro_batches: list[PackedBatch], objective: Any, loss_scale: float) -> None:
         """The step's micro-batches (read in order by the forwards that follow) and its objective."""
@@ -139,7 +142,10 @@ class StageModule(nn.Module):
         if head is None:
             return state.hidden_states
         out = head(state)
-        value = self.objective(out.hidden_states[0], out.lm_head_weight, mb)
+        hidden, weight = out.hidden_states[0], out.lm_head_weight  # [T, H], [V, H]
+        if self.head_dtype is not None:
+            hidden, weight = hidden.to(self.head_dtype), weight.to(self.head_dtype)
+        value = self.objective(hidden, weight, mb)
         if isinstance(value, dict):  # forward's per-token outputs
             return value
         return (value.float() * self.loss_scale).reshape(1)
