@@ -63,10 +63,10 @@ def _reference(tied: bool):
     return float(loss), grads, float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _engine(model, dp, pp, schedule="1F1B", optim=None, recompute=False):
+def _engine(model, dp, pp, schedule="1F1B", optim=None, recompute=False, tp=1):
     from laden.engine.archon import ArchonEngine
 
-    return ArchonEngine(model, dp=dp, pp=pp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
+    return ArchonEngine(model, dp=dp, pp=pp, tp=tp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
                         plan_tokens=32, dtype=torch.float32, device=torch.device("cpu"),
                         gradient_checkpointing=recompute)  # fmt: skip
 
@@ -81,7 +81,8 @@ def _share(dp_rank, dp):
 
 def _layout(rank, world, tied, schedule, dp, pp):
     recompute = schedule.endswith("+recompute")
-    engine = _engine(_model(tied), dp, pp, schedule.removesuffix("+recompute"), recompute=recompute)
+    engine = _engine(_model(tied), dp, pp, schedule.removesuffix("+recompute"), recompute=recompute,
+                     tp=world // (dp * pp))  # fmt: skip
     mbs, total = _share(engine.dp_rank, dp)
     before = float(engine.eval_batch(mbs, global_num_loss_tokens=total)["loss"])
     out = engine.train_batch(mbs, global_num_loss_tokens=total)
@@ -98,12 +99,14 @@ LAYOUTS = [  # (world, tied, schedule, d, p)
     (2, True, "1F1B", 2, 1),
     (4, True, "1F1B", 2, 2),
     (2, True, "1F1B+recompute", 1, 2),  # per-layer recompute (actor.gradient_checkpointing) inside the stages
+    (2, True, "1F1B", 1, 1),  # d1t2: tensor parallel (the rest of the world)
+    (4, False, "1F1B", 1, 2),  # d1p2t2
 ]
 
 
 @pytest.mark.parametrize(("world", "tied", "schedule", "dp", "pp"), LAYOUTS)
 def test_layouts_equal_one_process(world, tied, schedule, dp, pp):
-    """archon:d1p2/d1p3/d2/d2p2 under each schedule == stock Hugging Face in one process: the loss before and
+    """archon:d1p2/d1p3/d2/d2p2/d1t2/d1p2t2 under each schedule == stock Hugging Face in one process: the loss before and
     after, the clipping norm, every updated weight (named_weights, on every rank), forward's log-probs."""
     loss, _, norm, params = _reference(tied)
     updated = _model(tied)

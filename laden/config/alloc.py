@@ -332,18 +332,22 @@ def archon_layout(mode: AllocationMode) -> tuple[int, int, int]:
 
 
 def _archon_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
-    """The archon engine runs data, pipeline and expert parallel; not tensor or context parallel yet."""
-    tp = max(mode.tp, mode.ffn.tp if mode.ffn is not None else 1)
-    if tp == 1 and mode.cp == 1:
-        return []
+    """The archon engine runs data, pipeline, tensor and expert parallel; not context parallel, and not
+    tensor-parallel experts, yet."""
     _, pp, ep = archon_layout(mode)
+    ffn_tp = mode.ffn.tp if mode.ffn is not None else 1
+    missing = [f"context parallel (c{mode.cp})"] if mode.cp > 1 else []
+    if ffn_tp > 1 or (mode.tp > 1 and ep > 1):
+        missing.append(f"tensor-parallel experts (t{max(ffn_tp, mode.tp)} with e{ep})")
+    if not missing:
+        return []
     same = (
         f"{mode.backend}:d{mode.num_gpus // pp}" + (f"p{pp}" if pp > 1 else "") + (f"e{ep}" if ep > 1 else "")
     )
     return [
-        f"{field}={text!r}: the archon engine (which runs {mode.backend}: modes) implements data, pipeline "
-        f"and expert parallel, not tensor or context parallel (t{tp}, c{mode.cp}) inside a pipeline stage "
-        f"yet; use the same GPUs as data parallel ({same}) or fsdp:dXtYcZ without p and e"
+        f"{field}={text!r}: the archon engine (which runs {mode.backend}: modes) implements data, pipeline, "
+        f"tensor and expert parallel, not {' or '.join(missing)} yet; use the same GPUs as data parallel "
+        f"({same}), or fsdp:dXtYcZ without p and e"
     ]
 
 

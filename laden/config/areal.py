@@ -313,7 +313,8 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("gconfig.*", "laden's generation reads gconfig.n_samples, max_new_tokens, min_new_tokens, temperature, "
            "top_p, top_k, greedy, stop, stop_token_ids and ignore_eos only", _rl),
     _Group("actor.megatron", "laden has no Megatron-Core: megatron: allocation modes run on laden's archon engine "
-           "(PyTorch's pipeline schedules, FSDP2 within a stage, expert parallel) with their d, p and e; Megatron's "
+           "(PyTorch's pipeline schedules, FSDP2 and tensor parallel within a stage, expert parallel) with their d, p, t "
+           "and e; Megatron's "
            "own settings do not apply"),
     _Group("actor.archon.*", "laden's archon engine reads actor.archon.pp_schedule and pp_layers_per_stage; it cuts "
            "stages by parameter bytes plus kept activations (not by layer counts), recomputes whole decoder layers "

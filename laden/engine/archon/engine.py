@@ -1,8 +1,12 @@
-"""`ArchonEngine`: the `archon:dXpYeZ` train engine: pipeline stages, FSDP2 within each, experts over `e`.
+"""`ArchonEngine`: the `archon:dXpYtZeW` train engine: pipeline stages, FSDP2 and tensor parallel within each,
+experts over `e`.
 
-Layout. The world is `p x d` processes on a `("pp", "edp", "ep")` device mesh (pipeline outermost,
-expert parallel innermost so its all-to-alls stay on the closest GPUs); the data-parallel axis
-`dp = edp x ep` is flattened from the inner two. Every process builds the whole model, keeps the
+Layout. The world is `p x d x t` processes on a `("pp", "edp", "ep", "tp")` device mesh (pipeline
+outermost, tensor parallel innermost on the closest GPUs, then expert parallel for its all-to-alls);
+the data-parallel axis `dp = edp x ep` is flattened from the middle two. With `t > 1` (dense models)
+the fsdp engine's tensor-parallel plans split every layer first (`apply_tensor_parallel`: the hidden
+states between stages stay replicated, the head is split on the vocabulary and the cross-entropy is
+vocab-parallel), and FSDP2 then shards the 2-D parameters over `dp`. Every process builds the whole model, keeps the
 steps of its pipeline stage(s) (`laden.engine.archon.pipeline`: cut by parameter bytes plus kept
 activations; with `Interleaved1F1B`, `virtual_stages` looped stages per rank) and moves the rest to
 the meta device. Within a stage each decoder layer and the stage root are `fully_shard`ed over the
@@ -31,7 +35,7 @@ The module is about 800 lines, past the house's 600: one class carries every `Tr
 three kinds of parallelism at once (each needs the mesh, the stage map and the expert shards); the
 stage code lives in `pipeline.py` and the experts in `laden.model.moe`.
 
-Not here yet: tensor and context parallel inside a stage (`t`, `c`), the host-state optimizers of the
+Not here yet: context parallel (`c`), tensor-parallel experts (`t` with a MoE model), the host-state optimizers of the
 fsdp engine (`offload_params`, `per_layer_optim_step`), `adam_bf16` under a process group, LoRA.
 """
 
@@ -78,6 +82,7 @@ class ArchonEngine:
         dp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        tp: int = 1,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.bfloat16,
         optimizer_dtype: torch.dtype = torch.float32,
@@ -93,7 +98,7 @@ class ArchonEngine:
     ) -> None:
         from laden.engine.fsdp.load import cast_params_
 
-        self._check_layout(dp, pp, ep, schedule, virtual_stages)
+        self._check_layout(dp, pp, ep, tp, schedule, virtual_stages)
         self.optim_settings = optim or OptimSettings()
         self.compute_dtype = dtype
         self.storage_dtype = self.optim_settings.master_dtype(optimizer_dtype)
@@ -101,7 +106,7 @@ class ArchonEngine:
         self.loss_chunk_size = loss_chunk_size
         self.device = device or default_device()
         self.distributed = dist.is_initialized()
-        self.dp, self.pp, self.ep = dp, pp, ep
+        self.dp, self.pp, self.ep, self.tp = dp, pp, ep, tp
         self.schedule_name = schedule
         self.virtual_stages = virtual_stages if schedule == "Interleaved1F1B" and pp > 1 else 1
         self._build_mesh()
@@ -109,6 +114,10 @@ class ArchonEngine:
         self.config: Any = model.config
         self._record_names(model)
         self.moe_stats = self._setup_moe(model, router_aux_loss_coef, capacity_factor)
+        if tp > 1:
+            from laden.engine.fsdp.parallelize import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.mesh["tp"])
         cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -125,10 +134,14 @@ class ArchonEngine:
 
     # ----------------------------------------------------------------- set-up
 
-    def _check_layout(self, dp: int, pp: int, ep: int, schedule: str, virtual_stages: int) -> None:
-        for name, size in (("d", dp), ("p", pp), ("e", ep), ("virtual_stages", virtual_stages)):
+    def _check_layout(self, dp: int, pp: int, ep: int, tp: int, schedule: str, virtual_stages: int) -> None:
+        for name, size in (("d", dp), ("p", pp), ("e", ep), ("t", tp), ("virtual_stages", virtual_stages)):
             if size < 1:
                 raise ValueError(f"actor.backend: {name}={size} must be at least 1")
+        if tp > 1 and ep > 1:
+            raise ValueError(
+                f"actor.backend: t={tp} with e={ep}: tensor parallel experts are not implemented; use t=1"
+            )
         if dp % ep:
             raise ValueError(
                 f"actor.backend=archon:d{dp}p{pp}e{ep}: e={ep} must divide d={dp} (e overlays d)"
@@ -136,29 +149,31 @@ class ArchonEngine:
         if schedule not in SCHEDULES:
             raise ValueError(f"actor.archon.pp_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if dp * pp != world:
+        if dp * pp * tp != world:
             raise ValueError(
-                f"actor.backend=archon:d{dp}p{pp}e{ep} needs d x p = {dp * pp} processes but {world} were "
-                f"started; launch with torchrun --nproc_per_node {dp * pp}, or change actor.backend"
+                f"actor.backend=archon:d{dp}p{pp}t{tp}e{ep} needs d x p x t = {dp * pp * tp} processes but {world} were "
+                f"started; launch with torchrun --nproc_per_node {dp * pp * tp}, or change actor.backend"
             )
 
     def _build_mesh(self) -> None:
         self.mesh: Any = None
-        self.pp_rank, self.dp_index = 0, 0
+        self.pp_rank, self.dp_index, self.coord = 0, 0, 0
         if not self.distributed:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = self.device.type
-        mesh = init_device_mesh(
-            kind, (self.pp, self.dp // self.ep, self.ep), mesh_dim_names=("pp", "edp", "ep")
-        )
+        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)  # tensor parallel innermost
+        mesh = init_device_mesh(kind, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
         self.mesh = mesh
         self.dp_mesh = mesh[("edp", "ep")]._flatten("dp")
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_index = self.dp_mesh.get_local_rank()
+        self.coord = self.dp_index * self.tp + mesh["tp"].get_local_rank()  # this rank's place in its stage
         self.pp_group = mesh["pp"].get_group()
-        self.ranks = mesh.mesh.reshape(self.pp, self.dp).tolist()  # global rank of (pp rank, dp index)
+        self.ranks = mesh.mesh.reshape(
+            self.pp, self.dp * self.tp
+        ).tolist()  # global rank of (pp rank, dp index)
         self.host_group = dist.new_group(backend="gloo")  # checkpoint transfers to rank 0
 
     def _record_names(self, model: nn.Module) -> None:
@@ -174,6 +189,11 @@ class ArchonEngine:
 
         if not moe.moe_blocks(model):
             return None
+        if self.tp > 1:
+            raise ValueError(
+                f"actor.backend: t={self.tp} on a Mixture-of-Experts model: its experts have no tensor-parallel "
+                "split; use t=1 and spread the experts with e"
+            )
         if self.ep > 1:
             moe.apply_expert_parallel(model, self.mesh["ep"].get_group(), capacity_factor=capacity_factor)
         elif capacity_factor:
@@ -205,6 +225,7 @@ class ArchonEngine:
             stage.to(self.device)
             if self.moe_stats is not None:
                 stage.before_micro_batch = self._weigh_router_loss
+            stage.tp_group = self.mesh["tp"].get_group() if self.tp > 1 else None
             if not self.distributed and self.storage_dtype != self.compute_dtype != torch.float32:
                 stage.head_dtype = self.compute_dtype  # autocast leaves the loss's in-place GEMMs in fp32
         self.first = self.stage_ids[0] == 0
@@ -213,7 +234,7 @@ class ArchonEngine:
         self.tied = tie and self.num_stages > 1 and self.distributed
         if self.tied:
             self._tied_groups = [dist.new_group([row[i] for row in (self.ranks[0], self.ranks[-1])])
-                                 for i in range(self.dp)]  # fmt: skip
+                                 for i in range(self.dp * self.tp)]  # fmt: skip
 
     def _owners(self, steps: list[nn.Module], names: dict[int, str]) -> dict[str, int]:
         """Each Hugging Face name -> the pipeline rank that holds it (the first stage for a tied weight)."""
@@ -408,7 +429,7 @@ class ArchonEngine:
         if not self.distributed:
             return local
         if self.pp > 1:
-            dist.broadcast(local, src=self.ranks[self.pp - 1][self.dp_index], group=self.pp_group)
+            dist.broadcast(local, src=self.ranks[self.pp - 1][self.coord], group=self.pp_group)
         dist.all_reduce(local, group=self.dp_mesh.get_group())
         return local
 
@@ -443,7 +464,7 @@ class ArchonEngine:
                 p.grad = torch.zeros_like(p)
             grad: Any = p.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            dist.all_reduce(local, group=self._tied_groups[self.dp_index])
+            dist.all_reduce(local, group=self._tied_groups[self.coord])
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
         """Clip the global gradient norm over every stage and shard, step; `version` += 1."""
@@ -475,7 +496,7 @@ class ArchonEngine:
             seen.add(id(p))
             g: Any = p.grad
             local = (g.to_local() if isinstance(g, DTensor) else g).float()
-            weight = 1.0 / edp if id(p) in experts else 1.0
+            weight = 1.0 / edp if id(p) in experts else 1.0 / self._tp_copies(g)
             square = square + local.pow(2).sum() * weight
         if self.tied and self.last and not self.first:  # the tied weight counts once, on the first stage
             for t in self._tied_params()[-1:]:
@@ -484,6 +505,15 @@ class ArchonEngine:
         if self.distributed:
             dist.all_reduce(square)
         return square.sqrt()
+
+    def _tp_copies(self, t: Any) -> int:
+        """How many tensor-parallel ranks hold the same values of `t` (those replicated over `tp`)."""
+        if self.tp == 1 or not isinstance(t, DTensor):
+            return 1
+        names = t.device_mesh.mesh_dim_names or ()
+        if "tp" not in names:
+            return 1
+        return self.tp if t.placements[names.index("tp")].is_replicate() else 1
 
     def train_batch(
         self,
@@ -563,16 +593,16 @@ class ArchonEngine:
                 continue
             if s > 0 and piped and (s - 1) % self.pp != r:
                 x = torch.empty(1, mb.num_tokens, width, dtype=self.compute_dtype, device=self.device)
-                dist.recv(x, src=self.ranks[(s - 1) % self.pp][self.dp_index], group=self.pp_group)
+                dist.recv(x, src=self.ranks[(s - 1) % self.pp][self.coord], group=self.pp_group)
             with self._autocast():
                 out = x = self.stages[self.stage_ids.index(s)](x)
             if s < self.num_stages - 1 and piped and (s + 1) % self.pp != r:
                 dist.send(out.to(self.compute_dtype).contiguous(),
-                          dst=self.ranks[(s + 1) % self.pp][self.dp_index], group=self.pp_group)  # fmt: skip
+                          dst=self.ranks[(s + 1) % self.pp][self.coord], group=self.pp_group)  # fmt: skip
         values = (out if isinstance(out, dict) else {"loss": out}) if self.last else {}
         if not piped:
             return values
-        src = self.ranks[self.pp - 1][self.dp_index]
+        src = self.ranks[self.pp - 1][self.coord]
         for k in keys:
             shape = (1,) if k == "loss" else (mb.num_tokens,)
             buf = values[k].float().reshape(shape) if self.last else torch.empty(shape, device=self.device)
@@ -801,4 +831,7 @@ def _release_others(model: nn.Module, kept: set[int]) -> None:
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) not in kept and not p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                meta = torch.empty_like(
+                    _local(p), device="meta"
+                )  # a DTensor (tensor parallel): its shard's shape
+                module._parameters[name] = nn.Parameter(meta, p.requires_grad)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
+from laden.engine.fsdp.loss import apply_objective
 
 Schedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 SCHEDULES: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
@@ -113,6 +114,8 @@ class StageModule(nn.Module):
         self.loss_scale = 1.0
         self.calls = 0
         self.before_micro_batch: Callable[[PackedBatch], None] | None = None
+        self.tp_group: Any = None
+        """Tensor parallel: the head weight is split on the vocabulary (`apply_objective`)."""
         self.head_dtype: torch.dtype | None = None
         """Under autocast: the dtype the objective sees the hidden states and head weight in (the fsdp
         engine's `ObjectiveRoot` has the reason: the loss's own GEMMs would otherwise run in fp32)."""
@@ -145,7 +148,7 @@ class StageModule(nn.Module):
         hidden, weight = out.hidden_states[0], out.lm_head_weight  # [T, H], [V, H]
         if self.head_dtype is not None:
             hidden, weight = hidden.to(self.head_dtype), weight.to(self.head_dtype)
-        value = self.objective(hidden, weight, mb)
+        value = apply_objective(self.objective, hidden, weight, mb, tp_group=self.tp_group)
         if isinstance(value, dict):  # forward's per-token outputs
             return value
         return (value.float() * self.loss_scale).reshape(1)

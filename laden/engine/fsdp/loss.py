@@ -65,25 +65,33 @@ class ObjectiveRoot(nn.Module):
             # autocast leaves alone) would run in fp32: 0.83 s of a 2.5 s step on an H200, as SIMT
             # sgemm. The objective sees what the roundpipe engine's head sees: compute-dtype tensors.
             hidden, weight = hidden.to(self.head_dtype), weight.to(self.head_dtype)
-        if not isinstance(weight, DTensor):
-            return objective(hidden, weight, batch)
-        if isinstance(objective, CrossEntropy) and self.tp_group is not None:
-            return self._vocab_parallel_cross_entropy(hidden, weight, batch, objective)
-        return objective(hidden, weight.full_tensor(), batch)  # [V, H] on every rank: see the docstring
+        return apply_objective(objective, hidden, weight, batch, tp_group=self.tp_group)
 
-    def _vocab_parallel_cross_entropy(
-        self, hidden: torch.Tensor, weight: DTensor, batch: PackedBatch, objective: CrossEntropy
-    ) -> torch.Tensor:
-        assert self.tp_group is not None
-        tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
-        start, _ = vocab_shard_range(weight.shape[0], tp_rank, tp_size)
-        # `chunked=False` asks for the full logits: one chunk of every token gives exactly that.
-        chunk_size = objective.chunk_size if objective.chunked else max(hidden.shape[0], 1)
-        return vocab_parallel_cross_entropy(
-            hidden,
-            weight.to_local(),  # [V / tp, H]
-            batch.labels,
-            vocab_start=start,
-            group=self.tp_group,
-            chunk_size=chunk_size,
-        )
+
+def apply_objective(
+    objective: Any, hidden: torch.Tensor, weight: torch.Tensor, batch: PackedBatch, *, tp_group: Any = None
+) -> Any:
+    """`objective(hidden, head_weight, batch)`, with a vocabulary-split head weight (tensor parallel) as the
+    module docstring says: the vocab-parallel cross-entropy, else the gathered head."""
+    if not isinstance(weight, DTensor):
+        return objective(hidden, weight, batch)
+    if isinstance(objective, CrossEntropy) and tp_group is not None:
+        return _vocab_parallel_cross_entropy(hidden, weight, batch, objective, tp_group)
+    return objective(hidden, weight.full_tensor(), batch)  # [V, H] on every rank: see the docstring
+
+
+def _vocab_parallel_cross_entropy(
+    hidden: torch.Tensor, weight: DTensor, batch: PackedBatch, objective: CrossEntropy, tp_group: Any
+) -> torch.Tensor:
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    start, _ = vocab_shard_range(weight.shape[0], tp_rank, tp_size)
+    # `chunked=False` asks for the full logits: one chunk of every token gives exactly that.
+    chunk_size = objective.chunk_size if objective.chunked else max(hidden.shape[0], 1)
+    return vocab_parallel_cross_entropy(
+        hidden,
+        weight.to_local(),  # [V / tp, H]
+        batch.labels,
+        vocab_start=start,
+        group=tp_group,
+        chunk_size=chunk_size,
+    )
