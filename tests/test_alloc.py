@@ -132,15 +132,13 @@ def test_archon_and_megatron_modes_run(text):
     assert check_alloc(text, role="actor", field="actor.backend") == []
 
 
-def test_archon_refuses_context_parallel_and_tensor_parallel_experts_with_the_same_gpus_as_data():
+def test_archon_refuses_tensor_and_context_parallel_experts_with_the_same_gpus_as_data():
     assert check_alloc("archon:d1p2t2", role="actor", field="actor.backend") == []
-    (error,) = check_alloc("archon:d2p2c2", role="actor", field="actor.backend")
-    assert "not context parallel (c2) yet" in error and "(archon:d4p2)" in error
+    assert check_alloc("archon:d2p2c2", role="actor", field="actor.backend") == []
+    (error,) = check_alloc("archon:d2p2c2e2", role="actor", field="actor.backend")
+    assert "not context-parallel experts (c2 with e2) yet" in error and "(archon:d4p2e2)" in error
     (error,) = check_alloc("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", role="actor", field="actor.backend")
-    assert (
-        "context parallel (c2) or tensor-parallel experts (t4 with e2)" in error
-        and "(megatron:d16p2e2)" in error
-    )
+    assert "(c2 with e2) or tensor-parallel experts (t4 with e2)" in error and "(megatron:d16p2e2)" in error
     assert archon_layout(AllocationMode.parse("megatron:(attn:d4p2|ffn:e2)")) == (4, 2, 2)
 
 

@@ -63,10 +63,10 @@ def _reference(tied: bool):
     return float(loss), grads, float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _engine(model, dp, pp, schedule="1F1B", optim=None, recompute=False, tp=1):
+def _engine(model, dp, pp, schedule="1F1B", optim=None, recompute=False, tp=1, cp=1):
     from laden.engine.archon import ArchonEngine
 
-    return ArchonEngine(model, dp=dp, pp=pp, tp=tp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
+    return ArchonEngine(model, dp=dp, pp=pp, tp=tp, cp=cp, optim=optim or _settings(), schedule=schedule, virtual_stages=2,
                         plan_tokens=32, dtype=torch.float32, device=torch.device("cpu"),
                         gradient_checkpointing=recompute)  # fmt: skip
 
@@ -81,8 +81,10 @@ def _share(dp_rank, dp):
 
 def _layout(rank, world, tied, schedule, dp, pp):
     recompute = schedule.endswith("+recompute")
-    engine = _engine(_model(tied), dp, pp, schedule.removesuffix("+recompute"), recompute=recompute,
-                     tp=world // (dp * pp))  # fmt: skip
+    context = schedule.endswith("+context")
+    rest = world // (dp * pp)  # tensor parallel, or context parallel for a "+context" schedule
+    engine = _engine(_model(tied), dp, pp, schedule.split("+")[0], recompute=recompute,
+                     tp=1 if context else rest, cp=rest if context else 1)  # fmt: skip
     mbs, total = _share(engine.dp_rank, dp)
     before = float(engine.eval_batch(mbs, global_num_loss_tokens=total)["loss"])
     out = engine.train_batch(mbs, global_num_loss_tokens=total)
@@ -101,6 +103,8 @@ LAYOUTS = [  # (world, tied, schedule, d, p)
     (2, True, "1F1B+recompute", 1, 2),  # per-layer recompute (actor.gradient_checkpointing) inside the stages
     (2, True, "1F1B", 1, 1),  # d1t2: tensor parallel (the rest of the world)
     (4, False, "1F1B", 1, 2),  # d1p2t2
+    (2, True, "1F1B+context", 1, 1),  # d1c2: Ulysses context parallel
+    (4, True, "1F1B+context", 1, 2),  # d1p2c2
 ]
 
 

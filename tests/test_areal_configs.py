@@ -369,12 +369,12 @@ def test_expert_parallel_counted_as_areal_counts_it():
         "megatron:(attn:d1p12t4|ffn:d1p12e4)",
     ],
 )
-def test_moe_hybrid_form_parses_round_trips_and_its_tensor_parallel_is_refused(text):
+def test_moe_hybrid_form_parses_round_trips_and_its_tensor_parallel_experts_are_refused(text):
     mode = AllocationMode.parse(text)
     assert mode.format() == text and AllocationMode.parse(mode.format()) == mode
     assert check_alloc(mode, role="actor", field="actor.backend", require_implemented=False) == []
     (error,) = check_alloc(mode, role="actor", field="actor.backend")
-    assert "implements data, pipeline, tensor and expert parallel, not " in error
+    assert "implements data, pipeline, tensor, context and expert parallel, not " in error
 
 
 def test_moe_hybrid_rules():

@@ -332,11 +332,11 @@ def archon_layout(mode: AllocationMode) -> tuple[int, int, int]:
 
 
 def _archon_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
-    """The archon engine runs data, pipeline, tensor and expert parallel; not context parallel, and not
-    tensor-parallel experts, yet."""
+    """The archon engine runs data, pipeline, tensor, context and expert parallel; not t or c together
+    with e yet."""
     _, pp, ep = archon_layout(mode)
     ffn_tp = mode.ffn.tp if mode.ffn is not None else 1
-    missing = [f"context parallel (c{mode.cp})"] if mode.cp > 1 else []
+    missing = [f"context-parallel experts (c{mode.cp} with e{ep})"] if mode.cp > 1 and ep > 1 else []
     if ffn_tp > 1 or (mode.tp > 1 and ep > 1):
         missing.append(f"tensor-parallel experts (t{max(ffn_tp, mode.tp)} with e{ep})")
     if not missing:
@@ -346,7 +346,7 @@ def _archon_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
     )
     return [
         f"{field}={text!r}: the archon engine (which runs {mode.backend}: modes) implements data, pipeline, "
-        f"tensor and expert parallel, not {' or '.join(missing)} yet; use the same GPUs as data parallel "
+        f"tensor, context and expert parallel, not {' or '.join(missing)} yet; use the same GPUs as data parallel "
         f"({same}), or fsdp:dXtYcZ without p and e"
     ]
 

@@ -1,7 +1,7 @@
-"""`ArchonEngine`: the `archon:dXpYtZeW` train engine: pipeline stages, FSDP2 and tensor parallel within each,
-experts over `e`.
+"""`ArchonEngine`: the `archon:dXpYtZcVeW` train engine: pipeline stages; FSDP2, tensor and context parallel
+within each; experts over `e`.
 
-Layout. The world is `p x d x t` processes on a `("pp", "edp", "ep", "tp")` device mesh (pipeline
+Layout. The world is `p x d x c x t` processes on a `("pp", "edp", "ep", "cp", "tp")` device mesh (pipeline
 outermost, tensor parallel innermost on the closest GPUs, then expert parallel for its all-to-alls);
 the data-parallel axis `dp = edp x ep` is flattened from the middle two. With `t > 1` (dense models)
 the fsdp engine's tensor-parallel plans split every layer first (`apply_tensor_parallel`: the hidden
@@ -35,7 +35,11 @@ The module is about 800 lines, past the house's 600: one class carries every `Tr
 three kinds of parallelism at once (each needs the mesh, the stage map and the expert shards); the
 stage code lives in `pipeline.py` and the experts in `laden.model.moe`.
 
-Not here yet: context parallel (`c`), tensor-parallel experts (`t` with a MoE model), the host-state optimizers of the
+With `c > 1` (dense models) each rank of a stage holds a `1/c` slice of every micro-batch and attention runs
+Ulysses all-to-alls (`laden.engine.fsdp.ulysses`); FSDP shards over `dp x c`, the loss is summed over both,
+and `forward` all-gathers the slices into whole rows.
+
+Not here yet: tensor or context parallel experts (`t`, `c` with a MoE model), the host-state optimizers of the
 fsdp engine (`offload_params`, `per_layer_optim_step`), `adam_bf16` under a process group, LoRA.
 """
 
@@ -83,6 +87,7 @@ class ArchonEngine:
         pp: int = 1,
         ep: int = 1,
         tp: int = 1,
+        cp: int = 1,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.bfloat16,
         optimizer_dtype: torch.dtype = torch.float32,
@@ -98,7 +103,7 @@ class ArchonEngine:
     ) -> None:
         from laden.engine.fsdp.load import cast_params_
 
-        self._check_layout(dp, pp, ep, tp, schedule, virtual_stages)
+        self._check_layout(dp, pp, ep, tp, cp, schedule, virtual_stages)
         self.optim_settings = optim or OptimSettings()
         self.compute_dtype = dtype
         self.storage_dtype = self.optim_settings.master_dtype(optimizer_dtype)
@@ -106,7 +111,7 @@ class ArchonEngine:
         self.loss_chunk_size = loss_chunk_size
         self.device = device or default_device()
         self.distributed = dist.is_initialized()
-        self.dp, self.pp, self.ep, self.tp = dp, pp, ep, tp
+        self.dp, self.pp, self.ep, self.tp, self.cp = dp, pp, ep, tp, cp
         self.schedule_name = schedule
         self.virtual_stages = virtual_stages if schedule == "Interleaved1F1B" and pp > 1 else 1
         self._build_mesh()
@@ -134,10 +139,17 @@ class ArchonEngine:
 
     # ----------------------------------------------------------------- set-up
 
-    def _check_layout(self, dp: int, pp: int, ep: int, tp: int, schedule: str, virtual_stages: int) -> None:
-        for name, size in (("d", dp), ("p", pp), ("e", ep), ("t", tp), ("virtual_stages", virtual_stages)):
+    def _check_layout(
+        self, dp: int, pp: int, ep: int, tp: int, cp: int, schedule: str, virtual_stages: int
+    ) -> None:
+        sizes = (("d", dp), ("p", pp), ("e", ep), ("t", tp), ("c", cp), ("virtual_stages", virtual_stages))
+        for name, size in sizes:
             if size < 1:
                 raise ValueError(f"actor.backend: {name}={size} must be at least 1")
+        if cp > 1 and ep > 1:
+            raise ValueError(
+                f"actor.backend: c with e={ep}: context parallel experts are not implemented; use c=1"
+            )
         if tp > 1 and ep > 1:
             raise ValueError(
                 f"actor.backend: t={tp} with e={ep}: tensor parallel experts are not implemented; use t=1"
@@ -149,31 +161,33 @@ class ArchonEngine:
         if schedule not in SCHEDULES:
             raise ValueError(f"actor.archon.pp_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if dp * pp * tp != world:
+        if dp * pp * tp * cp != world:
             raise ValueError(
-                f"actor.backend=archon:d{dp}p{pp}t{tp}e{ep} needs d x p x t = {dp * pp * tp} processes but {world} were "
-                f"started; launch with torchrun --nproc_per_node {dp * pp * tp}, or change actor.backend"
+                f"actor.backend=archon:d{dp}p{pp}t{tp}c{cp}e{ep} needs d x p x t x c = {dp * pp * tp * cp} processes but {world} were "
+                f"started; launch with torchrun --nproc_per_node {dp * pp * tp * cp}, or change actor.backend"
             )
 
     def _build_mesh(self) -> None:
         self.mesh: Any = None
-        self.pp_rank, self.dp_index, self.coord = 0, 0, 0
+        self.pp_rank, self.dp_index, self.coord, self.cp_rank = 0, 0, 0, 0
         if not self.distributed:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = self.device.type
-        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)  # tensor parallel innermost
-        mesh = init_device_mesh(kind, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)  # tensor parallel innermost
+        mesh = init_device_mesh(kind, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
         self.mesh = mesh
-        self.dp_mesh = mesh[("edp", "ep")]._flatten("dp")
+        self.dp_mesh = mesh[("edp", "ep")]._flatten("dp")  # which share of the batch
+        self.shard_mesh = mesh[("edp", "ep", "cp")]._flatten(
+            "dp_cp"
+        )  # FSDP's: context ranks are data ranks to it
         self.pp_rank = mesh["pp"].get_local_rank()
         self.dp_index = self.dp_mesh.get_local_rank()
-        self.coord = self.dp_index * self.tp + mesh["tp"].get_local_rank()  # this rank's place in its stage
+        self.cp_rank = mesh["cp"].get_local_rank()
         self.pp_group = mesh["pp"].get_group()
-        self.ranks = mesh.mesh.reshape(
-            self.pp, self.dp * self.tp
-        ).tolist()  # global rank of (pp rank, dp index)
+        self.ranks = mesh.mesh.reshape(self.pp, -1).tolist()  # global rank of (pp rank, place in the stage)
+        self.coord = self.ranks[self.pp_rank].index(dist.get_rank())  # this rank's place in its stage
         self.host_group = dist.new_group(backend="gloo")  # checkpoint transfers to rank 0
 
     def _record_names(self, model: nn.Module) -> None:
@@ -189,10 +203,10 @@ class ArchonEngine:
 
         if not moe.moe_blocks(model):
             return None
-        if self.tp > 1:
+        if self.tp > 1 or self.cp > 1:
             raise ValueError(
-                f"actor.backend: t={self.tp} on a Mixture-of-Experts model: its experts have no tensor-parallel "
-                "split; use t=1 and spread the experts with e"
+                f"actor.backend: t={self.tp}, c={self.cp} on a Mixture-of-Experts model: its experts have no "
+                "tensor- or context-parallel split yet; use t=1 and c=1 and spread the experts with e"
             )
         if self.ep > 1:
             moe.apply_expert_parallel(model, self.mesh["ep"].get_group(), capacity_factor=capacity_factor)
@@ -204,7 +218,14 @@ class ArchonEngine:
         from laden.model.attention import set_attention
         from laden.model.split import split_causal_lm
 
-        set_attention(model, "auto")  # packed rows: the varlen kernel keeps the documents apart
+        if self.cp > 1:
+            from laden.engine.fsdp.parallelize import check_head_rule
+            from laden.engine.fsdp.ulysses import enable_ulysses
+
+            check_head_rule(model, self.cp, axis_name="context parallel")
+            enable_ulysses(model, self.mesh["cp"].get_group())
+        else:
+            set_attention(model, "auto")  # packed rows: the varlen kernel keeps the documents apart
         steps = list(split_causal_lm(model).layers)
         self.num_stages = self.pp * self.virtual_stages
         costs = step_costs(steps, plan_tokens, dtype=self.compute_dtype, loss_chunk_size=self.loss_chunk_size)
@@ -234,7 +255,7 @@ class ArchonEngine:
         self.tied = tie and self.num_stages > 1 and self.distributed
         if self.tied:
             self._tied_groups = [dist.new_group([row[i] for row in (self.ranks[0], self.ranks[-1])])
-                                 for i in range(self.dp * self.tp)]  # fmt: skip
+                                 for i in range(self.dp * self.tp * self.cp)]  # fmt: skip
 
     def _owners(self, steps: list[nn.Module], names: dict[int, str]) -> dict[str, int]:
         """Each Hugging Face name -> the pipeline rank that holds it (the first stage for a tied weight)."""
@@ -264,8 +285,8 @@ class ArchonEngine:
             for step in stage.steps:
                 if isinstance(step, DecoderStep):
                     own = {p for p in step.layer.parameters() if p in experts}
-                    fully_shard(step.layer, mesh=self.dp_mesh, mp_policy=mp, ignored_params=own or None)
-            fully_shard(stage, mesh=self.dp_mesh, mp_policy=mp, ignored_params=experts or None)
+                    fully_shard(step.layer, mesh=self.shard_mesh, mp_policy=mp, ignored_params=own or None)
+            fully_shard(stage, mesh=self.shard_mesh, mp_policy=mp, ignored_params=experts or None)
 
     def _expert_params(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters() if expert_shard(p) is not None]
@@ -347,10 +368,14 @@ class ArchonEngine:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.host_group)
         target = padded_count(int(count.item()), name=self.schedule_name, num_ranks=self.pp)  # host values
         mbs += [_padding_batch().to(self.device) for _ in range(target - len(mbs))]
-        if self.pp == 1:
-            return mbs
-        length = max(mb.num_tokens for mb in mbs)
-        return [pad_to(mb, length) for mb in mbs]
+        if self.pp > 1:
+            length = max(mb.num_tokens for mb in mbs)
+            mbs = [pad_to(mb, length) for mb in mbs]
+        if self.cp > 1:  # this rank's slice of every row (`laden.engine.fsdp.ulysses`)
+            from laden.engine.fsdp.ulysses import shard_batch
+
+            mbs = [shard_batch(mb, cp_rank=self.cp_rank, cp_size=self.cp) for mb in mbs]
+        return mbs
 
     def _weigh_router_loss(self, mb: PackedBatch) -> None:
         """The router loss of the micro-batch about to run enters the gradient like its loss tokens."""
@@ -368,14 +393,14 @@ class ArchonEngine:
             raise ValueError(f"normalizer={normalizer} must be positive (e.g. the global loss-token count)")
         self.optimizer.zero_grad(set_to_none=True)
         mbs = self._prepared(micro_batches)
-        self._loss_scale = self.dp / float(normalizer)  # FSDP averages over dp
+        self._loss_scale = self.dp * self.cp / float(normalizer)  # FSDP averages over dp x cp
         for stage in self.stages:
             stage.start(mbs, objective, self._loss_scale)
         total = self._run_schedule(mbs) if self.pp > 1 else self._run_plain(mbs)
         self._sync_sparse_gradients()
         if self.tied:
             self._sum_tied_gradients()
-        return self._global_loss(total / self.dp)
+        return self._global_loss(total / (self.dp * self.cp))
 
     def _run_plain(self, mbs: list[PackedBatch]) -> torch.Tensor:
         (stage,) = self.stages
@@ -430,7 +455,7 @@ class ArchonEngine:
             return local
         if self.pp > 1:
             dist.broadcast(local, src=self.ranks[self.pp - 1][self.coord], group=self.pp_group)
-        dist.all_reduce(local, group=self.dp_mesh.get_group())
+        dist.all_reduce(local, group=self.shard_mesh.get_group())  # data ranks and context slices
         return local
 
     def _sync_sparse_gradients(self) -> None:
@@ -563,8 +588,16 @@ class ArchonEngine:
         fn = _TokenOutputs(outputs=keys, temperature=temperature, chunk_size=self.loss_chunk_size)
         mbs = self._prepared(micro_batches)
         results = list(self._forward_only(mbs, fn, 1.0, keys))
-        return [{k: v[: mb.num_tokens].float().cpu() for k, v in r.items()}
+        return [{k: self._whole_row(v, mb.num_tokens).float().cpu() for k, v in r.items()}
                 for r, mb in zip(results[: len(micro_batches)], micro_batches)]  # fmt: skip
+
+    def _whole_row(self, values: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A micro-batch's per-token values without padding: the context slices all-gathered first."""
+        if self.cp == 1:
+            return values[:num_tokens]
+        from laden.engine.fsdp.ulysses import gather_row
+
+        return gather_row(values, self.mesh["cp"].get_group(), num_tokens)
 
     def _forward_only(
         self, mbs: list[PackedBatch], fn: Any, scale: float, keys: tuple[str, ...]

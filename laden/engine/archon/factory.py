@@ -42,7 +42,7 @@ def build_archon_engine(
     # Hugging Face's coefficient multiplies top_k times laden's per-layer loss (laden.model.moe)
     coef *= int(getattr(config, "num_experts_per_tok", 1) or 1)
     return ArchonEngine(
-        model, dp=dp, pp=pp, ep=ep, tp=mode.tp, device=device, dtype=torch_dtype(actor.dtype),
+        model, dp=dp, pp=pp, ep=ep, tp=mode.tp, cp=mode.cp, device=device, dtype=torch_dtype(actor.dtype),
         optimizer_dtype=torch_dtype(actor.optimizer_dtype), optim=optim, schedule=archon.pp_schedule,
         virtual_stages=virtual_stages(archon, model, pp), gradient_checkpointing=actor.gradient_checkpointing is True,
         chunked_loss=actor.chunked_loss, loss_chunk_size=actor.loss_chunk_size,
