@@ -77,7 +77,7 @@ log = logging.getLogger("laden.archon")
 
 
 class ArchonEngine:
-    """Pipeline, data and expert parallel training (see the module docstring)."""
+    """Pipeline, data, tensor, context and expert parallel training (see the module docstring)."""
 
     def __init__(
         self,
