@@ -96,7 +96,7 @@ def save_engine(
     state = engine.state_dict()
     writers = {stem: ShardWriter(path, max_shard_bytes, stem=stem) for stem in ("model", "optimizer")}
     items = getattr(engine, "checkpoint_items", None)  # a pipeline engine: every stage's tensors to rank 0
-    flat = items() if items is not None else ((s, k, host_copy(t)) for s, k, t in flat_tensors(state))
+    flat = items(state) if items is not None else ((s, k, host_copy(t)) for s, k, t in flat_tensors(state))
     for stem, key, full in flat:  # every rank joins the gathers
         if rank == 0:
             assert full is not None

@@ -129,6 +129,9 @@ class ArchonEngine:
         self.recomputes = gradient_checkpointing
         model.train()
         self._build_stages(model, plan_tokens)
+        self.experts = self._expert_params()
+        """This rank's expert shards (left out of FSDP, so they stay these objects)."""
+        self._expert_ids = {id(p) for p in self.experts}
         self._shard()
         self._build_optimizer()
         self._version = 0
@@ -280,7 +283,7 @@ class ArchonEngine:
             param_dtype=None if self.compute_dtype == self.storage_dtype else self.compute_dtype,
             reduce_dtype=torch.float32,
         )
-        experts = set(self._expert_params())
+        experts = set(self.experts)
         for stage in self.stages:
             for step in stage.steps:
                 if isinstance(step, DecoderStep):
@@ -306,9 +309,8 @@ class ArchonEngine:
                 "use adam (fp32 states), or the fsdp engine"
             )
         named = self._named()
-        experts = {id(p) for p in self._expert_params()}
-        dense = [(n, p) for n, p in named if id(p) not in experts]
-        sparse = [(n, p) for n, p in named if id(p) in experts]
+        dense = [(n, p) for n, p in named if id(p) not in self._expert_ids]
+        sparse = [(n, p) for n, p in named if id(p) in self._expert_ids]
         groups = param_groups_with_decay(dense, o.weight_decay) + param_groups_with_decay(
             sparse, o.weight_decay
         )
@@ -460,7 +462,7 @@ class ArchonEngine:
 
     def _sync_sparse_gradients(self) -> None:
         """Expert gradients: summed over the `edp` replicas of each shard, divided by `dp` (docstring)."""
-        experts = [p for p in self._expert_params() if p.grad is not None]
+        experts = [p for p in self.experts if p.grad is not None]
         if not experts or not self.distributed:
             return
         edp = self.mesh["edp"]
@@ -511,7 +513,6 @@ class ArchonEngine:
         return out
 
     def _grad_norm(self) -> torch.Tensor:
-        experts = {id(p) for p in self._expert_params()}
         edp = self.mesh["edp"].size() if self.distributed else 1
         square = torch.zeros((), device=self.device)
         seen: set[int] = set()
@@ -521,7 +522,7 @@ class ArchonEngine:
             seen.add(id(p))
             g: Any = p.grad
             local = (g.to_local() if isinstance(g, DTensor) else g).float()
-            weight = 1.0 / edp if id(p) in experts else 1.0 / self._tp_copies(g)
+            weight = 1.0 / edp if id(p) in self._expert_ids else 1.0 / self._tp_copies(g)
             square = square + local.pow(2).sum() * weight
         if self.tied and self.last and not self.first:  # the tied weight counts once, on the first stage
             for t in self._tied_params()[-1:]:
@@ -811,13 +812,13 @@ class ArchonEngine:
             return value
         return value.narrow(shard.dim, shard.offset, local.shape[shard.dim])
 
-    def checkpoint_items(self) -> Iterator[tuple[str, str, torch.Tensor | None]]:
-        """(file stem, key, whole host tensor on rank 0 / None elsewhere) of the shared checkpoint layout,
-        every tensor of every stage in one order; every rank iterates to the end (`laden.engine.checkpoint`)."""
+    def checkpoint_items(self, state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor | None]]:
+        """(file stem, key, whole host tensor on rank 0 / None elsewhere) of `state` (this engine's
+        `state_dict()`) and of every other stage's, in one order; every rank iterates to the end
+        (`laden.engine.checkpoint.save_engine`)."""
         from laden.engine.checkpoint import flat_tensors
         from laden.model.hf.export import host_copy
 
-        state = self.state_dict()
         local = {(stem, key): t for stem, key, t in flat_tensors(state)}
         order = self._global_items(local)
         rank = dist.get_rank() if self.distributed else 0
