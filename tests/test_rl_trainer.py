@@ -156,8 +156,8 @@ def test_kl_to_the_initial_policy(tmp_path):
     assert all(k > 0 for k in kl[1:]) and all(k < 10 for k in kl)
 
 
-def _rl_rank(rank: int, world_size: int, root: str) -> dict:
-    """A worker of `tests/workers.py`: `laden rl` as one rank of fsdp:d2 with a native engine per rank."""
+def _rl_rank(rank: int, world_size: int, root: str, backend: str = "fsdp:d2") -> dict:
+    """A worker of `tests/workers.py`: `laden rl` as one rank of `backend` with a native engine per rank."""
     captured = {}
     original = rl_trainer._Run._push_weights
 
@@ -166,7 +166,7 @@ def _rl_rank(rank: int, world_size: int, root: str) -> dict:
         captured["weights"] = {k: v.clone() for k, v in self.rollout.named_parameters().items()}
 
     rl_trainer._Run._push_weights = keep_engine
-    cfg = _cfg(Path(root), "total_train_steps=3", "actor.backend=fsdp:d2", "rollout.backend=native:d2",
+    cfg = _cfg(Path(root), "total_train_steps=3", f"actor.backend={backend}", "rollout.backend=native:d2",
                "cluster.n_gpus_per_node=2")  # fmt: skip
     result = run_rl(cfg, progress=False)
     digest = float(sum(v.double().sum() for v in captured["weights"].values()))
@@ -182,6 +182,24 @@ def test_two_processes_train_one_policy_and_both_engines_get_it(tmp_path):
     rows = out[0]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["completions"] == 8 * 4 for r in rows)  # the global batch, generated half on each rank
+    assert [r["trained"] for r in rows] == [32, 64, 96]  # counted over both ranks
+
+
+@pytest.mark.parametrize("backend", ["archon:d1p2", "fsdp:d1t2"])
+def test_pipeline_and_tensor_ranks_train_on_the_same_rollouts(tmp_path, backend):
+    """Both processes generate half the batch, as under fsdp:d2; the two pipeline stages (tensor ranks) of
+    the one data-parallel rank then train on all of it: the steps equal fsdp:d2's on the same rollouts."""
+    from workers import run_workers
+
+    reference = run_workers(_rl_rank, 2, str(tmp_path / "d2"))[0]["rows"]
+    out = run_workers(_rl_rank, 2, str(tmp_path / "other"), backend)
+    assert out[0]["digest"] == out[1]["digest"]  # both engines hold the one policy
+    rows = out[0]["rows"]
+    assert [r["completions"] for r in rows] == [32] * 3 and rows[-1]["trained"] == 96
+    assert rows[0]["reward_mean"] == reference[0]["reward_mean"]  # step 1: the same rollouts
+    for step, ref in zip(rows, reference):
+        for name in ("loss", "grad_norm", "entropy"):
+            assert math.isclose(step[name], ref[name], rel_tol=1e-4, abs_tol=1e-4), (step["step"], name)
 
 
 def test_sleeping_while_training_changes_nothing(tmp_path, monkeypatch):
@@ -220,12 +238,6 @@ def test_refills_after_rejections_skip_no_prompt(tmp_path, monkeypatch):
     expected = [records[i]["prompt"] for _ in range(len(seen) // 8 + 1) for i in next(order)]
     assert seen == expected[: len(seen)]  # data order, nothing skipped or repeated
     assert _metrics(result)[-1]["rejected"] == len(seen) // 3
-
-
-def test_pipeline_stages_are_refused_by_laden_rl(tmp_path):
-    cfg = _cfg(tmp_path, "actor.backend=archon:d1p2", "cluster.n_gpus_per_node=2")
-    with pytest.raises(ValueError, match="pipeline stages need the same ones"):
-        rl_trainer._refuse_unimplemented(cfg, 2)
 
 
 def test_a_tensor_parallel_native_engine_is_refused(tmp_path):

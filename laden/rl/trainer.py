@@ -25,6 +25,11 @@ One training step:
    `actor.use_lora` the native engine gets the adapted projections alone, merged (the rest of
    the model never changes), and a server the whole merged model.
 
+Under torchrun every process has its own native engine and generates its own share of each batch;
+the processes of one data-parallel index of the actor (its tensor, context and pipeline ranks, which
+need the same inputs) then train on the union of their shares, so every engine generates and every
+layout trains on the whole batch once. Metrics and counters are over the whole batch.
+
 Weight versions count training steps: the weights after step s are version s (one step may
 hold several optimizer steps, `actor.ppo_n_minibatches`). Asynchronous rollouts: with `rollout.max_head_offpolicyness: k > 0` the next batches are
 generated while the trainer trains, at most `k` batches ahead of it (enforced when a batch's
@@ -139,12 +144,6 @@ def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
     from laden.config.alloc import AllocationMode
 
     problems: list[str] = []
-    if AllocationMode.parse(cfg.actor.backend).pp > 1:
-        problems.append(
-            f"actor.backend={cfg.actor.backend!r}: laden rl gives every process its own share of the rollouts, "
-            "and pipeline stages need the same ones; train RL on archon without p (archon:dN or archon:dNeM), "
-            "or pipeline stages in laden sft"
-        )
     if world_size > 1 and cfg.actor.dynamic_sampling:
         problems.append(
             f"actor.dynamic_sampling=true under {world_size} processes: refilling rejected groups would move the "
@@ -507,19 +506,21 @@ class _Run:
         self._step_now = step
         version = step - 1  # the policy version trained on now: weight versions count training steps
         k = cfg.rollout.max_head_offpolicyness
-        kept = []
-        for g in groups:  # a completion staler than allowed is never trained on
-            fresh = [t for t in g if not t.completion_ids or version - t.min_version <= k]
-            self.counters.stale_dropped += len(g) - len(fresh)
-            for t in fresh:
-                self.counters.max_staleness = max(self.counters.max_staleness, version - t.min_version)
-            if fresh:
-                kept.append(fresh)
-        trajs = [t for g in kept for t in g]
-        # every rank's completions (reward, length, EOS) and group sizes: global advantages and metrics
-        shares = self._gather(
-            ([(t.reward, len(t.completion_ids), t.has_eos) for t in trajs], [len(g) for g in kept])
-        )
+        kept_by_dp: list[list[list[Any]]] = []
+        for gs in self._by_data_rank(groups):
+            kept_by_dp.append([])
+            for g in gs:  # a completion staler than allowed is never trained on
+                fresh = [t for t in g if not t.completion_ids or version - t.min_version <= k]
+                self.counters.stale_dropped += len(g) - len(fresh)
+                for t in fresh:
+                    self.counters.max_staleness = max(self.counters.max_staleness, version - t.min_version)
+                if fresh:
+                    kept_by_dp[-1].append(fresh)
+        kept = kept_by_dp[self._dp_rank()]
+        # every data-parallel rank's completions (reward, length, EOS) and group sizes: global advantages
+        # and metrics
+        shares = [([(t.reward, len(t.completion_ids), t.has_eos) for g in gs for t in g], [len(g) for g in gs])
+                  for gs in kept_by_dp]  # fmt: skip
         everyone = [x for rows, _ in shares for x in rows]
         record: dict[str, Any] = {"step": step, "gen_s": round(gen_s, 3), "wait_s": round(wait_s, 3)}
         if not everyone:
@@ -549,7 +550,7 @@ class _Run:
         update_s = time.perf_counter() - t0
         rewards = torch.tensor([r for r, _, _ in everyone])
         lengths = torch.tensor([n for _, n, _ in everyone], dtype=torch.float32)
-        self.counters.trained += len(trajs)
+        self.counters.trained += len(everyone)
         record.update(
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(everyone) > 1 else 0.0,
             accuracy=float((rewards >= 1).float().mean()), response_length=float(lengths.mean()),
@@ -688,7 +689,7 @@ class _Run:
             normalizer = self._sum(self.objective.loss_normalizer(mbs))
             loss = self._forward_backward(mbs, max(normalizer, 1))
             step_out = self.engine.optimizer_step()
-            stats = self.objective.pop_stats()
+            stats = self._global_stats(self.objective.pop_stats(), mbs)
             values = {"loss": loss, **step_out, **stats}
             for name, value in values.items():
                 metrics[name] = metrics.get(name, 0.0) + float(value) / len(chunks)
@@ -697,6 +698,23 @@ class _Run:
             critic_chunks = [[t for g in groups[i::n] for t in g] for i in range(n)]
             metrics.update(self.critic.update(critic_chunks, *critic_targets))
         return metrics
+
+    def _global_stats(self, stats: dict[str, torch.Tensor], mbs: list[PackedBatch]) -> dict[str, float]:
+        """The objective's token means over every rank's loss tokens, and the global `num_loss_tokens`.
+        The loss runs where the model's last layers are (a pipeline's last stage, each context rank on
+        its slice of the tokens, every tensor rank on all of them), so each rank's means are weighted by
+        the loss tokens it saw; the processes of one data-parallel index repeat alike."""
+        local = {name: float(v) for name, v in stats.items()}
+        if self.rt.world_size == 1:
+            return local
+        everyone = [s for s in self._gather(local) if s]
+        seen = sum(s["num_loss_tokens"] for s in everyone)
+        out = {
+            name: sum(s[name] * s["num_loss_tokens"] for s in everyone if name in s) / max(seen, 1.0)
+            for name in dict.fromkeys(n for s in everyone for n in s)
+        }
+        out["num_loss_tokens"] = float(self._sum(sum(mb.num_loss_tokens for mb in mbs)))
+        return out
 
     def _forward_backward(self, mbs: list[PackedBatch], normalizer: int) -> torch.Tensor:
         """The policy's gradients of `mbs`. Under `oom_policy: auto` in one process, a step that runs out of
@@ -745,7 +763,7 @@ class _Run:
         from laden.rl.advantages import grpo_advantages
 
         rows = [x for r, _ in shares for x in r]
-        first = sum(len(r) for r, _ in shares[: self.rt.rank])
+        first = sum(len(r) for r, _ in shares[: self._dp_rank()])
         shaping: dict[str, Any] = dict(
             group_sizes=[n for _, sizes in shares for n in sizes], completion_lengths=[n for _, n, _ in rows],
             has_eos=[e for _, _, e in rows], max_new_tokens=self.cfg.gconfig.max_new_tokens,
@@ -766,7 +784,7 @@ class _Run:
             last_token_rewards(rewards[first : first + len(trajs)], [len(t.completion_ids) for t in trajs]), values,
             discount=self.cfg.actor.discount, gae_lambda=self.cfg.actor.gae_lambda,
         )  # fmt: skip
-        everyone = [a for part in self._gather(raw) for a in part]
+        everyone = [a for part in self._of_each_data_rank(raw) for a in part]
         adv = normalize_tokens(everyone, self.adv_settings.adv_norm, group_sizes=shaping["group_sizes"])
         old = [v[:-1] for v in values]
         flat_old, flat_returns = torch.cat([*old, torch.zeros(0)]), torch.cat([*returns, torch.zeros(0)])
@@ -811,12 +829,36 @@ class _Run:
         torch.distributed.all_gather_object(out, obj, group=self.rt.host_group)
         return out
 
+    def _dp_rank(self) -> int:
+        return getattr(self.engine, "dp_rank", 0) if self.rt.world_size > 1 else 0
+
+    def _dp_size(self) -> int:
+        return getattr(self.engine, "dp_size", self.rt.world_size) if self.rt.world_size > 1 else 1
+
+    def _by_data_rank(self, groups: list[list[Any]]) -> list[list[list[Any]]]:
+        """The groups each data-parallel rank trains on, in data-parallel order (the same list on every
+        rank). Every process generates its own share of the batch (`_collect_batch`), so that every
+        rollout engine works; the processes of one data-parallel index (its tensor, context and
+        pipeline ranks, which take the same inputs) then train on the union of theirs, in rank order."""
+        if self.rt.world_size == 1:
+            return [groups]
+        everyone = self._gather((self._dp_rank(), groups))
+        return [[g for d, part in everyone if d == i for g in part] for i in range(self._dp_size())]
+
+    def _of_each_data_rank(self, obj: Any) -> list[Any]:
+        """`obj` of every data-parallel rank, in order (from its first process; the others hold the same)."""
+        everyone = self._gather((self._dp_rank(), obj))
+        return [next(o for d, o in everyone if d == i) for i in range(self._dp_size())]
+
     def _sum(self, value: int) -> int:
+        """A count of this rank's training data summed over the data-parallel ranks (the processes of one
+        data-parallel index hold the same data and count it once)."""
         if self.rt.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
         torch.distributed.all_reduce(t, group=self.rt.host_group)
-        return int(t.item())
+        replicas = self.rt.world_size // self._dp_size()
+        return int(t.item()) // replicas
 
     def _reference_logprobs(self, mbs: list[PackedBatch]) -> None:
         """`ref_logprobs` of the completions under the reference model (the KL term)."""
