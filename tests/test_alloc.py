@@ -132,13 +132,17 @@ def test_archon_and_megatron_modes_run(text):
     assert check_alloc(text, role="actor", field="actor.backend") == []
 
 
-def test_archon_refuses_tensor_and_context_parallel_experts_with_the_same_gpus_as_data():
-    assert check_alloc("archon:d1p2t2", role="actor", field="actor.backend") == []
-    assert check_alloc("archon:d2p2c2", role="actor", field="actor.backend") == []
-    (error,) = check_alloc("archon:d2p2c2e2", role="actor", field="actor.backend")
-    assert "not context-parallel experts (c2 with e2) yet" in error and "(archon:d4p2e2)" in error
+def test_archon_runs_tensor_and_context_parallel_beside_experts_but_not_experts_split_over_tensor_ranks():
+    for text in (
+        "archon:d1p2t2",
+        "archon:d2p2c2",
+        "archon:d2p2c2e2",
+        "archon:d2t2e2",
+        "megatron:(attn:d4p2t2|ffn:e2)",
+    ):
+        assert check_alloc(text, role="actor", field="actor.backend") == [], text
     (error,) = check_alloc("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", role="actor", field="actor.backend")
-    assert "(c2 with e2) or tensor-parallel experts (t4 with e2)" in error and "(megatron:d16p2e2)" in error
+    assert "not tensor-parallel experts (ffn:...t4) yet" in error and "(megatron:d16p2e2)" in error
     assert archon_layout(AllocationMode.parse("megatron:(attn:d4p2|ffn:e2)")) == (4, 2, 2)
 
 

@@ -227,15 +227,15 @@ def _moe_model():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _moe_engine(dp, pp, ep, coef=0.01, optim=None):
+def _moe_engine(dp, pp, ep, coef=0.01, optim=None, tp=1, cp=1):
     from laden.engine.archon import ArchonEngine
 
-    return ArchonEngine(_moe_model(), dp=dp, pp=pp, ep=ep, optim=optim or _settings(), plan_tokens=32,
+    return ArchonEngine(_moe_model(), dp=dp, pp=pp, ep=ep, tp=tp, cp=cp, optim=optim or _settings(), plan_tokens=32,
                         dtype=torch.float32, device=torch.device("cpu"), router_aux_loss_coef=coef)  # fmt: skip
 
 
-def _moe_layout(rank, world, dp, pp, ep):
-    engine = _moe_engine(dp, pp, ep)
+def _moe_layout(rank, world, dp, pp, ep, tp=1, cp=1, coef=0.01):
+    engine = _moe_engine(dp, pp, ep, coef=coef, tp=tp, cp=cp)
     mbs, total = _share(engine.dp_rank, dp)
     out = engine.train_batch(mbs, global_num_loss_tokens=total)
     return (
@@ -278,6 +278,28 @@ def test_expert_parallel_layouts_equal_one_process(world, dp, pp, ep):
     out = engine.train_batch(every, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in every))
     want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
     for loss, norm, weights in run_workers(_moe_layout, world, dp, pp, ep):
+        assert loss == pytest.approx(float(out["loss"]), rel=1e-5)
+        assert norm == pytest.approx(float(out["grad_norm"]), rel=1e-4)
+        assert weights.keys() == want.keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "ep", "tp", "cp"), [(2, 1, 1, 2, 1), (2, 1, 1, 1, 2), (4, 2, 2, 2, 1), (4, 2, 2, 1, 2)]
+)
+def test_tensor_and_context_parallel_beside_experts_equal_one_process(world, dp, ep, tp, cp):
+    """archon:d1t2, d1c2, d2t2e2 and d2c2e2 on the MoE model: the experts (and routers) whole on each tensor
+    rank, each context rank routing its own slice of the tokens; == one process. The router loss is over a
+    forward's tokens, which context parallel slices: it is off for c2 (and on for t2)."""
+    from laden.data import pack_samples
+
+    coef = 0.0 if cp > 1 else 0.01
+    engine = _moe_engine(1, 1, 1, coef=coef)
+    every = [pack_samples(mb) for mb in _samples()]
+    out = engine.train_batch(every, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in every))
+    want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
+    for loss, norm, weights in run_workers(_moe_layout, world, dp, 1, ep, tp, cp, coef):
         assert loss == pytest.approx(float(out["loss"]), rel=1e-5)
         assert norm == pytest.approx(float(out["grad_norm"]), rel=1e-4)
         assert weights.keys() == want.keys()

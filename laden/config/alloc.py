@@ -332,13 +332,14 @@ def archon_layout(mode: AllocationMode) -> tuple[int, int, int]:
 
 
 def _archon_errors(mode: AllocationMode, *, field: str, text: str) -> list[str]:
-    """The archon engine runs data, pipeline, tensor, context and expert parallel; not t or c together
-    with e yet."""
-    _, pp, ep = archon_layout(mode)
+    """The archon engine runs data, pipeline, tensor, context and expert parallel, the experts spread
+    over data-parallel ranks and whole on each tensor rank; not experts split over tensor ranks (the
+    hybrid form's ffn t) or spread over tensor or context ranks (e not dividing d) yet."""
+    dp, pp, ep = archon_layout(mode)
     ffn_tp = mode.ffn.tp if mode.ffn is not None else 1
-    missing = [f"context-parallel experts (c{mode.cp} with e{ep})"] if mode.cp > 1 and ep > 1 else []
-    if ffn_tp > 1 or (mode.tp > 1 and ep > 1):
-        missing.append(f"tensor-parallel experts (t{max(ffn_tp, mode.tp)} with e{ep})")
+    missing = [f"tensor-parallel experts (ffn:...t{ffn_tp})"] if ffn_tp > 1 else []
+    if dp % ep:
+        missing.append(f"experts spread over tensor or context ranks (e{ep} does not divide d{dp})")
     if not missing:
         return []
     same = (

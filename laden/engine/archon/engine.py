@@ -3,7 +3,7 @@ within each; experts over `e`.
 
 Layout. The world is `p x d x c x t` processes on a `("pp", "edp", "ep", "cp", "tp")` device mesh (pipeline
 outermost, tensor parallel innermost on the closest GPUs, then expert parallel for its all-to-alls);
-the data-parallel axis `dp = edp x ep` is flattened from the middle two. With `t > 1` (dense models)
+the data-parallel axis `dp = edp x ep` is flattened from the middle two. With `t > 1`
 the fsdp engine's tensor-parallel plans split every layer first (`apply_tensor_parallel`: the hidden
 states between stages stay replicated, the head is split on the vocabulary and the cross-entropy is
 vocab-parallel), and FSDP2 then shards the 2-D parameters over `dp`. Every process builds the whole model, keeps the
@@ -12,7 +12,11 @@ activations; with `Interleaved1F1B`, `virtual_stages` looped stages per rank) an
 the meta device. Within a stage each decoder layer and the stage root are `fully_shard`ed over the
 `dp` axis (FSDP2: fp32 masters, compute-dtype gathers, fp32 reduce-scatter). A Mixture-of-Experts
 model with `e > 1` keeps `E / e` experts per rank (`laden.model.moe.apply_expert_parallel`): those
-parameters are left out of FSDP, their gradients summed over the `edp` replicas here.
+parameters are left out of FSDP, their gradients summed over the `edp` replicas here. With `t > 1` a
+MoE block (router, experts, shared experts) stays whole and plain on every tensor rank, which all
+route the same tokens, and its parameters are left out of FSDP too (reduced here, under autocast
+when the compute dtype differs); with `c > 1` each context rank routes its own slice of the tokens
+through the `ep` all-to-all of its context index.
 
 Without a process group (`archon:d1` in one plain process) the same stage code runs the whole model
 as one stage under autocast, like the fsdp engine's single process.
@@ -35,11 +39,11 @@ The module is about 800 lines, past the house's 600: one class carries every `Tr
 three kinds of parallelism at once (each needs the mesh, the stage map and the expert shards); the
 stage code lives in `pipeline.py` and the experts in `laden.model.moe`.
 
-With `c > 1` (dense models) each rank of a stage holds a `1/c` slice of every micro-batch and attention runs
+With `c > 1` each rank of a stage holds a `1/c` slice of every micro-batch and attention runs
 Ulysses all-to-alls (`laden.engine.fsdp.ulysses`); FSDP shards over `dp x c`, the loss is summed over both,
 and `forward` all-gathers the slices into whole rows.
 
-Not here yet: tensor or context parallel experts (`t`, `c` with a MoE model), the host-state optimizers of the
+Not here yet: experts split over the tensor ranks (the hybrid form's `ffn:...t`), the host-state optimizers of the
 fsdp engine (`offload_params`, `per_layer_optim_step`), `adam_bf16` under a process group, LoRA.
 """
 
@@ -122,7 +126,7 @@ class ArchonEngine:
         if tp > 1:
             from laden.engine.fsdp.parallelize import apply_tensor_parallel
 
-            apply_tensor_parallel(model, self.mesh["tp"])
+            apply_tensor_parallel(model, self.mesh["tp"], moe_apart=True)
         cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -132,6 +136,10 @@ class ArchonEngine:
         self.experts = self._expert_params()
         """This rank's expert shards (left out of FSDP, so they stay these objects)."""
         self._expert_ids = {id(p) for p in self.experts}
+        self.replicated = self._replicated_params()
+        """With `t > 1`, the rest of the MoE blocks' parameters here (routers, shared experts, experts
+        when `e = 1`): whole, plain and left out of FSDP, like the expert shards."""
+        self._replicated_ids = {id(p) for p in self.replicated}
         self._shard()
         self._build_optimizer()
         self._version = 0
@@ -149,14 +157,6 @@ class ArchonEngine:
         for name, size in sizes:
             if size < 1:
                 raise ValueError(f"actor.backend: {name}={size} must be at least 1")
-        if cp > 1 and ep > 1:
-            raise ValueError(
-                f"actor.backend: c with e={ep}: context parallel experts are not implemented; use c=1"
-            )
-        if tp > 1 and ep > 1:
-            raise ValueError(
-                f"actor.backend: t={tp} with e={ep}: tensor parallel experts are not implemented; use t=1"
-            )
         if dp % ep:
             raise ValueError(
                 f"actor.backend=archon:d{dp}p{pp}e{ep}: e={ep} must divide d={dp} (e overlays d)"
@@ -204,13 +204,12 @@ class ArchonEngine:
     def _setup_moe(self, model: nn.Module, coef: float, capacity_factor: float | None) -> Any:
         from laden.model import moe
 
-        if not moe.moe_blocks(model):
+        self._moe_blocks = moe.moe_blocks(model)
+        if not self._moe_blocks:
             return None
-        if self.tp > 1 or self.cp > 1:
-            raise ValueError(
-                f"actor.backend: t={self.tp}, c={self.cp} on a Mixture-of-Experts model: its experts have no "
-                "tensor- or context-parallel split yet; use t=1 and c=1 and spread the experts with e"
-            )
+        if self.tp > 1 and self.compute_dtype != self.storage_dtype:
+            for block in self._moe_blocks:  # left out of FSDP (whose gathers cast): autocast casts instead
+                _run_under_autocast(block, self.device.type, self.compute_dtype)
         if self.ep > 1:
             moe.apply_expert_parallel(model, self.mesh["ep"].get_group(), capacity_factor=capacity_factor)
         elif capacity_factor:
@@ -283,7 +282,7 @@ class ArchonEngine:
             param_dtype=None if self.compute_dtype == self.storage_dtype else self.compute_dtype,
             reduce_dtype=torch.float32,
         )
-        experts = set(self.experts)
+        experts = set(self.experts) | set(self.replicated)
         for stage in self.stages:
             for step in stage.steps:
                 if isinstance(step, DecoderStep):
@@ -293,6 +292,13 @@ class ArchonEngine:
 
     def _expert_params(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters() if expert_shard(p) is not None]
+
+    def _replicated_params(self) -> list[nn.Parameter]:
+        if self.tp == 1 or self.moe_stats is None:
+            return []
+        here = {id(p) for stage in self.stages for p in stage.parameters()}
+        block_params = {id(p): p for block in self._moe_blocks for p in block.parameters()}
+        return [p for i, p in block_params.items() if i in here and i not in self._expert_ids]
 
     def _named(self) -> list[tuple[str, nn.Parameter]]:
         """(HF name, live parameter) of this rank's stages; the tied weight twice on a rank with both ends."""
@@ -309,8 +315,9 @@ class ArchonEngine:
                 "use adam (fp32 states), or the fsdp engine"
             )
         named = self._named()
-        dense = [(n, p) for n, p in named if id(p) not in self._expert_ids]
-        sparse = [(n, p) for n, p in named if id(p) in self._expert_ids]
+        plain = self._expert_ids | self._replicated_ids
+        dense = [(n, p) for n, p in named if id(p) not in plain]
+        sparse = [(n, p) for n, p in named if id(p) in plain]
         groups = param_groups_with_decay(dense, o.weight_decay) + param_groups_with_decay(
             sparse, o.weight_decay
         )
@@ -461,16 +468,23 @@ class ArchonEngine:
         return local
 
     def _sync_sparse_gradients(self) -> None:
-        """Expert gradients: summed over the `edp` replicas of each shard, divided by `dp` (docstring)."""
-        experts = [p for p in self.experts if p.grad is not None]
-        if not experts or not self.distributed:
+        """The gradients FSDP does not reduce, as FSDP would (docstring): expert shards summed over their
+        `edp` replicas and the context ranks (whose tokens differ), the MoE blocks' replicated parameters
+        (`t > 1`) over every data and context rank; both divided by `dp x c`. The tensor ranks computed
+        the same values from the same tokens."""
+        if not self.distributed:
             return
-        edp = self.mesh["edp"]
-        for p in experts:
-            assert p.grad is not None
-            if edp.size() > 1:
-                dist.all_reduce(p.grad, group=edp.get_group())
-            p.grad.div_(self.dp)
+        experts = [p.grad for p in self.experts if p.grad is not None]
+        sums = [self.mesh[axis].get_group() for axis in ("edp", "cp") if self.mesh[axis].size() > 1]
+        for grad in experts:
+            for group in sums:
+                dist.all_reduce(grad, group=group)
+            grad.div_(self.dp * self.cp)
+        for p in self.replicated:
+            if p.grad is not None:
+                if self.dp * self.cp > 1:
+                    dist.all_reduce(p.grad, group=self.shard_mesh.get_group())
+                p.grad.div_(self.dp * self.cp)
 
     def _tied_params(self) -> list[torch.Tensor]:
         out = []
@@ -514,6 +528,7 @@ class ArchonEngine:
 
     def _grad_norm(self) -> torch.Tensor:
         edp = self.mesh["edp"].size() if self.distributed else 1
+        copies = {"expert": edp * self.cp * self.tp, "replicated": self.dp * self.cp * self.tp}
         square = torch.zeros((), device=self.device)
         seen: set[int] = set()
         for _, p in self._named():
@@ -522,7 +537,12 @@ class ArchonEngine:
             seen.add(id(p))
             g: Any = p.grad
             local = (g.to_local() if isinstance(g, DTensor) else g).float()
-            weight = 1.0 / edp if id(p) in self._expert_ids else 1.0 / self._tp_copies(g)
+            if id(p) in self._expert_ids:
+                weight = 1.0 / copies["expert"]
+            elif id(p) in self._replicated_ids:
+                weight = 1.0 / copies["replicated"]
+            else:
+                weight = 1.0 / self._tp_copies(g)
             square = square + local.pow(2).sum() * weight
         if self.tied and self.last and not self.first:  # the tied weight counts once, on the first stage
             for t in self._tied_params()[-1:]:
@@ -858,6 +878,17 @@ class ArchonEngine:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _run_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """`module`'s forward (this instance's) under autocast to `dtype`."""
+    forward = module.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    module.forward = run  # type: ignore[method-assign]
 
 
 def _release_others(model: nn.Module, kept: set[int]) -> None:

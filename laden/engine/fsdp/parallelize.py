@@ -113,14 +113,19 @@ def _select_kv_head_hook(head: int, head_dim: int, group):
     return hook
 
 
-def _layer_plan(layer: Any, split_kv: bool) -> dict[str, ParallelStyle]:
+def _layer_plan(layer: Any, split_kv: bool, *, moe_apart: bool = False) -> dict[str, ParallelStyle]:
+    apart: set[int] = set()
+    if moe_apart:
+        from laden.model.moe import moe_blocks
+
+        apart = {id(m) for block in moe_blocks(layer) for m in block.modules()}
     plan: dict[str, ParallelStyle] = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
     }
+    if not apart:
+        plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                 "mlp.down_proj": RowwiseParallel()}  # fmt: skip
     kv_style: ParallelStyle = ColwiseParallel() if split_kv else ReplicateParallel()
     plan["self_attn.k_proj"] = kv_style
     plan["self_attn.v_proj"] = kv_style
@@ -129,13 +134,16 @@ def _layer_plan(layer: Any, split_kv: bool) -> dict[str, ParallelStyle]:
             # [B, T, heads_local, D]: the local heads are a shard of dim 2.
             plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for name, mod in layer.named_modules():
-        if name and name not in plan and any(True for _ in mod.parameters(recurse=False)):
+        owns = any(True for _ in mod.parameters(recurse=False))
+        if name and name not in plan and id(mod) not in apart and owns:
             plan[name] = ReplicateParallel()
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split `model` over `tp_mesh` in place (see the module docstring)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, moe_apart: bool = False) -> None:
+    """Split `model` over `tp_mesh` in place (see the module docstring). `moe_apart`: the
+    mixture-of-experts blocks (router, experts, shared experts) are left whole, as plain modules and
+    parameters: they run replicated on every tensor rank, and the engine reduces their gradients."""
     tp = tp_mesh.size()
     check_head_rule(model, tp, axis_name="tensor parallel")
     cfg: Any = model.config
@@ -143,7 +151,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     split_kv = num_kv % tp == 0
     tp_rank, group = tp_mesh.get_local_rank(), tp_mesh.get_group()
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, _layer_plan(layer, split_kv))
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, split_kv, moe_apart=moe_apart))
         attn: Any = layer.self_attn
         local_kv = num_kv // tp if split_kv else 1
         attn.num_key_value_groups = (num_heads // tp) // local_kv
