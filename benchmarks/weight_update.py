@@ -12,8 +12,10 @@ One JSON line per result, e.g. on the H200 machine:
   the page cache (the version was just written): a cold read from shared storage is slower.
 - `xccl`: the same weights broadcast to a second process (`send_weights` / `receive_into`,
   buckets of `bucket_mb`). With two GPUs: NCCL, GPU 0 to GPU 1. With one: NCCL refuses two
-  ranks on one device, so the two processes share the GPU over gloo (device -> host bucket
-  -> loopback TCP -> host bucket -> device), which the result says (`backend`, `note`).
+  ranks on one device, so the two processes share the GPU through `cuda_ipc` (a staging bucket
+  on the trainer's GPU the receiver maps by CUDA IPC) and, with `--one-gpu-backends cuda_ipc
+  gloo`, over gloo too (device -> host bucket -> loopback TCP -> host bucket -> device); the
+  result says which (`backend`, `note`).
 - `inplace`: a colocated update from a roundpipe engine's host store (`named_weights()` in
   bf16 hands out the pinned upload copies) into preallocated GPU tensors (`fill_in_place`),
   waiting per tensor (`overlap=false`) and once (`overlap=true`). Qwen3-1.7B is a real engine
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="in-place sources built as a real roundpipe engine; the others: pinned host tensors")  # fmt: skip
     p.add_argument("--disk-root", default=None, help="where versions are written (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=2, help="runs per result; the fastest counts")
+    p.add_argument("--one-gpu-backends", nargs="+", choices=["cuda_ipc", "gloo"], default=["cuda_ipc"],
+                   help="xccl between two processes on one GPU")  # fmt: skip
     p.add_argument("--role", choices=["main", "receiver"], default="main", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
@@ -212,20 +216,36 @@ def _time(result: dict[str, Any]) -> float:
 
 
 # ---- xccl -----------------------------------------------------------------------------------
-def xccl_layout(cpu_only: bool) -> tuple[str, torch.device, torch.device, str | None]:
-    """(backend, sender device, receiver device, note) for this machine."""
+def xccl_layout(
+    cpu_only: bool, backend: str = "cuda_ipc"
+) -> tuple[str, torch.device, torch.device, str | None]:
+    """(backend, sender device, receiver device, note) for this machine; `backend` on one GPU: cuda_ipc
+    or gloo."""
     if cpu_only or not torch.cuda.is_available():
         return "gloo", torch.device("cpu"), torch.device("cpu"), None
     if torch.cuda.device_count() >= 2:
         return "nccl", torch.device("cuda", 0), torch.device("cuda", 1), None
-    note = "one GPU: NCCL refuses two ranks on one device; both processes share it over gloo (host buckets)"
-    return "gloo", torch.device("cuda", 0), torch.device("cuda", 0), note
+    if backend == "gloo":
+        note = (
+            "one GPU: NCCL refuses two ranks on one device; both processes share it over gloo (host buckets)"
+        )
+        return "gloo", torch.device("cuda", 0), torch.device("cuda", 0), note
+    note = "one GPU: NCCL refuses two ranks on one device; buckets through a CUDA IPC staging buffer"
+    return "cuda_ipc", torch.device("cuda", 0), torch.device("cuda", 0), note
 
 
 def bench_xccl(args: argparse.Namespace) -> None:
+
+    for one_gpu in args.one_gpu_backends:
+        _bench_xccl(args, *xccl_layout(args.smoke, one_gpu))
+        if args.smoke or torch.cuda.device_count() != 1:
+            break  # the layout does not depend on it
+
+
+def _bench_xccl(args: argparse.Namespace, backend: str, device: torch.device, peer_device: torch.device,
+                note: str | None) -> None:  # fmt: skip
     from laden.weights import WeightUpdateMeta, init_weight_group, weight_specs
 
-    backend, device, peer_device, note = xccl_layout(args.smoke)
     for name in args.models:
         model, state = trainer_weights(name, device)
         specs = weight_specs(model, DTYPE)

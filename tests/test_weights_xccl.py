@@ -325,22 +325,23 @@ def test_gloo_mismatch_is_refused_on_both_sides(peer, tmp_path):
     assert "does not have: 'lm_head.weight'" in result["error"], result
 
 
-@pytest.mark.multigpu
-def test_nccl_broadcast_between_two_gpus_reassembles_the_weights(tmp_path):
-    meta = WeightUpdateMeta.from_fsdp_xccl(backend="nccl", timeout_s=60)
-    proc = subprocess.Popen([sys.executable, __file__, "peer", str(meta.master_port), "nccl", "cuda:1"])
+def _device_broadcast(tmp_path, backend: str, peer_device: str, bucket_bytes: int, scale: int = 1) -> None:
+    """Rank 0 on cuda:0 sends bf16 weights (each `scale` times the tiny ones) to a peer process on
+    `peer_device`; both receive paths get exactly them."""
+    meta = WeightUpdateMeta.from_fsdp_xccl(backend=backend, timeout_s=60)
+    proc = subprocess.Popen([sys.executable, __file__, "peer", str(meta.master_port), backend, peer_device])
     try:
         group = init_weight_group(meta, rank=0, device=torch.device("cuda", 0))
-        state = {name: t.to("cuda:0") for name, t in tiny_weights(torch.bfloat16).items()}
+        state = {name: t.repeat(scale, 1).to("cuda:0") for name, t in tiny_weights(torch.bfloat16).items()}
         specs = weight_specs(state)
         specs_json = [[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")] for s in specs]
 
         def send():
-            send_weights(group, iter(state.items()), version=2, bucket_bytes=4096, specs=specs)
+            send_weights(group, iter(state.items()), version=2, bucket_bytes=bucket_bytes, specs=specs)
 
         for op in ("receive_into", "receive"):
             result = run_on_peer(group, {"op": op, "specs": specs_json}, tmp_path, send)
-            assert result["num_buckets"] == num_buckets(state, 4096)
+            assert result["num_buckets"] == num_buckets(state, bucket_bytes)
             assert_same(result["tensors"], {name: t.cpu() for name, t in state.items()})
         send_command(group, {"op": "exit"})
         assert proc.wait(timeout=60) == 0
@@ -348,6 +349,27 @@ def test_nccl_broadcast_between_two_gpus_reassembles_the_weights(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.multigpu
+def test_nccl_broadcast_between_two_gpus_reassembles_the_weights(tmp_path):
+    _device_broadcast(tmp_path, "nccl", "cuda:1", 4096)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_broadcast_between_two_processes_on_one_gpu_reassembles_the_weights(tmp_path):
+    """Buckets of 1 MiB and more go through the shared staging buffer (smaller ones over gloo): the
+    weights are scaled up so that both kinds occur, and buckets smaller than the largest tensor."""
+    _device_broadcast(tmp_path, "cuda_ipc", "cuda:0", (1 << 20) + 4096, scale=1024)
+
+
+def test_cuda_ipc_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    meta = WeightUpdateMeta.from_fsdp_xccl(backend="cuda_ipc", timeout_s=5)
+    with pytest.raises(
+        ValueError, match="meta.backend='cuda_ipc' but this process has no CUDA; use backend='gloo'"
+    ):
+        init_weight_group(meta, rank=0)
 
 
 def _peer(port: int, backend: str, device: str) -> None:

@@ -7,6 +7,14 @@ uses (torchrun's, FSDP's), and creating or destroying it touches none of them. T
 that `torch.distributed`'s functional collectives do not know it: the group offers the two
 collectives a weight update needs (`Collective`), from rank 0.
 
+`cuda_ipc`: the trainer and the engines are processes on one GPU, where NCCL refuses two ranks.
+A broadcast of a device tensor goes through one staging buffer on the trainer's GPU that every
+receiver maps by CUDA IPC (`torch.multiprocessing`'s handles, sent once per buffer size): the
+trainer copies the bucket in, a gloo all-reduce of one flag says it is there, each receiver
+copies it out, and a second flag frees the buffer for the next bucket. Two device copies and two
+small host messages a bucket, and one bucket of extra GPU memory (the shared buffer, which counts
+on the trainer). Small or host tensors (the metadata) go over gloo.
+
 gloo binds to the loopback interface when the trainer's address is a loopback one (host
 names may not resolve inside containers), else to the interface gloo picks by default
 (`GLOO_SOCKET_IFNAME` chooses it).
@@ -24,7 +32,7 @@ import torch.distributed as dist
 
 from laden.weights.meta import WeightUpdateMeta
 
-__all__ = ["Collective", "WeightGroup", "init_weight_group"]
+__all__ = ["Collective", "IpcGroup", "WeightGroup", "init_weight_group"]
 
 
 class Collective(Protocol):
@@ -76,7 +84,7 @@ class WeightGroup:
 
 def init_weight_group(
     meta: WeightUpdateMeta, rank: int, *, device: torch.device | str | None = None
-) -> WeightGroup:
+) -> WeightGroup | IpcGroup:
     """Join the weight-update group `meta` describes as `rank` (0: the trainer, which hosts the store).
 
     Every rank of `meta.world_size` must call it; it returns once all have joined (or fails
@@ -98,6 +106,10 @@ def init_weight_group(
     prefixed = dist.PrefixStore(meta.group_name, store)
     if meta.backend == "nccl":
         pg, where = _nccl(prefixed, rank, meta.world_size, timeout, device)
+    elif meta.backend == "cuda_ipc":
+        where = _cuda_device(device, "cuda_ipc")
+        gloo = _gloo(prefixed, rank, meta.world_size, timeout, meta.master_addr)
+        return IpcGroup.join(gloo, store=store, rank=rank, world_size=meta.world_size, device=where)
     else:
         pg, where = _gloo(prefixed, rank, meta.world_size, timeout, meta.master_addr), torch.device("cpu")
     return WeightGroup(
@@ -119,15 +131,19 @@ def _gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta, master_
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
+def _cuda_device(device: torch.device | str | None, backend: str) -> torch.device:
+    if not torch.cuda.is_available() or (backend == "nccl" and not hasattr(dist, "ProcessGroupNCCL")):
+        raise ValueError(
+            f"meta.backend={backend!r} but this process has no CUDA{'/NCCL' if backend == 'nccl' else ''}; use "
+            "backend='gloo' on the CPU (WeightUpdateMeta.from_fsdp_xccl(backend='gloo'))"
+        )
+    return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _nccl(
     store: Any, rank: int, size: int, timeout: datetime.timedelta, device: torch.device | str | None
 ) -> tuple[Any, torch.device]:
-    if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-        raise ValueError(
-            "meta.backend='nccl' but this process has no CUDA/NCCL; use backend='gloo' on the CPU "
-            "(WeightUpdateMeta.from_fsdp_xccl(backend='gloo'))"
-        )
-    where = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    where = _cuda_device(device, "nccl")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, opts), where
@@ -140,3 +156,105 @@ def _is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return False
+
+
+_SMALL_BYTES = 1 << 20
+"""Broadcasts below this go over gloo (host copies) in an `IpcGroup`: the metadata and the flags."""
+
+
+@dataclass(eq=False, slots=True)
+class IpcGroup:
+    """`cuda_ipc`: a `Collective` for processes on one GPU (see the module docstring)."""
+
+    pg: Any
+    store: Any
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str = "cuda_ipc"
+    _staging: torch.Tensor | None = None
+
+    @classmethod
+    def join(cls, pg: Any, *, store: Any, rank: int, world_size: int, device: torch.device) -> IpcGroup:
+        """The group over gloo `pg`, once every rank has shown it runs on the trainer's GPU."""
+        group = cls(pg=pg, store=store, rank=rank, world_size=world_size, device=device)
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        mine = torch.frombuffer(bytearray(uuid.encode().ljust(64)), dtype=torch.uint8)
+        everyone = torch.zeros(world_size, 64, dtype=torch.uint8)
+        everyone[rank] = mine
+        pg.allreduce([everyone]).wait()
+        uuids = [bytes(row.tolist()).decode().strip() for row in everyone]
+        if len(set(uuids)) > 1:
+            others = [r for r, u in enumerate(uuids) if u != uuids[0]]
+            raise ValueError(
+                f"meta.backend='cuda_ipc' needs every rank on the trainer's GPU ({uuids[0]}), but rank(s) {others} "
+                "run on another; use backend='nccl' between GPUs"
+            )
+        return group
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's `t` (contiguous, the same size on every rank)."""
+        flat = t.reshape(-1).view(torch.uint8)
+        if t.device.type != "cuda" or flat.numel() < _SMALL_BYTES:
+            host = flat.cpu() if t.device.type == "cuda" else flat
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.pg.broadcast([host], opts).wait()
+            if host is not flat and self.rank != 0:
+                flat.copy_(host)
+            return
+        staging = self._buffer(flat.numel())[: flat.numel()]
+        if self.rank == 0:
+            staging.copy_(flat)
+            torch.cuda.current_stream(t.device).synchronize()
+        self._flag()  # the bucket is in the shared buffer
+        if self.rank != 0:
+            flat.copy_(staging)
+            torch.cuda.current_stream(t.device).synchronize()
+        self._flag()  # every receiver has its copy: the buffer may take the next bucket
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place (over gloo)."""
+        host = t.cpu() if t.device.type == "cuda" else t
+        self.pg.allreduce([host]).wait()
+        if host is not t:
+            t.copy_(host)
+
+    def close(self) -> None:
+        self._staging = None
+        self.pg = None
+        self.store = None
+
+    def _flag(self) -> None:
+        self.pg.allreduce([torch.zeros(1, dtype=torch.int32)]).wait()
+
+    def _buffer(self, num_bytes: int) -> torch.Tensor:
+        """The shared staging buffer, of at least `num_bytes`; a bigger one (made by rank 0, mapped by the
+        others) when a broadcast outgrows it. Every rank asks for the same sizes, so all agree."""
+        if self._staging is not None and self._staging.numel() >= num_bytes:
+            return self._staging
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self._staging = None  # the old one is released before the new one is made
+        if self.rank == 0:
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            payload = torch.frombuffer(
+                bytearray(pickle.dumps(reduce_tensor(self._staging))), dtype=torch.uint8
+            )
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([length], opts).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.pg.broadcast([payload], opts).wait()
+        if self.rank != 0:
+            rebuild, args = pickle.loads(payload.numpy().tobytes())  # noqa: S301 - our own trainer's handle
+            with torch.cuda.device(self.device):
+                self._staging = rebuild(*args)
+        assert self._staging is not None
+        return self._staging

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 WeightUpdateType = Literal["disk", "xccl", "inplace"]
 WEIGHT_UPDATE_TYPES: tuple[WeightUpdateType, ...] = ("disk", "xccl", "inplace")
-BACKENDS = ("nccl", "gloo")
+BACKENDS = ("nccl", "cuda_ipc", "gloo")
 DEFAULT_GROUP_NAME = "laden_weight_update"
 WEIGHT_UPDATES_DIRNAME = "weight_updates"
 
@@ -59,7 +59,9 @@ class WeightUpdateMeta:
     group_name: str = DEFAULT_GROUP_NAME
     """xccl: name of the group (a key prefix in the store)."""
     backend: str = field(default_factory=lambda: default_backend())
-    """xccl: `nccl` (GPUs) or `gloo` (CPU); default: `nccl` when CUDA is available."""
+    """xccl: `nccl` (GPUs), `cuda_ipc` (the trainer and the engines in processes on one GPU, where NCCL
+    refuses: buckets pass through one device buffer the trainer shares by CUDA IPC, signalled over
+    gloo) or `gloo` (CPU); default: `nccl` when CUDA is available."""
     world_size: int = 2
     """xccl: ranks of the group: the trainer (rank 0) plus one per receiving engine process."""
     timeout_s: float = 300.0
@@ -102,7 +104,10 @@ class WeightUpdateMeta:
                 "WeightUpdateMeta.from_fsdp_xccl to pick a free one"
             )
         if self.backend not in BACKENDS:
-            problems.append(f"backend={self.backend!r} must be 'nccl' (GPUs) or 'gloo' (CPU)")
+            problems.append(
+                f"backend={self.backend!r} must be 'nccl' (GPUs), 'cuda_ipc' (processes sharing one GPU) or "
+                "'gloo' (CPU)"
+            )
         if not isinstance(self.world_size, int) or self.world_size < 2:
             problems.append(
                 f"world_size={self.world_size!r} must be at least 2: the trainer (rank 0) and one engine"
