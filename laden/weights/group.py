@@ -9,11 +9,14 @@ collectives a weight update needs (`Collective`), from rank 0.
 
 `cuda_ipc`: the trainer and the engines are processes on one GPU, where NCCL refuses two ranks.
 A broadcast of a device tensor goes through one staging buffer on the trainer's GPU that every
-receiver maps by CUDA IPC (`torch.multiprocessing`'s handles, sent once per buffer size): the
-trainer copies the bucket in, a gloo all-reduce of one flag says it is there, each receiver
-copies it out, and a second flag frees the buffer for the next bucket. Two device copies and two
-small host messages a bucket, and one bucket of extra GPU memory (the shared buffer, which counts
-on the trainer). Small or host tensors (the metadata) go over gloo.
+receiver maps by CUDA IPC (`torch.multiprocessing`'s handles, sent again only when the trainer
+makes a bigger buffer): the trainer fills its bucket in that buffer (`send_buffer`) or copies a
+tensor's slice in, a small gloo broadcast says it is there, each receiver copies it out, and a
+gloo all-reduce of one flag frees the buffer for the next bucket. Per bucket: one or two device
+copies and two small host messages; one bucket of extra GPU memory on each side (the trainer's
+is the shared buffer; the receivers' is their own bucket). While a bigger buffer replaces a
+smaller one, the old one lives until every receiver has mapped the new one. Small or host
+tensors (the metadata) go over gloo.
 
 gloo binds to the loopback interface when the trainer's address is a loopback one (host
 names may not resolve inside containers), else to the interface gloo picks by default
@@ -173,15 +176,18 @@ class IpcGroup:
     device: torch.device
     backend: str = "cuda_ipc"
     _staging: torch.Tensor | None = None
+    _generation: int = 0
+    """Which staging buffer this rank holds (rank 0: made; the others: mapped); 0 = none yet."""
+    _shared: int = 0
+    """Rank 0: the generation the receivers have mapped."""
 
     @classmethod
     def join(cls, pg: Any, *, store: Any, rank: int, world_size: int, device: torch.device) -> IpcGroup:
         """The group over gloo `pg`, once every rank has shown it runs on the trainer's GPU."""
         group = cls(pg=pg, store=store, rank=rank, world_size=world_size, device=device)
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        mine = torch.frombuffer(bytearray(uuid.encode().ljust(64)), dtype=torch.uint8)
         everyone = torch.zeros(world_size, 64, dtype=torch.uint8)
-        everyone[rank] = mine
+        everyone[rank] = torch.frombuffer(bytearray(uuid.encode().ljust(64)), dtype=torch.uint8)
         pg.allreduce([everyone]).wait()
         uuids = [bytes(row.tolist()).decode().strip() for row in everyone]
         if len(set(uuids)) > 1:
@@ -192,26 +198,42 @@ class IpcGroup:
             )
         return group
 
+    def send_buffer(self, num_bytes: int) -> torch.Tensor:
+        """Rank 0: `num_bytes` of the shared staging buffer, to fill a bucket in (its broadcast then
+        copies nothing on this side). A bigger buffer replaces it when needed (not a collective: the
+        receivers map the new one at the next broadcast)."""
+        if self._staging is None or self._staging.numel() < num_bytes:
+            self._staging = None  # released before the new one is made
+            self._staging = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            self._generation += 1
+        return self._staging[:num_bytes]
+
     def broadcast(self, t: torch.Tensor) -> None:
         """Rank 0's `t` into every rank's `t` (contiguous, the same size on every rank)."""
         flat = t.reshape(-1).view(torch.uint8)
-        if t.device.type != "cuda" or flat.numel() < _SMALL_BYTES:
+        n = flat.numel()
+        if t.device.type != "cuda" or n < _SMALL_BYTES:
             host = flat.cpu() if t.device.type == "cuda" else flat
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            self.pg.broadcast([host], opts).wait()
+            self._host_broadcast(host)
             if host is not flat and self.rank != 0:
                 flat.copy_(host)
             return
-        staging = self._buffer(flat.numel())[: flat.numel()]
+        stream = torch.cuda.current_stream(t.device)
+        generation = torch.tensor([self._generation], dtype=torch.int64)
         if self.rank == 0:
-            staging.copy_(flat)
-            torch.cuda.current_stream(t.device).synchronize()
-        self._flag()  # the bucket is in the shared buffer
+            staging = self.send_buffer(n)
+            if staging.data_ptr() != flat.data_ptr():
+                staging.copy_(flat)
+            stream.synchronize()
+            generation[0] = self._generation
+        self._host_broadcast(generation)  # the bucket is in the buffer of this generation
+        if int(generation.item()) != (self._shared if self.rank == 0 else self._generation):
+            self._share_buffer(int(generation.item()))
         if self.rank != 0:
-            flat.copy_(staging)
-            torch.cuda.current_stream(t.device).synchronize()
-        self._flag()  # every receiver has its copy: the buffer may take the next bucket
+            assert self._staging is not None
+            flat.copy_(self._staging[:n])
+            stream.synchronize()
+        self.pg.allreduce([torch.zeros(1, dtype=torch.int32)]).wait()  # every copy made: the buffer is free
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place (over gloo)."""
@@ -225,36 +247,33 @@ class IpcGroup:
         self.pg = None
         self.store = None
 
-    def _flag(self) -> None:
-        self.pg.allreduce([torch.zeros(1, dtype=torch.int32)]).wait()
+    def _host_broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
 
-    def _buffer(self, num_bytes: int) -> torch.Tensor:
-        """The shared staging buffer, of at least `num_bytes`; a bigger one (made by rank 0, mapped by the
-        others) when a broadcast outgrows it. Every rank asks for the same sizes, so all agree."""
-        if self._staging is not None and self._staging.numel() >= num_bytes:
-            return self._staging
+    def _share_buffer(self, generation: int) -> None:
+        """Rank 0 sends the staging buffer's CUDA IPC handle; the others map it (dropping the old one)."""
         import pickle
 
         from torch.multiprocessing.reductions import reduce_tensor
 
-        self._staging = None  # the old one is released before the new one is made
         if self.rank == 0:
-            self._staging = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
             payload = torch.frombuffer(
                 bytearray(pickle.dumps(reduce_tensor(self._staging))), dtype=torch.uint8
             )
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([length], opts).wait()
+        self._host_broadcast(length)
         if self.rank != 0:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.pg.broadcast([payload], opts).wait()
-        if self.rank != 0:
-            rebuild, args = pickle.loads(payload.numpy().tobytes())  # noqa: S301 - our own trainer's handle
-            with torch.cuda.device(self.device):
-                self._staging = rebuild(*args)
-        assert self._staging is not None
-        return self._staging
+        self._host_broadcast(payload)
+        if self.rank == 0:
+            self._shared = generation
+            return
+        self._staging = None
+        rebuild, args = pickle.loads(payload.numpy().tobytes())  # noqa: S301 - the trainer's own handle
+        with torch.cuda.device(self.device):
+            self._staging = rebuild(*args)
+        self._generation = generation

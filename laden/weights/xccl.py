@@ -232,9 +232,13 @@ def _send_buckets(group: Collective, header: _Header, pairs: Iterator[tuple[str,
                 group.broadcast(src[pos : pos + length])  # the bucket is a slice of this tensor: no copy
                 pos, sent = pos + length, sent + 1
                 continue
-            if bucket is None:
-                bucket = torch.empty(
-                    min(header.bucket_bytes, header.total_bytes), dtype=torch.uint8, device=group.device
+            if bucket is None:  # a group with a shared send buffer (cuda_ipc) fills that one
+                size_bytes = min(header.bucket_bytes, header.total_bytes)
+                make = getattr(group, "send_buffer", None)
+                bucket = (
+                    make(size_bytes)
+                    if make is not None
+                    else torch.empty(size_bytes, dtype=torch.uint8, device=group.device)
                 )
             n = min(length - fill, size - pos)
             bucket[fill : fill + n].copy_(src[pos : pos + n])
