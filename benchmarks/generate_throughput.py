@@ -86,6 +86,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         model, max_concurrent=len(reqs), max_model_len=max_len + 8, mem_fraction_static=args.mem_fraction,
         decode_steps=args.decode_steps, cuda_graphs=None if not args.no_graphs else False,
         decode_backend=args.decode_backend, seed=0, tensor_parallel=args.tensor_parallel,
+        chain_windows=False if args.no_chain else None,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
 
@@ -134,7 +135,8 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         "output_tokens": out_tokens, "seconds": round(seconds, 3), "build_s": round(build_s, 2),
         "kv_blocks": engine.core.cache.num_blocks - 1, "block_size": engine.block_size,
         "kv_gib": round(engine.core.cache.nbytes / 2**30, 2), "decode_backend": engine.paged.decode_backend,
-        "cuda_graphs": engine.cuda_graphs, "decode_steps": engine.decode_steps, "stats": dict(engine.core.stats),
+        "cuda_graphs": engine.cuda_graphs, "chain_windows": engine.core.chain_windows,
+        "decode_steps": engine.decode_steps, "stats": dict(engine.core.stats),
         "logprobs": True,
     }  # fmt: skip
 
@@ -296,6 +298,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--decode-backend", default="auto")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-chain", action="store_true", help="native: read each window before launching the next")
     ap.add_argument("--hf-cb-batch-tokens", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="native: top CUDA kernels of the timed pass")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short sequences")

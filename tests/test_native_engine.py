@@ -88,13 +88,14 @@ def _requests(prompts, **sampling) -> list[GenerationRequest]:
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 7])
-def test_greedy_equals_reference_loop(kind, batch):
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_greedy_equals_reference_loop(kind, batch, chain):
     model = _model(kind)
     prompts = _prompts(batch)
     # a stop token the reference meets for some prompts: the most common greedy first token
     firsts = [reference_greedy(model, p, 1, set())[0] for p in prompts]
     stop = max(set(firsts), key=firsts.count)
-    engine = _engine(model, decode_steps=3)
+    engine = _engine(model, decode_steps=3, chain_windows=chain)
     results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=12, stop_token_ids=(stop,)))
     assert [r.rid for r in results] == [f"r{i}" for i in range(batch)]
     for p, r in zip(prompts, results):
@@ -102,13 +103,18 @@ def test_greedy_equals_reference_loop(kind, batch):
         assert r.output_ids == expected
         assert r.stop_reason == ("stop" if expected[-1] in (stop, EOS) else "length")
         assert r.output_versions == [0] * len(expected)
+    # chained: windows were launched before the one in flight was read (batch 1 stops at its first
+    # token), and every block came back
+    assert (engine.core.stats["chained"] > 0) == (chain and batch > 1)
+    assert engine.core.cache.allocator.used() == 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_teacher_forced_forward(temperature):
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_logprobs_equal_teacher_forced_forward(temperature, chain):
     model = _model("qwen3")
     prompts = _prompts(5)
-    engine = _engine(model, seed=3)
+    engine = _engine(model, seed=3, chain_windows=chain)
     results = engine.generate_sync(
         _requests(prompts, temperature=temperature, max_new_tokens=10, ignore_eos=True)
     )
@@ -141,11 +147,12 @@ def test_logprobs_equal_the_train_engines_forward():
     torch.testing.assert_close(out[mask], got, atol=1e-5, rtol=1e-5)
 
 
-def test_more_requests_than_max_concurrent_each_returned_once():
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_more_requests_than_max_concurrent_each_returned_once(chain):
     model = _model("qwen3")
     prompts = _prompts(11)
     seen_batches: list[int] = []
-    engine = _engine(model, max_concurrent=3, decode_steps=2)
+    engine = _engine(model, max_concurrent=3, decode_steps=2, chain_windows=chain)
     engine.core.oom_hook = lambda phase, b: seen_batches.append(b) if phase == "decode" else None
     reqs = _requests(prompts, temperature=1.0, max_new_tokens=5)
     reqs[4] = GenerationRequest(
@@ -182,20 +189,22 @@ def test_samples_of_one_prompt_share_its_prefill():
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_preemption_when_blocks_run_out_equals_a_big_cache():
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_preemption_when_blocks_run_out_equals_a_big_cache(chain):
     model = _model("qwen3")
     prompts = _prompts(6)
-    small = _engine(model, kv_cache_tokens=160, block_size=8, decode_steps=4)
+    small = _engine(model, kv_cache_tokens=160, block_size=8, decode_steps=4, chain_windows=chain)
     got = small.generate_sync(_requests(prompts, greedy=True, max_new_tokens=20, ignore_eos=True))
     assert small.core.stats["preempted"] > 0
     for p, r in zip(prompts, got):
         assert r.output_ids == reference_greedy(model, p, 20, set())
 
 
-def test_pause_update_resume_tags_each_token_with_its_version():
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_pause_update_resume_tags_each_token_with_its_version(chain):
     old, new = _model("qwen3", seed=0), _model("qwen3", seed=1)
     prompts = _prompts(4)
-    engine = _engine(copy.deepcopy(old), decode_steps=2)
+    engine = _engine(copy.deepcopy(old), decode_steps=2, chain_windows=chain)
     reqs = _requests(prompts, greedy=True, max_new_tokens=10, ignore_eos=True)
     new_state = {k: v.clone() for k, v in new.state_dict().items()}
 
@@ -224,7 +233,8 @@ def test_pause_update_resume_tags_each_token_with_its_version():
         assert r.output_ids[n_old:] == reference_greedy(new, (*p, *r.output_ids[:n_old]), 10 - n_old, set())
 
 
-def test_injected_generation_oom_lowers_concurrency_and_loses_nothing(caplog):
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_injected_generation_oom_lowers_concurrency_and_loses_nothing(caplog, chain):
     model = _model("qwen3")
     prompts = _prompts(7)
     reqs = _requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True)
@@ -235,7 +245,7 @@ def test_injected_generation_oom_lowers_concurrency_and_loses_nothing(caplog):
             failed.append(batch)
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    engine = _engine(model, max_concurrent=7, decode_steps=3)
+    engine = _engine(model, max_concurrent=7, decode_steps=3, chain_windows=chain)
     engine.core.oom_hook = hook
     with caplog.at_level("WARNING"):
         results = engine.generate_sync(reqs)
@@ -284,12 +294,13 @@ def test_sampling_settings():
     assert stopped.output_ids == [first] and stopped.stop_reason == "stop"
 
 
-def test_stop_strings(tiny_dir, tiny_tokenizer):
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_stop_strings(tiny_dir, tiny_tokenizer, chain):
     cfg = tiny_qwen3_config(vocab_size=len(tiny_tokenizer) + 8 - len(tiny_tokenizer) % 8)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
     prompt = tuple(tiny_tokenizer.encode("abc"))
-    engine = _engine(model, tokenizer=tiny_tokenizer)
+    engine = _engine(model, tokenizer=tiny_tokenizer, chain_windows=chain)
     free = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=12, ignore_eos=True))[0]
     text = tiny_tokenizer.decode(free.output_ids)
     # the first two-character string of the greedy text, from its 3rd character on, not seen before it
@@ -361,9 +372,10 @@ def test_more_samples_than_concurrency_is_refused_and_nothing_leaks():
     assert len(r.output_ids) == 2
 
 
-def test_a_failing_window_aborts_what_is_pending_and_the_engine_recovers():
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_a_failing_window_aborts_what_is_pending_and_the_engine_recovers(chain):
     model = _model("qwen3")
-    engine = _engine(model, max_concurrent=4)
+    engine = _engine(model, max_concurrent=4, chain_windows=chain)
     calls = []
 
     def hook(phase, batch):

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 from paged_case import paged_case
-from test_native_engine import _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
+from test_native_engine import EOS, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 
 from laden.rollout.native.attention import decode_attention_torch, triton_available
 
@@ -27,11 +27,14 @@ def test_triton_kernel_in_the_interpreter():
         from laden.rollout.native.triton_decode import paged_decode
         from laden.rollout.native.attention import decode_attention_torch
         from paged_case import paged_case
-        q, kc, vc, table, lens = paged_case(3, 4, 2, 16, 16, [40, 5, 77], torch.float32, "cpu")
+        q, kc, vc, table, lens = paged_case(3, 4, 2, 16, 8, [40, 5, 77], torch.float32, "cpu")
         ref = decode_attention_torch(q, kc, vc, table, lens, 0.25)
-        for splits in (1, 2, 3):
-            out = paged_decode(q, kc, vc, table, lens, 0.25, splits)
-            assert (out - ref).abs().max() < 1e-5, (splits, (out - ref).abs().max())
+        # one split, splits of 1 to 3 pages, tiles of 1, 2 and 4 pages (partial tiles at a split's end)
+        for split_pages in (None, 1, 2, 3):
+            for tile in (8, 16, 32):
+                out = paged_decode(q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile)
+                err = (out - ref).abs().max()
+                assert err < 1e-5, (split_pages, tile, err)
         print("ok")
         """
     )
@@ -44,14 +47,14 @@ def test_triton_kernel_in_the_interpreter():
 
 @gpu
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (4, 4)])
-@pytest.mark.parametrize("splits,page", [(1, 16), (4, 16), (1, 32), (3, 32)])
-def test_triton_kernel_equals_reference_bf16(hq, hkv, splits, page):
+@pytest.mark.parametrize("split_pages,page", [(None, 16), (4, 16), (None, 32), (3, 32), (16, 32)])
+def test_triton_kernel_equals_reference_bf16(hq, hkv, split_pages, page):
     lengths = [1, 15, 16, 17, 500, 2000, 33]
     q, kc, vc, table, lens = paged_case(len(lengths), hq, hkv, 128, page, lengths, torch.bfloat16, "cuda")
     from laden.rollout.native.triton_decode import paged_decode
 
     ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)
-    out = paged_decode(q, kc, vc, table, lens, 128**-0.5, splits)
+    out = paged_decode(q, kc, vc, table, lens, 128**-0.5, split_pages)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -76,6 +79,29 @@ def test_fp32_greedy_on_cuda_equals_reference(backend):
         assert r.output_ids == reference_greedy(model, p, 16, set())
         ref = teacher_forced_logprobs(model, torch.tensor(p).tolist(), r.output_ids, 1.0).cpu()
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
+def test_fp32_greedy_with_stops_through_graphs_equals_reference(chain):
+    """Chained windows on CUDA (pinned copies, events): rows that stop inside a window run on
+    speculatively in the next one and their extra tokens are dropped."""
+    from laden.rollout.native import NativeEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model("qwen3").cuda()
+    prompts = _prompts(7)
+    firsts = [reference_greedy(model, p, 3, set())[2] for p in prompts]
+    stop = max(set(firsts), key=firsts.count)  # a token some rows meet inside a window
+    engine = NativeEngine(
+        model, max_concurrent=8, max_model_len=128, kv_cache_tokens=4096, decode_backend="triton",
+        cuda_graphs=True, decode_steps=3, chain_windows=chain,
+    )  # fmt: skip
+    results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=20, stop_token_ids=(stop,)))
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(model, p, 20, {stop, EOS})
+    assert (engine.core.stats["chained"] > 0) == chain
+    assert engine.core.cache.allocator.used() == 0
 
 
 @gpu

@@ -9,6 +9,17 @@ that finished. A sequence that stops inside a window keeps decoding until the wi
 extra tokens are dropped. Continuous batching is this loop: finished sequences leave at a
 window's end, queued ones join at the next window's start.
 
+Chained windows (`chain_windows`, on by default on CUDA without tensor parallel): while no
+queued sequence could join, the next window is launched before the host reads the one in
+flight, from its device tokens, so the GPU decodes window k+1 while the host checks window k's
+stops; the host reads each window through pinned buffers and an event, not a sync of the stream.
+A sequence that stops inside window k ran on speculatively in window k+1, its tokens dropped;
+sequences known to reach their length limit in window k are left out of window k+1. A chain
+stops (the window in flight is read and nothing new launched) when a queued sequence could be
+admitted, when blocks are short (a chained window never preempts), or when `may_chain` says no
+(the engine: someone waits to pause, update, sleep or close). `drain()` reads the window in
+flight; everything that reshapes the running set (`requeue_running`, `abort_all`) drains first.
+
 Invariants: a running sequence's cache holds every token but its last output token, which the
 next decode step feeds. Prefill always starts at position 0: a sequence that left the cache
 (preempted when the blocks ran out, or re-queued after an out-of-memory error) is prefilled
@@ -50,6 +61,18 @@ log = logging.getLogger(__name__)
 
 class GenerationOOMError(RuntimeError):
     """Out of GPU memory in generation with one sequence in flight: nothing left to lower."""
+
+
+@dataclass(slots=True, eq=False)
+class _Window:
+    """A decode window launched on the device and not yet read by the host."""
+
+    seqs: list[Sequence]  # its rows, in order (the running set when it was launched)
+    steps: int
+    tokens: torch.Tensor  # [steps, rows] on the device
+    logprobs: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned copies being filled (CUDA)
+    event: Any = None  # recorded after the copies (CUDA)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +137,7 @@ class GenerationCore:
         seed: int = 0,
         oom_hook: Callable[[str, int], None] | None = None,
         tensor_parallel: TensorParallel | None = None,
+        chain_windows: bool = False,
     ) -> None:
         self.model, self.cache = model, cache
         self.tp = tensor_parallel
@@ -132,13 +156,18 @@ class GenerationCore:
         self.generator.manual_seed(seed)
         self.oom_hook = oom_hook  # tests: called as (phase, batch size) before each device phase
         self.graphs: Any = None  # set by the engine on CUDA (`laden.rollout.native.graphs.DecodeGraphs`)
+        self.chain_windows = chain_windows and tensor_parallel is None
+        self.may_chain: Callable[[], bool] | None = None  # the engine: False while someone waits for it
+        self._inflight: _Window | None = None
+        self._ready: list[GenerationResult] = []  # finished while draining, returned by the next step
         self.stats: dict[str, float] = {
             "windows": 0, "prefill_tokens": 0, "decode_steps": 0, "preempted": 0, "oom_retries": 0,
-            "prefill_s": 0.0, "decode_launch_s": 0.0, "decode_wait_s": 0.0, "host_s": 0.0,
+            "prefill_s": 0.0, "decode_launch_s": 0.0, "decode_wait_s": 0.0, "host_s": 0.0, "chained": 0,
         }  # fmt: skip
         """Counts, and seconds of wall time: prefill (to its sampled tokens on the host), decode
         launch (graph replays or eager steps queued), decode wait (the window's one host read),
-        host (building the window's inputs, stop checks and bookkeeping)."""
+        host (building the window's inputs, stop checks and bookkeeping); `chained`: windows
+        launched before the host read the one before."""
 
     # ----------------------------------------------------------------- queue
 
@@ -172,7 +201,7 @@ class GenerationCore:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self._ready
 
     @property
     def num_pending(self) -> int:
@@ -181,19 +210,28 @@ class GenerationCore:
     # ----------------------------------------------------------------- one window
 
     def step(self) -> list[GenerationResult]:
-        """Admit, prefill, decode one window; the completions that finished in it."""
+        """Admit, prefill, decode one window; the completions that finished in it.
+
+        With a window in flight (chained windows) it launches the next one first when it may,
+        then reads the one in flight."""
         finished: list[Sequence] = []
         admitted: list[_Group] = []
         try:
-            admitted = self._admit()
-            if admitted:
-                t0 = time.perf_counter()
-                self._prefill(admitted, finished)
-                self.stats["prefill_s"] += time.perf_counter() - t0
-            if self.running:
-                self._decode_window(finished)
+            if self._inflight is None:
+                admitted = self._admit()
+                if admitted:
+                    t0 = time.perf_counter()
+                    self._prefill(admitted, finished)
+                    self.stats["prefill_s"] += time.perf_counter() - t0
+                if self.running:
+                    self._inflight = self._launch_window(finished)
+            if self._inflight is not None:
+                nxt = self._chain(self._inflight) if self._may_chain() else None
+                window, self._inflight = self._inflight, nxt
+                self._read_window(window, finished)
         except torch.OutOfMemoryError as e:
             if self.tp is None:
+                self._settle(finished)  # a window in flight is read first: its tokens are kept
                 self._recover_from_oom(e, admitted)
             else:
                 self._strand(admitted)
@@ -202,13 +240,36 @@ class GenerationCore:
                     f"each layer). {self.oom_advice(self.num_pending)}"
                 ) from e
         except BaseException:
+            self._inflight = None  # its tokens are dropped; the sequences keep the ones read before
             self._strand(admitted)
             raise
         self.stats["windows"] += 1
-        results = [s.result() for s in finished]
+        results, self._ready = self._ready + [s.result() for s in finished], []
         if self.tp is not None:
             self._unsent += results
         return results
+
+    def drain(self) -> list[GenerationResult]:
+        """Read the window in flight (if any); the completions finished since the last `step`."""
+        finished: list[Sequence] = []
+        self._settle(finished)
+        results, self._ready = self._ready + [s.result() for s in finished], []
+        return results
+
+    def _settle(self, finished: list[Sequence] | None = None) -> None:
+        """Read the window in flight; its finished sequences go to `finished` (default: `_ready`)."""
+        if self._inflight is None:
+            return
+        window, self._inflight = self._inflight, None
+        done: list[Sequence] = []
+        self._read_window(window, done)
+        if finished is None:
+            self._ready += [s.result() for s in done]
+        else:
+            finished += done
+
+    def _may_chain(self) -> bool:
+        return self.chain_windows and (self.may_chain is None or self.may_chain())
 
     def _strand(self, admitted: list[_Group]) -> None:
         """After a failed window: its sequences give their blocks back and are put back at the head of
@@ -443,7 +504,8 @@ class GenerationCore:
                 s.blocks += alloc.allocate(n)
 
     def abort_all(self) -> list[Sequence]:
-        """Every queued and running sequence, marked `abort` and out of the cache (tokens kept)."""
+        """Every queued and running sequence, marked `abort` and out of the cache (tokens kept); the
+        window in flight is read first (its finished completions wait in `drain()`)."""
         self.requeue_running()
         pending = [s for g in self.waiting for s in g.seqs]
         self.waiting.clear()
@@ -452,7 +514,9 @@ class GenerationCore:
         return pending
 
     def requeue_running(self) -> None:
-        """Every running sequence leaves the cache, keeping its tokens (weights changed, or sleep)."""
+        """Every running sequence leaves the cache, keeping its tokens (weights changed, or sleep);
+        the window in flight is read first."""
+        self._settle()
         running, self.running = self.running, []
         self._requeue(running)
 
@@ -462,7 +526,9 @@ class GenerationCore:
             s.blocks = []
             self.waiting.appendleft(_Group([s]))
 
-    def _decode_window(self, finished: list[Sequence]) -> None:
+    def _launch_window(self, finished: list[Sequence]) -> _Window | None:
+        """A window for every running sequence from the host's state (it may preempt for blocks);
+        None when none is left to run."""
         t0 = time.perf_counter()
         remaining = max(
             min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens)
@@ -472,35 +538,99 @@ class GenerationCore:
         self._ensure_blocks(steps)
         if any(s.done for s in self.running):
             self._retire(finished)
-            return
-        if self.oom_hook is not None:
-            self.oom_hook("decode", len(self.running))
-        seqs = self.running
-        b = len(seqs)
-        max_blocks = self.cache.blocks_for(self.model.max_model_len)
-        table = torch.zeros(b, max_blocks, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:max_blocks], dtype=torch.int32)
+            return None
+        seqs = list(self.running)
         last = torch.tensor([s.output[-1] for s in seqs])
         positions = torch.tensor([s.num_tokens - 1 for s in seqs])
         generated = torch.tensor([len(s.output) for s in seqs])
+        return self._launch(seqs, last, positions, generated, steps, t0)
+
+    def _chain(self, window: _Window) -> _Window | None:
+        """The next window, launched before `window` is read: its rows are the running sequences
+        that can still decode after `window`, fed `window`'s last tokens on the device. None when
+        a queued sequence could join instead, or the blocks for it are not free."""
+        t0 = time.perf_counter()
+        ahead = window.steps
+        index = {id(s): i for i, s in enumerate(window.seqs)}
+        rows: list[Sequence] = []
+        left: list[int] = []
+        for s in self.running:  # a subset of window.seqs, in its order
+            rem = (
+                min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens) - ahead
+            )
+            if rem > 0:
+                rows.append(s)
+                left.append(rem)
+        if not rows or (self.waiting and len(rows) < self.max_concurrent):
+            return None
+        steps = max(1, min(self.decode_steps, max(left)))
+        alloc = self.cache.allocator
+        need = [
+            max(0, self.cache.blocks_for(s.num_tokens + ahead + min(steps, n)) - len(s.blocks))
+            for s, n in zip(rows, left)
+        ]
+        if sum(need) > alloc.num_free:
+            return None
+        for s, n in zip(rows, need):
+            if n:
+                s.blocks += alloc.allocate(n)
+        at = [index[id(s)] for s in rows]
+        final = window.tokens[ahead - 1]
+        if len(at) < len(window.seqs):  # the index goes up without waiting for the window in flight
+            final = final[torch.tensor(at).to(final.device, non_blocking=True)]
+        last = final
+        positions = torch.tensor([s.num_tokens - 1 + ahead for s in rows])
+        generated = torch.tensor([len(s.output) + ahead for s in rows])
+        self.stats["chained"] += 1
+        return self._launch(rows, last, positions, generated, steps, t0)
+
+    def _launch(self, seqs, last, positions, generated, steps: int, t0: float) -> _Window:
+        """Queue a window's device work and the copy of its tokens to the host."""
+        if self.oom_hook is not None:
+            self.oom_hook("decode", len(seqs))
+        max_blocks = self.cache.blocks_for(self.model.max_model_len)
+        table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:max_blocks], dtype=torch.int32)
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in seqs], torch.device("cpu"))
         self.send("decode", (table, last, positions, generated, st, steps))
         t1 = time.perf_counter()
         tokens, logprobs = self.run_decode(table, last, positions, generated, st, steps)
+        window = _Window(seqs, steps, tokens, logprobs)
+        if tokens.is_cuda:
+            window.host = (
+                torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(
+                    tokens, non_blocking=True
+                ),
+                torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True).copy_(
+                    logprobs, non_blocking=True
+                ),
+            )
+            window.event = torch.cuda.Event()
+            window.event.record()
         self.stats["decode_steps"] += steps
-        t2 = time.perf_counter()
-        tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host sync
-        t3 = time.perf_counter()
-        for j in range(steps):
-            for i, s in enumerate(seqs):
+        self.stats["decode_launch_s"] += time.perf_counter() - t1
+        self.stats["host_s"] += t1 - t0
+        return window
+
+    def _read_window(self, window: _Window, finished: list[Sequence]) -> None:
+        """Wait for `window`'s tokens, append them to the rows still decoding, check stops."""
+        t0 = time.perf_counter()
+        if window.event is not None:
+            assert window.host is not None
+            window.event.synchronize()
+            tokens, logprobs = window.host
+        else:
+            tokens, logprobs = window.tokens, window.logprobs
+        tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host read
+        t1 = time.perf_counter()
+        for j in range(window.steps):
+            for i, s in enumerate(window.seqs):
                 if s.done is None:
                     self._append(s, tokens_h[j][i], logprobs_h[j][i])
         self._retire(finished)
-        st_ = self.stats
-        st_["decode_launch_s"] += t2 - t1
-        st_["decode_wait_s"] += t3 - t2
-        st_["host_s"] += (t1 - t0) + (time.perf_counter() - t3)
+        self.stats["decode_wait_s"] += t1 - t0
+        self.stats["host_s"] += time.perf_counter() - t1
 
     def run_decode(self, table, last, positions, generated, st: SamplingTensors, steps: int):
         """The device side of a decode window (host inputs): CUDA graph replays where a graph fits,
@@ -512,11 +642,11 @@ class GenerationCore:
 
     def _eager_window(self, table, last, positions, generated, st_host: SamplingTensors, steps: int):
         dev = self.device
-        self.model.workspace, self.model.num_splits = None, 1  # the graphs' buffers are sized for them
-        table = table.to(dev)
-        tokens = last.to(dev)
-        positions = positions.to(dev)
-        generated = generated.to(dev)
+        self.model.workspace, self.model.split_pages = None, None  # the graphs' buffers are sized for them
+        table = table.to(dev, non_blocking=True)  # no wait for a window in flight (chained windows)
+        tokens = last.to(dev, non_blocking=True)
+        positions = positions.to(dev, non_blocking=True)
+        generated = generated.to(dev, non_blocking=True)
         st = _to_device(st_host, dev)
         out_t, out_lp = [], []
         bs = self.cache.block_size
@@ -594,7 +724,8 @@ def _to_device(st: SamplingTensors, dev: torch.device) -> SamplingTensors:
     if st.temperature.device == dev:
         return st
     return SamplingTensors(
-        temperature=st.temperature.to(dev), greedy=st.greedy.to(dev), top_k=st.top_k.to(dev),
-        top_p=st.top_p.to(dev), min_tokens=st.min_tokens.to(dev), stop_ids=st.stop_ids.to(dev),
+        temperature=st.temperature.to(dev, non_blocking=True), greedy=st.greedy.to(dev, non_blocking=True),
+        top_k=st.top_k.to(dev, non_blocking=True), top_p=st.top_p.to(dev, non_blocking=True),
+        min_tokens=st.min_tokens.to(dev, non_blocking=True), stop_ids=st.stop_ids.to(dev, non_blocking=True),
         truncate=st.truncate, any_min_tokens=st.any_min_tokens,
     )  # fmt: skip

@@ -30,6 +30,7 @@ the engine as above and sends each window's device phases; the other ranks run t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -93,6 +94,7 @@ class NativeEngine:
         compile: bool | None = None,
         seed: int = 0,
         tensor_parallel: TensorParallel | None = None,
+        chain_windows: bool | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(
@@ -138,7 +140,9 @@ class NativeEngine:
             self.paged, cache, max_concurrent=max_concurrent, decode_steps=self.decode_steps,
             max_prefill_tokens=self.max_prefill_tokens, eos_token_ids=_eos_ids(model, tokenizer),
             tokenizer=tokenizer, seed=seed, tensor_parallel=tp,
+            chain_windows=on_cuda if chain_windows is None else chain_windows,
         )  # fmt: skip
+        self.core.may_chain = self._may_chain
         self.core.mem_fraction_static = mem_fraction_static  # type: ignore[attr-defined]
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs:
@@ -160,6 +164,7 @@ class NativeEngine:
         self._sleeping = False
         self._weights_released = False
         self._closed = False
+        self._waiters = 0  # callers waiting for the lock: the core launches no chained window meanwhile
         self._follower = None
         if tp is not None and not tp.is_leader:
             from laden.rollout.native.follower import Follower
@@ -262,6 +267,35 @@ class NativeEngine:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _may_chain(self) -> bool:
+        """Whether the core may launch a window before reading the one in flight (worker thread)."""
+        return self._waiters == 0 and not (self._paused or self._sleeping or self._closed)
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self):
+        """The engine's lock, for a caller other than the driver: while it waits, the window in
+        flight is the last one launched, so it gets the lock within one window."""
+        assert self._lock is not None
+        self._waiters += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiters -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _deliver(self, results: list[GenerationResult]) -> None:
+        for r in results:
+            waiting = self._queues.get(r.rid)
+            if waiting is not None:
+                waiting.put_nowait(r)
+
+    async def _flush(self) -> None:
+        """Read the window in flight and hand out what finished in it (under the lock)."""
+        self._deliver(await self._run(self.core.drain))
+
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         """Results as they finish (see `RolloutEngine.generate`)."""
         if self._closed:
@@ -282,7 +316,7 @@ class NativeEngine:
             raise ValueError("request ids must be unique among the requests in flight")
         queue: asyncio.Queue = asyncio.Queue()
         expected = sum(r.n_samples for r in requests)
-        async with self._lock:  # type: ignore[union-attr]
+        async with self._exclusive():
             for r in requests:  # `add` checks each request first, so a bad one adds none of them
                 self.core.check(r)
             for r in requests:
@@ -346,10 +380,7 @@ class NativeEngine:
                 done = self.tp is not None and self.core.idle
                 if done:
                     await self._send("idle")
-            for r in results:
-                waiting = self._queues.get(r.rid)
-                if waiting is not None:
-                    waiting.put_nowait(r)
+            self._deliver(results)
             if done:
                 return  # no await since the lock was released: no request was queued meanwhile
 
@@ -361,7 +392,8 @@ class NativeEngine:
         assert self._lock is not None and self._resumed is not None
         self._paused = True
         self._resumed.clear()
-        async with self._lock:  # the window in progress ends first
+        async with self._exclusive():  # the window in progress ends first
+            await self._flush()
             await self._send("pause")
 
     async def _send(
@@ -379,7 +411,7 @@ class NativeEngine:
         self._ensure_loop_state()
         assert self._resumed is not None
         if self.tp is not None:
-            async with self._lock:  # type: ignore[union-attr]
+            async with self._exclusive():
                 await self._send("resume")
         self._paused = False
         if not self._sleeping:
@@ -393,7 +425,8 @@ class NativeEngine:
             await self._follower.call("update", source, version)
             return
         self._ensure_loop_state()
-        async with self._lock:  # type: ignore[union-attr]
+        async with self._exclusive():
+            await self._flush()
             await self._run(self._load_weights, source, version)
 
     def _load_weights(self, source: Any, version: int) -> None:
@@ -491,10 +524,11 @@ class NativeEngine:
             await self._follower.call("sleep")
             return
         self._ensure_loop_state()
-        async with self._lock:  # type: ignore[union-attr]
+        async with self._exclusive():
             await self._send("sleep", weights)
             if self._sleeping:
                 return
+            await self._flush()
             self._sleeping = True
             assert self._resumed is not None
             self._resumed.clear()
@@ -525,7 +559,7 @@ class NativeEngine:
             await self._follower.call("wake")
             return
         self._ensure_loop_state()
-        async with self._lock:  # type: ignore[union-attr]
+        async with self._exclusive():
             await self._send("wake")
             if not self._sleeping:
                 return
@@ -561,11 +595,9 @@ class NativeEngine:
         self.shutdown()
 
     def _abort_pending(self) -> list[GenerationResult]:
+        self._deliver(self.core.drain())  # what finished in the window in flight is not aborted
         aborted = [s.result() for s in self.core.abort_all()]
-        for r in aborted:
-            waiting = self._queues.get(r.rid)
-            if waiting is not None:
-                waiting.put_nowait(r)
+        self._deliver(aborted)
         return aborted
 
     def shutdown(self) -> None:

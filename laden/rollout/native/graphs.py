@@ -63,15 +63,22 @@ class DecodeGraphs:
             min_tokens=torch.zeros(n, dtype=torch.long, device=dev),
             stop_ids=torch.full((n, STOP_WIDTH), -1, dtype=torch.long, device=dev), truncate=False, any_min_tokens=False,
         )  # fmt: skip
-        hq, d = self.model.num_heads, self.model.head_dim
-        self.workspace = (
-            torch.empty(n, hq, 16, d, device=dev, dtype=torch.float32),
-            torch.empty(n, hq, 16, device=dev, dtype=torch.float32),
-        )
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
-        props = torch.cuda.get_device_properties(dev)
-        self.num_sms = props.multi_processor_count
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.model.decode_backend == "triton":  # the split partials of the largest launch
+            from laden.rollout.native.triton_decode import workspace_rows
+
+            hq, d, page = self.model.num_heads, self.model.head_dim, core.cache.block_size
+            rows = max(
+                workspace_rows(s, self.model.num_kv_heads, self.max_blocks, page, self.num_sms)
+                for s in self.sizes
+            )
+            self.workspace = (
+                torch.empty(rows * hq * d, device=dev, dtype=torch.float32),
+                torch.empty(rows * hq, device=dev, dtype=torch.float32),
+            )
 
     @classmethod
     def capture(cls, core, *, max_batch: int) -> DecodeGraphs:
@@ -113,9 +120,13 @@ class DecodeGraphs:
         return self.st
 
     def _capture(self, size: int, truncate: bool, min_tokens: bool) -> torch.cuda.CUDAGraph:
-        from laden.rollout.native.triton_decode import num_splits_for
+        if self.workspace is not None:
+            from laden.rollout.native.triton_decode import split_pages_for
 
-        self.model.num_splits = num_splits_for(size, self.model.num_kv_heads, self.max_blocks, self.num_sms)
+            page = self.core.cache.block_size
+            self.model.split_pages = split_pages_for(
+                size, self.model.num_kv_heads, self.max_blocks, page, self.num_sms
+            )
         self.model.workspace = self.workspace
         self.st.truncate, self.st.any_min_tokens = truncate, min_tokens
         saved = [t.clone() for t in (self.tokens, self.positions, self.generated)]
@@ -163,7 +174,7 @@ class DecodeGraphs:
             graph = self._capture(size, *key[1:])
             # capture ran warm-up steps on the buffers: write the window's inputs again
             return self.run(table, last, positions, generated, st_host, steps, generator)
-        self.model.num_splits = 1  # eager calls outside graphs (prefill needs none)
+        self.model.split_pages = None  # eager calls outside graphs (prefill needs none)
         out_t = torch.empty(steps, b, dtype=torch.long, device=self.tokens.device)
         out_lp = torch.empty(steps, b, dtype=torch.float32, device=self.tokens.device)
         for j in range(steps):

@@ -178,7 +178,7 @@ class PagedModel:
         self.scale = float(getattr(attn, "scaling"))  # noqa: B009
         self.max_model_len = max_model_len
         self.decode_backend: DecodeBackend = decode_backend
-        self.num_splits = 1
+        self.split_pages: int | None = None  # Triton decode: pages per split (None: one split)
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope()
         self.functional = self._functional_ok()
@@ -359,7 +359,7 @@ class PagedModel:
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                self.num_splits,
+                self.split_pages,
                 self.workspace,
             )
         if self.decode_backend == "varlen":

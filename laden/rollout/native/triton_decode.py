@@ -1,13 +1,20 @@
 """laden's paged decode attention kernel (Triton): one query token per sequence, GQA, split-K.
 
 Decode attention reads every cached key and value of every sequence once per step: it is bound
-by memory bandwidth, so the kernel's job is to stream the cache at full speed. One program
-handles one (sequence, KV head, split): the query heads that share that KV head (padded to 16
-rows so the score and value products run on tensor cores) against one contiguous range of the
-sequence's cache pages, with an online softmax in fp32. With few sequences the context is cut
-into `num_splits` ranges so the GPU has enough programs; a second kernel merges the splits'
-partial outputs by their log-sum-exp. No host value is read, so the step is CUDA graph safe:
-the grid depends only on the batch size and `num_splits`, the lengths come from a tensor.
+by memory bandwidth, so the kernel's job is to keep enough loads in flight to stream the cache at
+full speed. One program handles one (sequence, KV head, split): the query heads that share that
+KV head (padded to 16 rows so the score and value products run on tensor cores) against one range
+of the sequence's pages, `tile_pages` pages (gathered through the block table) per iteration,
+with an online softmax in fp32.
+
+Splits are ranges of `split_pages` pages, fixed per launch: a sequence uses as many as its length
+needs and the programs of the others return at once. They give a small batch enough programs to
+fill the GPU; once rows times KV heads fill it, one split a row is faster (measured: fixed-size
+splits, meant to even out a mix of lengths, cost more in merging than they gained). With one
+split per sequence the kernel writes the output directly; otherwise a second kernel merges the
+used splits' partial outputs by their log-sum-exp. No host value is read, so the step is CUDA
+graph safe: the grid depends only on the batch size and the table's width, the lengths come from
+a tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +22,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# What the kernel runs with unless a caller says otherwise (measured on an H200 by
+# benchmarks/decode_kernel.py, see RESULTS.md): tokens per iteration (halved for fp32, whose tiles
+# take twice the shared memory), warps, pipeline stages, longest split, most splits, and the
+# fewest programs (rows x KV heads) per SM at which one split per row is fastest: at 128 programs
+# on 132 SMs the unsplit kernel beat every split.
+TILE_TOKENS = 128
+NUM_WARPS = 4
+NUM_STAGES = 2
+SPLIT_TOKENS = 512
+MAX_SPLITS = 64
+UNSPLIT_PROGRAMS_PER_SM = 0.5
 
 
 @triton.jit
@@ -26,16 +45,21 @@ def _paged_decode_split(
     stride_btb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(LENS + b)
+    n_pages = tl.cdiv(length, PAGE)
+    first_page = split * SPLIT_PAGES
+    if first_page >= n_pages:
+        return  # this sequence needs fewer splits
+    TILE: tl.constexpr = TILE_PAGES * PAGE
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, TILE)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     q = tl.load(
@@ -44,19 +68,21 @@ def _paged_decode_split(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    n_pages = tl.cdiv(length, PAGE)
-    per_split = tl.cdiv(n_pages, SPLITS)  # this sequence's pages, cut evenly into the splits
-    first_page = split * per_split
-    last_page = tl.minimum(first_page + per_split, n_pages)
+    last_page = tl.minimum(first_page + SPLIT_PAGES, n_pages)
+    first_tile = first_page // TILE_PAGES
+    last_tile = tl.cdiv(last_page, TILE_PAGES)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
-    for page in range(first_page, last_page):
-        start = page * PAGE
-        blk = tl.load(BT + b * stride_btb + page).to(tl.int64)
-        base = blk * stride_kb + kvh * stride_kh
-        k = tl.load(K + base + offs_n[:, None] * stride_ks + offs_d[None, :])  # [PAGE, D]
-        v = tl.load(V + base + offs_n[:, None] * stride_ks + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, PAGE] fp32
-        valid = (start + offs_n) < length
+    in_page = (offs_n % PAGE) * stride_ks + kvh * stride_kh
+    for t in range(first_tile, last_tile):
+        start = t * TILE
+        page = t * TILE_PAGES + offs_n // PAGE
+        # pages past this split's end (a partial last tile) read block 0, the sink, and are masked
+        blk = tl.load(BT + b * stride_btb + page, mask=page < last_page, other=0).to(tl.int64)
+        rows = blk * stride_kb + in_page
+        k = tl.load(K + rows[:, None] + offs_d[None, :])  # [TILE, D]
+        v = tl.load(V + rows[:, None] + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, TILE] fp32
+        valid = ((start + offs_n) < length) & (page < last_page)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -64,43 +90,63 @@ def _paged_decode_split(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 units
-    o_ptr = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptr, out, mask=g_mask[:, None])
-    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    out = acc / l_i[:, None]  # every used split holds at least one valid token
+    if DIRECT:
+        o_ptr = OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        o_ptr = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(o_ptr, out, mask=g_mask[:, None])
+        tl.store(
+            LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask
+        )  # log2 units
 
 
 @triton.jit
 def _merge_splits(
-    PART, LSE, OUT,
+    PART, LSE, LENS, OUT,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
+    used = tl.cdiv(tl.load(LENS + b), SPLIT_TOKENS)  # the splits this sequence wrote
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-    s_mask = offs_s < SPLITS
+    s_mask = offs_s < used
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for empty splits
+    w = tl.exp2(lse - m)  # 0 for the unused splits
     part = tl.load(
         PART + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
         mask=s_mask[:, None], other=0.0,
     )  # fmt: skip
-    total = tl.sum(w, axis=0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def num_splits_for(batch: int, kv_heads: int, max_pages: int, num_sms: int) -> int:
-    """Splits per sequence so that about two waves of programs fill the GPU (at most one page each)."""
-    want = max(1, (2 * num_sms + batch * kv_heads - 1) // (batch * kv_heads))
-    return int(min(want, 16, max_pages))
+def split_pages_for(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int | None:
+    """Pages per split for a launch of `batch` rows whose tables hold `max_pages` pages; None (one
+    split a row) when the rows alone make enough programs. Otherwise enough splits that a batch of
+    full-length rows makes about four waves of programs, none longer than `SPLIT_TOKENS` (load
+    balance), at most `MAX_SPLITS`, a whole number of tiles each."""
+    if batch * kv_heads >= UNSPLIT_PROGRAMS_PER_SM * num_sms:
+        return None
+    tile = max(1, TILE_TOKENS // page)
+    splits = max(1, -(-4 * num_sms // (batch * kv_heads)))
+    pages = -(-max_pages // splits)
+    pages = min(pages, max(tile, SPLIT_TOKENS // page))
+    pages = max(pages, -(-max_pages // MAX_SPLITS), 1)
+    return -(-pages // tile) * tile
+
+
+def workspace_rows(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int:
+    """Split rows (`batch x splits`) a launch of `batch` rows writes (sizes a graph's workspace);
+    0 when it writes its output directly."""
+    split = split_pages_for(batch, kv_heads, max_pages, page, num_sms)
+    return 0 if split is None else batch * -(-max_pages // split)
 
 
 def paged_decode(
@@ -110,40 +156,58 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    num_splits: int,
+    split_pages: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    tile_tokens: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
-    int32 -> `[B, Hq, D]` in q's dtype. `workspace`: preallocated `(partials [B, Hq, S, D] fp32,
-    lse [B, Hq, S] fp32)` (a CUDA graph keeps its own)."""
+    int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
+
+    `split_pages`: pages per split (None: one split for the whole table); it is rounded up to a
+    whole number of tiles. `workspace`: preallocated flat fp32 buffers `(partials, lse)` of at
+    least `B * splits * Hq * D` and `B * splits * Hq` elements (a CUDA graph keeps its own)."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
     max_pages = block_tables.shape[1]
-    splits = max(1, min(num_splits, max_pages))
-    if workspace is None:
-        part = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
-        lse = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    default_tile = TILE_TOKENS if q.element_size() <= 2 else TILE_TOKENS // 2
+    tile_pages = max(1, (tile_tokens or default_tile) // page)
+    split = max_pages if split_pages is None else max(1, min(split_pages, max_pages))
+    split = -(-split // tile_pages) * tile_pages
+    splits = -(-max_pages // split)
+    out = torch.empty_like(q)
+    if splits == 1:
+        part, lse = out, out  # the kernel writes `out` itself (lse unused)
+        strides = (out.stride(0), out.stride(1), 0, 0, 0)
     else:
-        part, lse = workspace[0][:b, :, :splits], workspace[1][:b, :, :splits]
+        if workspace is None:
+            part = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
+            lse = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+        else:
+            part = workspace[0][: b * hq * splits * d].view(b, hq, splits, d)
+            lse = workspace[1][: b * hq * splits].view(b, hq, splits)
+        strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     _paged_decode_split[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,
         scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d, SPLITS=splits,
+        *strides,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d,
+        TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    out = torch.empty_like(q)
-    _merge_splits[(b, hq)](
-        part, lse, out,
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), D=d,
-    )  # fmt: skip
+    if splits > 1:
+        _merge_splits[(b, hq)](
+            part, lse, context_lens, out,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            SPLIT_TOKENS=split * page, BLOCK_S=max(2, triton.next_power_of_2(splits)), D=d,
+        )  # fmt: skip
     return out

@@ -1,0 +1,115 @@
+"""The Triton paged decode kernel alone: time and KV-cache read bandwidth per launch configuration.
+
+One JSON line per (case, configuration): microseconds per call (CUDA events over `--iters`
+calls after a warm-up) and the bandwidth of the keys and values it must read. Cases, the
+Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128, bf16, pages of 32):
+
+    A      256 rows of 128 to 384 tokens (workload A mid-run)
+    B      256 rows uniform in [200, 2048] tokens (workload B's mix)
+    small  16 rows of 2,000 tokens (a small batch of long rows)
+    tiny   2 rows of 4,000 tokens (too few rows to fill the GPU unsplit)
+
+    python benchmarks/decode_kernel.py                       # every case, the configuration grid
+    python benchmarks/decode_kernel.py --cases B --tiles 64 --warps 4 --stages 2
+
+`split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
+choice: `none` once rows x KV heads fill half the SMs) or a number of pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_common import git_commit  # noqa: E402
+
+
+def lengths_for(case: str) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    if case == "A":
+        return torch.randint(128, 385, (256,), generator=g).tolist()
+    if case == "B":
+        return torch.randint(200, 2049, (256,), generator=g).tolist()
+    if case == "small":
+        return [2000] * 16
+    return [4000] * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["A", "B", "small", "tiny"])
+    ap.add_argument("--tiles", nargs="+", type=int, default=[32, 64, 128])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--splits", nargs="+", default=["none", "auto", "8", "16"])
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+
+    from paged_case import paged_case
+
+    from laden.rollout.native.attention import decode_attention_torch
+    from laden.rollout.native.triton_decode import paged_decode, split_pages_for
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    hq, hkv, d, page = 16, 8, 128, 32
+    commit = git_commit()
+    for case in args.cases:
+        lengths = lengths_for(case)
+        q, kc, vc, table, lens = paged_case(len(lengths), hq, hkv, d, page, lengths, torch.bfloat16, "cuda")
+        width = max(2048, max(lengths)) // page + 2  # the engine's tables are as wide as max_model_len
+        table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, d**-0.5)
+        read = sum(lengths) * hkv * d * 2 * 2  # keys and values, bf16
+        best = None
+        for tile, warps, stages, split in itertools.product(args.tiles, args.warps, args.stages, args.splits):
+            pages = (
+                None
+                if split == "none"
+                else split_pages_for(len(lengths), hkv, width, page, sms)
+                if split == "auto"
+                else int(split)
+            )
+
+            call = functools.partial(
+                paged_decode, q, kc, vc, table, lens, d**-0.5, pages,
+                tile_tokens=tile, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+
+            try:
+                out = call()
+            except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
+                print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
+                                  "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                continue
+            err = float((out.float() - ref).abs().max())
+            for _ in range(5):
+                call()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            us = start.elapsed_time(end) * 1e3 / args.iters
+            row = {
+                "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
+                "stages": stages, "split": split, "split_pages": pages, "us": round(us, 1),
+                "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
+            }  # fmt: skip
+            print(json.dumps(row), flush=True)
+            if err < 5e-2 and (best is None or us < best["us"]):
+                best = row
+        print(json.dumps({"case": case, "best": best}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
