@@ -174,10 +174,17 @@ def _rl_rank(rank: int, world_size: int, root: str, backend: str = "fsdp:d2") ->
     return {"digest": digest, "rows": rows}
 
 
-def test_two_processes_train_one_policy_and_both_engines_get_it(tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_d2_run(tmp_path_factory):
+    """Three steps of `laden rl` at fsdp:d2 on two processes: checked itself, and the reference of the
+    other layouts (the run is deterministic; it is made once)."""
     from workers import run_workers
 
-    out = run_workers(_rl_rank, 2, str(tmp_path))
+    return run_workers(_rl_rank, 2, str(tmp_path_factory.mktemp("fsdp_d2")))
+
+
+def test_two_processes_train_one_policy_and_both_engines_get_it(fsdp_d2_run):
+    out = fsdp_d2_run
     assert out[0]["digest"] == out[1]["digest"]  # both ranks' rollout engines hold the same new weights
     rows = out[0]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -186,12 +193,12 @@ def test_two_processes_train_one_policy_and_both_engines_get_it(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["archon:d1p2", "fsdp:d1t2"])
-def test_pipeline_and_tensor_ranks_train_on_the_same_rollouts(tmp_path, backend):
+def test_pipeline_and_tensor_ranks_train_on_the_same_rollouts(tmp_path, backend, fsdp_d2_run):
     """Both processes generate half the batch, as under fsdp:d2; the two pipeline stages (tensor ranks) of
     the one data-parallel rank then train on all of it: the steps equal fsdp:d2's on the same rollouts."""
     from workers import run_workers
 
-    reference = run_workers(_rl_rank, 2, str(tmp_path / "d2"))[0]["rows"]
+    reference = fsdp_d2_run[0]["rows"]
     out = run_workers(_rl_rank, 2, str(tmp_path / "other"), backend)
     assert out[0]["digest"] == out[1]["digest"]  # both engines hold the one policy
     rows = out[0]["rows"]

@@ -1,6 +1,6 @@
 """Data parallel roundpipe over gloo: two replicas on halves of a batch == one process on all of it.
 
-Two CPU processes (torch.multiprocessing spawn) train the engine and the library API on
+Two CPU processes (`tests/workers.py`) train the engine and the library API on
 their half of each step's micro-batches; their host gradients are all-reduced before the
 update. The single-process run on the whole batch is the reference.
 """
@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_roundpipe_api import mlp  # noqa: E402
 from test_roundpipe_engine import make_steps, settings, tied_model  # noqa: E402
+from workers import run_workers  # noqa: E402
 
 from laden import RoundPipe, RoundPipeRunConfig  # noqa: E402
 from laden.engine.roundpipe import RoundPipeEngine  # noqa: E402
@@ -47,25 +45,15 @@ def train(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     return {"engine": engine.state_dict()["model"], "library": dict(rp.model.state_dict())}
 
 
-def _replica(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.save(train(rank, world), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_replicas_equal_one_process(tmp_path):
-    mp.spawn(_replica, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+def test_two_replicas_equal_one_process():
+    replicas = run_workers(train, WORLD)  # one thread and a gloo group on each
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         single = train(0, 1)
     finally:
         torch.set_num_threads(before)
-    for rank in range(WORLD):
-        replica = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, replica in enumerate(replicas):
         for part in ("engine", "library"):
             for name, t in single[part].items():
                 torch.testing.assert_close(replica[part][name], t, msg=f"rank {rank} {part} {name}")
