@@ -162,7 +162,10 @@ async def _pause_update_resume(engine: NativeEngine):
     engine.core.oom_hook = hold_third_window  # called on the leader only: followers do not schedule
     gen = engine.generate(reqs)
     first = asyncio.ensure_future(gen.__anext__())
-    while engine.tp.is_leader and engine.core.stats["windows"] < 2:
+    # the leader holds in its third window's decode (after two windows); pausing then is a boundary
+    # after that window, whatever the timing (a pause after the second window's count went up but
+    # before the third began would take the boundary before it)
+    while engine.tp.is_leader and len(decodes) < 3:
         await asyncio.sleep(0.001)
     await engine.pause()
     before = {s.request.rid: len(s.output) for s in engine.core.running}
