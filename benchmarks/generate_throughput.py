@@ -298,7 +298,9 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--decode-backend", default="auto")
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--no-chain", action="store_true", help="native: read each window before launching the next")
+    ap.add_argument(
+        "--no-chain", action="store_true", help="native: read each window before launching the next"
+    )
     ap.add_argument("--hf-cb-batch-tokens", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="native: top CUDA kernels of the timed pass")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short sequences")
