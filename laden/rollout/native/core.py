@@ -17,8 +17,9 @@ A sequence that stops inside window k ran on speculatively in window k+1, its to
 sequences known to reach their length limit in window k are left out of window k+1. A chain
 stops (the window in flight is read and nothing new launched) when a queued sequence could be
 admitted, when blocks are short (a chained window never preempts), or when `may_chain` says no
-(the engine: someone waits to pause, update, sleep or close). `drain()` reads the window in
-flight; everything that reshapes the running set (`requeue_running`, `abort_all`) drains first.
+(the engine: a caller waits to add requests, pause, update, sleep, wake or close). `drain()`
+reads the window in flight; everything that reshapes the running set (`requeue_running`,
+`abort_all`) drains first.
 
 Invariants: a running sequence's cache holds every token but its last output token, which the
 next decode step feeds. Prefill always starts at position 0: a sequence that left the cache
