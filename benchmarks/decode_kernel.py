@@ -7,13 +7,15 @@ Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128, bf16, page
     A      256 rows of 128 to 384 tokens (workload A mid-run)
     B      256 rows uniform in [200, 2048] tokens (workload B's mix)
     small  16 rows of 2,000 tokens (a small batch of long rows)
-    tiny   2 rows of 4,000 tokens (too few rows to fill the GPU unsplit)
+    tiny   2 rows of 4,000 tokens (too few rows to fill the GPU unsplit; outside a CUDA graph,
+           as here, its time is mostly the kernels' launches)
 
     python benchmarks/decode_kernel.py                       # every case, the configuration grid
     python benchmarks/decode_kernel.py --cases B --tiles 64 --warps 4 --stages 2
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
-choice: `none` once rows x KV heads fill half the SMs) or a number of pages.
+choice: `none` once rows x KV heads fill half the SMs, else splits of at least 512 tokens) or a
+number of pages.
 """
 
 from __future__ import annotations
