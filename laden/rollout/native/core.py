@@ -232,7 +232,7 @@ class GenerationCore:
                 self._read_window(window, finished)
         except torch.OutOfMemoryError as e:
             if self.tp is None:
-                self._settle(finished)  # a window in flight is read first: its tokens are kept
+                self._settle()  # a window in flight is read first: its tokens are kept
                 self._recover_from_oom(e, admitted)
             else:
                 self._strand(admitted)
@@ -252,22 +252,18 @@ class GenerationCore:
 
     def drain(self) -> list[GenerationResult]:
         """Read the window in flight (if any); the completions finished since the last `step`."""
-        finished: list[Sequence] = []
-        self._settle(finished)
-        results, self._ready = self._ready + [s.result() for s in finished], []
+        self._settle()
+        results, self._ready = self._ready, []
         return results
 
-    def _settle(self, finished: list[Sequence] | None = None) -> None:
-        """Read the window in flight; its finished sequences go to `finished` (default: `_ready`)."""
+    def _settle(self) -> None:
+        """Read the window in flight; its finished completions wait in `_ready`."""
         if self._inflight is None:
             return
         window, self._inflight = self._inflight, None
         done: list[Sequence] = []
         self._read_window(window, done)
-        if finished is None:
-            self._ready += [s.result() for s in done]
-        else:
-            finished += done
+        self._ready += [s.result() for s in done]
 
     def _may_chain(self) -> bool:
         return self.chain_windows and (self.may_chain is None or self.may_chain())
@@ -531,11 +527,7 @@ class GenerationCore:
         """A window for every running sequence from the host's state (it may preempt for blocks);
         None when none is left to run."""
         t0 = time.perf_counter()
-        remaining = max(
-            min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens)
-            for s in self.running
-        )
-        steps = max(1, min(self.decode_steps, remaining))
+        steps = max(1, min(self.decode_steps, max(self._remaining(s) for s in self.running)))
         self._ensure_blocks(steps)
         if any(s.done for s in self.running):
             self._retire(finished)
@@ -545,6 +537,10 @@ class GenerationCore:
         positions = torch.tensor([s.num_tokens - 1 for s in seqs])
         generated = torch.tensor([len(s.output) for s in seqs])
         return self._launch(seqs, last, positions, generated, steps, t0)
+
+    def _remaining(self, s: Sequence) -> int:
+        """Tokens `s` may still produce (its `max_new_tokens`, the engine's context)."""
+        return min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens)
 
     def _chain(self, window: _Window) -> _Window | None:
         """The next window, launched before `window` is read: its rows are the running sequences
@@ -556,9 +552,7 @@ class GenerationCore:
         rows: list[Sequence] = []
         left: list[int] = []
         for s in self.running:  # a subset of window.seqs, in its order
-            rem = (
-                min(s.params.max_new_tokens - len(s.output), self.model.max_model_len - s.num_tokens) - ahead
-            )
+            rem = self._remaining(s) - ahead
             if rem > 0:
                 rows.append(s)
                 left.append(rem)
@@ -576,10 +570,9 @@ class GenerationCore:
             if n:
                 s.blocks += alloc.allocate(n)
         at = [index[id(s)] for s in rows]
-        final = window.tokens[ahead - 1]
+        last = window.tokens[ahead - 1]
         if len(at) < len(window.seqs):  # the index goes up without waiting for the window in flight
-            final = final[torch.tensor(at).to(final.device, non_blocking=True)]
-        last = final
+            last = last[torch.tensor(at).to(last.device, non_blocking=True)]
         positions = torch.tensor([s.num_tokens - 1 + ahead for s in rows])
         generated = torch.tensor([len(s.output) + ahead for s in rows])
         self.stats["chained"] += 1
