@@ -86,7 +86,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         model, max_concurrent=len(reqs), max_model_len=max_len + 8, mem_fraction_static=args.mem_fraction,
         decode_steps=args.decode_steps, cuda_graphs=None if not args.no_graphs else False,
         decode_backend=args.decode_backend, seed=0, tensor_parallel=args.tensor_parallel,
-        chain_windows=False if args.no_chain else None,
+        chain_windows=False if args.no_chain else None, fused_decode=False if args.no_fused else None,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
 
@@ -124,8 +124,12 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     if prof is not None:
         prof.__exit__(None, None, None)
-        top = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]
-        print(json.dumps({"profile": "native", "batch": len(reqs), "kernels": [
+        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[: args.profile_top]
+        print(json.dumps({"profile": "native", "batch": len(reqs),
+            "device_s": round(sum(e.self_device_time_total for e in events) / 1e6, 4),
+            "kernel_calls": sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+            "kernels": [
             {"name": e.key[:90], "self_device_s": round(e.self_device_time_total / 1e6, 4), "calls": e.count}
             for e in top]}), flush=True)  # fmt: skip
     engine.shutdown()
@@ -136,6 +140,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         "kv_blocks": engine.core.cache.num_blocks - 1, "block_size": engine.block_size,
         "kv_gib": round(engine.core.cache.nbytes / 2**30, 2), "decode_backend": engine.paged.decode_backend,
         "cuda_graphs": engine.cuda_graphs, "chain_windows": engine.core.chain_windows,
+        "fused_decode": engine.paged.fused_decode,
         "decode_steps": engine.decode_steps, "stats": dict(engine.core.stats),
         "logprobs": True,
     }  # fmt: skip
@@ -303,6 +308,10 @@ def main() -> None:
     )
     ap.add_argument("--hf-cb-batch-tokens", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="native: top CUDA kernels of the timed pass")
+    ap.add_argument(
+        "--no-fused", action="store_true", help="native: decode through the compiled layers and cuBLAS"
+    )
+    ap.add_argument("--profile-top", type=int, default=15, help="--profile: how many kernels to list")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, short sequences")
     ap.add_argument(
         "--greedy-check", type=Path, default=None, help="model directory: native greedy == HF greedy"

@@ -322,6 +322,7 @@ def test_sleep_and_wake_keep_requests_and_weights():
         await engine.sleep(weights=True)
         assert not engine.core.cache.allocated
         assert all(p.numel() == 0 for p in engine.model.parameters())
+        assert engine.paged._fused == []  # the fused projections went with the weights
         await engine.wake()
         with pytest.raises(RuntimeError, match="call update_weights"):
             async for _ in engine.generate(_requests(prompts, max_new_tokens=2)):
@@ -333,6 +334,59 @@ def test_sleep_and_wake_keep_requests_and_weights():
     for p, r in zip(prompts, results):
         assert r.output_ids == reference_greedy(model, p, 5, set())
         assert r.output_versions == [4] * 5
+
+
+def _assert_views(linears, fused, attr="weight"):
+    offset = 0
+    for lin in linears:
+        t = getattr(lin, attr)
+        assert t.data_ptr() == fused.data_ptr() + offset * fused.element_size()
+        torch.testing.assert_close(fused.flatten()[offset : offset + t.numel()].view_as(t), t, rtol=0, atol=0)
+        offset += t.numel()
+    assert offset == fused.numel()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_projections_are_views_of_one_fused_tensor_and_updates_land_there(kind):
+    model = _model(kind)
+    engine = _engine(copy.deepcopy(model))
+    fused = engine.paged.fused_weights()
+    epoch = engine.paged.weights_epoch
+    for layer, f in zip(engine.model.model.layers, fused):
+        a, mlp = layer.self_attn, layer.mlp
+        _assert_views([a.q_proj, a.k_proj, a.v_proj], f.qkv)
+        _assert_views([mlp.gate_proj, mlp.up_proj], f.gate_up)
+        if kind == "qwen2":
+            _assert_views([a.q_proj, a.k_proj, a.v_proj], f.qkv_bias, "bias")
+        else:
+            assert f.qkv_bias is None
+    # an update by name lands in the fused tensors (no new buffers, graphs need no new capture)
+    torch.manual_seed(5)
+    new = {name: torch.randn_like(t) * 0.1 for name, t in engine.named_parameters().items()}
+    engine.load_weights(new.items(), version=1)
+    assert engine.paged.fused_weights() is fused and engine.paged.weights_epoch == epoch
+    prefix = "model.layers.0."
+    want = torch.cat([new[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(fused[0].qkv, want, rtol=0, atol=0)
+    want = torch.cat([new[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    torch.testing.assert_close(fused[0].gate_up, want, rtol=0, atol=0)
+    # a parameter given new storage is fused again, its value kept, and the epoch says so
+    k = engine.model.model.layers[1].self_attn.k_proj
+    k.weight.data = k.weight.data.clone() + 1
+    value = k.weight.detach().clone()
+    again = engine.paged.fused_weights()
+    assert engine.paged.weights_epoch == epoch + 1
+    _assert_views([engine.model.model.layers[1].self_attn.q_proj, k, engine.model.model.layers[1].self_attn.v_proj],
+                  again[1].qkv)  # fmt: skip
+    torch.testing.assert_close(k.weight, value, rtol=0, atol=0)
+    # and generation runs on the new weights: greedy equals the reference loop of the same state
+    reference = copy.deepcopy(model)
+    state = {**new, "model.layers.1.self_attn.k_proj.weight": value}
+    reference.load_state_dict(state, strict=False)
+    prompts = _prompts(3)
+    results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=6, ignore_eos=True))
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(reference, p, 6, set())
 
 
 def test_bad_requests_are_named():

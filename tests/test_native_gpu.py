@@ -125,3 +125,40 @@ def test_cuda_graphs_equal_eager_bf16():
     for p, r in zip(prompts, sampled):
         ref = teacher_forced_logprobs(model, p, r.output_ids, 0.9).cpu()
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_fused_decode_bf16_returns_the_models_logprobs(kind):
+    """laden's Triton layer (fused q/k norm, rotary embedding and cache writes; split-K projections)
+    at the Qwen3-0.6B widths, two layers: the log-probs of the greedy tokens against the model's own
+    forward, as for the compiled layers' run."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    from laden.rollout.native import NativeEngine
+
+    torch.manual_seed(0)
+    # initializer_range: peaked distributions, whose log-probs tell a wrong path apart
+    widths = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512,
+                  initializer_range=0.08)  # fmt: skip
+    cfg = Qwen3Config(head_dim=128, **widths) if kind == "qwen3" else Qwen2Config(**widths)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).cuda().eval()
+    prompts = [tuple(range(5 + i, 5 + i + 3 + 11 * i)) for i in range(7)]
+    reqs = _requests(prompts, greedy=True, max_new_tokens=24, ignore_eos=True)
+    runs = {}
+    for fused in (True, False):
+        engine = NativeEngine(
+            model, max_concurrent=8, max_model_len=128, kv_cache_tokens=4096, fused_decode=fused
+        )
+        assert engine.paged.fused_decode == fused
+        runs[fused] = engine.generate_sync(reqs)
+        engine.shutdown()
+    for fused, results in runs.items():
+        for p, r in zip(prompts, results):
+            ref = teacher_forced_logprobs(model, p, r.output_ids, 1.0).cpu()
+            assert ref.mean() > -4, ref  # far from uniform (-log 2048 = -7.6)
+            torch.testing.assert_close(
+                torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05, msg=str(fused)
+            )

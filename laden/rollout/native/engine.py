@@ -75,6 +75,14 @@ class NativeEngine:
         a few kernels per layer instead of dozens; off, the same math runs eagerly.
     tensor_parallel: this rank's group of an engine over t ranks (`tensor_parallel_groups`); the
         model may come whole (it is sharded here) or already sharded (`ShardLayout.shard_model`).
+    chain_windows: launch the next decode window before the host reads the last (default: on
+        CUDA without tensor parallel).
+    fused_decode: decode steps run laden's Triton layer (one kernel for the q/k norms, rotary
+        embedding and cache writes; split-K projections for few rows) instead of the compiled
+        graphs around cuBLAS (default: on CUDA with Triton, the standard layers, no tensor parallel).
+
+    The q/k/v and gate/up parameters become views of one fused tensor per layer (one projection
+    each); updates copied into them by name land there.
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class NativeEngine:
         seed: int = 0,
         tensor_parallel: TensorParallel | None = None,
         chain_windows: bool | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(
@@ -117,6 +126,7 @@ class NativeEngine:
             decode_backend=pick_decode_backend(device, dtype, decode_backend),
             compile=device.type == "cuda" if compile is None else compile,
             tensor_parallel=tp,
+            fused_decode=fused_decode,
         )
         if self.layout is not None:
             self.layout.shard_model(model)
@@ -545,6 +555,7 @@ class NativeEngine:
             for name, p in self.model.named_parameters():
                 self._shapes[name] = (p.shape, p.dtype)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.paged.release_fused()
             self._weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -10,7 +10,8 @@ A batch runs in the smallest captured size that holds it; the padding rows point
 sink block, so they compute garbage that nobody reads. Graphs read their inputs from static
 buffers (written once per window) and write the sampled tokens and log-probs to static
 outputs, copied out after each replay. A graph holds the addresses of the weights and the KV
-cache: after either is reallocated (`sleep` / `wake`) they are captured again. Graphs for
+cache: after either is reallocated (`sleep` / `wake`, or the fused projections made again) they
+are captured again. Graphs for
 top-k / top-p or `min_new_tokens` rows are captured when a batch first needs them. Under tensor
 parallel every rank captures its own graphs, the layers' all-reduces and the step's token
 broadcast inside them (NCCL collectives are capturable); the ranks capture and replay the same
@@ -65,6 +66,7 @@ class DecodeGraphs:
         )  # fmt: skip
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
+        self.epoch = -1  # the model's weights_epoch the graphs were captured at
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.model.decode_backend == "triton":  # the split partials of the largest launch
@@ -94,8 +96,10 @@ class DecodeGraphs:
     def recapture(self) -> None:
         """Capture the plain-sampling graph of every size, largest first (they share one pool)."""
         self.release()
+        self.model.fused_weights()  # made before the first capture: every graph holds the same buffers
         for size in reversed(self.sizes):
             self._capture(size, False, False)
+        self.epoch = self.model.weights_epoch
         log.info("captured %d decode graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
     def fits(self, batch: int) -> bool:
@@ -154,6 +158,9 @@ class DecodeGraphs:
     def run(self, table, last, positions, generated, st_host: SamplingTensors, steps: int, generator):
         """One window of `steps` decode steps for `len(last)` rows; (tokens, logprobs) `[steps, B]`."""
         b = last.shape[0]
+        self.model.fused_weights()
+        if self.epoch != self.model.weights_epoch:  # the fused weights were made again since capture
+            self.recapture()
         size = next(s for s in self.sizes if s >= b)
         key = (size, st_host.truncate, st_host.any_min_tokens)
         if st_host.stop_ids.shape[1] > STOP_WIDTH:

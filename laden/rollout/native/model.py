@@ -73,12 +73,8 @@ def attention_inputs(
     x,
     ln_w,
     ln_eps: float,
-    wq,
-    bq,
-    wk,
-    bk,
-    wv,
-    bv,
+    wqkv,
+    bqkv,
     qn_w,
     kn_w,
     qk_eps: float,
@@ -89,13 +85,12 @@ def attention_inputs(
     hd: int,
 ):
     """A decoder layer up to attention, as plain functions of its weights (one compiled graph for
-    every layer): input RMSNorm, q/k/v projections (biases where the family has them), Qwen3's
-    per-head q/k RMSNorm, rotary embedding. x `[N, H]`; cos/sin `[N, 1, D]`."""
+    every layer): input RMSNorm, the fused q/k/v projection (biases where the family has them),
+    Qwen3's per-head q/k RMSNorm, rotary embedding. x `[N, H]`; cos/sin `[N, 1, D]`."""
     n = x.shape[0]
     h = _rms(x, ln_w, ln_eps)
-    q = F.linear(h, wq, bq).view(n, nh, hd)
-    k = F.linear(h, wk, bk).view(n, nkv, hd)
-    v = F.linear(h, wv, bv).view(n, nkv, hd)
+    q, k, v = F.linear(h, wqkv, bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q, k, v = q.reshape(n, nh, hd), k.reshape(n, nkv, hd), v.reshape(n, nkv, hd)
     if qn_w is not None:
         q, k = _rms(q, qn_w, qk_eps), _rms(k, kn_w, qk_eps)
     q = q * cos + _rotate_half(q) * sin
@@ -103,21 +98,27 @@ def attention_inputs(
     return q, k, v
 
 
-def attention_outputs(x, o, wo, bo, ln_w, ln_eps: float, wg, wu, wd):
+def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of the fused gate/up projection's output `[N, 2I]`."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def attention_outputs(x, o, wo, bo, ln_w, ln_eps: float, wgu, wd):
     """The rest of a decoder layer: output projection and residual, post-attention RMSNorm, the
-    SwiGLU MLP and its residual."""
+    SwiGLU MLP (gate and up fused) and its residual."""
     x = x + F.linear(o, wo, bo)
     h = _rms(x, ln_w, ln_eps)
-    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    return x + F.linear(_swiglu(F.linear(h, wgu)), wd)
 
 
-def parallel_mlp(x, attn, bo, ln_w, ln_eps: float, wg, wu, wd):
+def parallel_mlp(x, attn, bo, ln_w, ln_eps: float, wgu, wd):
     """Tensor parallel: the attention's all-reduced output (and its bias, added once) into the
     residual, post-attention RMSNorm, and this rank's partial sum of the MLP (its share of the
     intermediate features); returns (residual, partial MLP output)."""
     x = x + attn if bo is None else x + attn + bo
     h = _rms(x, ln_w, ln_eps)
-    return x, F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    return x, F.linear(_swiglu(F.linear(h, wgu)), wd)
 
 
 def _eps_or_none(norm: nn.Module) -> float | None:
@@ -134,6 +135,44 @@ def _eps(norm: nn.Module) -> float:
     return value
 
 
+@dataclass(slots=True)
+class FusedWeights:
+    """One layer's fused projections: `qkv [(nh + 2 nkv) D, H]` (with `qkv_bias` where the family
+    has biases) and `gate_up [2 I, H]`. The layer's own q/k/v and gate/up parameters are views of
+    them, so an update copied into the parameters by name lands here."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def _views_of(linears: list[nn.Linear], fused: torch.Tensor | None, attr: str) -> bool:
+    """Whether each linear's `attr` (weight or bias) is its slice of `fused`, in order."""
+    if fused is None:
+        return all(getattr(lin, attr) is None for lin in linears)
+    ptr, size = fused.data_ptr(), fused.element_size()
+    offset = 0
+    for lin in linears:
+        t = getattr(lin, attr)
+        if t is None or t.data_ptr() != ptr + offset * size or not t.is_contiguous():
+            return False
+        offset += t.numel()
+    return offset == fused.numel()
+
+
+def _fuse(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate the linears' `attr` along the output features and make each one a view of the
+    result (the separate tensors are freed)."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if any(p is None for p in parts):
+        return None
+    with torch.no_grad():
+        fused = torch.cat([p.data for p in parts])
+        for p, view in zip(parts, fused.split([p.shape[0] for p in parts])):
+            p.data = view
+    return fused
+
+
 class PagedModel:
     """See the module docstring. `model`: a `*ForCausalLM` of a supported family, on its device."""
 
@@ -145,6 +184,7 @@ class PagedModel:
         decode_backend: DecodeBackend = "torch",
         compile: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -184,13 +224,27 @@ class PagedModel:
         self.functional = self._functional_ok()
         if tensor_parallel is not None:
             self._check_parallel()
+        self._fused: list[FusedWeights] = []
+        self.weights_epoch = 0  # bumped whenever the fused buffers are made again (graphs hold them)
+        self.fused_decode = self._fused_decode_ok() if fused_decode is None else fused_decode
+        if self.fused_decode and not self._fused_decode_ok():
+            raise ValueError(
+                "fused_decode needs CUDA, Triton, the standard layers and no tensor parallel; this engine has "
+                f"device {self.device.type}, decode backend {decode_backend!r}, tensor parallel {tensor_parallel is not None}"
+            )
         self._attn_in, self._attn_out, self._mlp = attention_inputs, attention_outputs, parallel_mlp
+        self._rms, self._swiglu = _rms, _swiglu
         if compile and self.functional:
             # dynamic: one graph for every token count (prefill and each captured decode batch)
             self._attn_in = torch.compile(attention_inputs, dynamic=True)
             self._attn_out = torch.compile(attention_outputs, dynamic=True)
+            self._rms = torch.compile(_rms, dynamic=True)
+            self._swiglu = torch.compile(_swiglu, dynamic=True)
             if tensor_parallel is not None:  # the all-reduces run between the compiled pieces
                 self._mlp = torch.compile(parallel_mlp, dynamic=True)
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.fused_decode else 0
+        )
 
     def _check_parallel(self) -> None:
         mlp = self.layers[0].mlp
@@ -223,6 +277,46 @@ class PagedModel:
             )
         )
 
+    def _fused_decode_ok(self) -> bool:
+        """Whether decode steps can run laden's Triton layer (fused q/k norm, rotary embedding and
+        cache write; split-K projections): CUDA, Triton, the standard layers, no tensor parallel."""
+        if self.device.type != "cuda" or not self.functional or self.tp is not None:
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+
+    def fused_weights(self) -> list[FusedWeights]:
+        """Each layer's fused projections, made again wherever a parameter no longer is its view of
+        them (the engine reallocates the weights after `sleep`; tensor parallel slices them):
+        `weights_epoch` goes up then, so captured graphs know to capture again."""
+        if not self.functional:
+            return []
+        if len(self._fused) != len(self.layers):
+            self._fused = [None] * len(self.layers)  # type: ignore[list-item]
+        for i, layer in enumerate(self.layers):
+            a, mlp, f = layer.self_attn, layer.mlp, self._fused[i]
+            qkv, gate_up = [a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj]
+            if (
+                f is not None
+                and _views_of(qkv, f.qkv, "weight")
+                and _views_of(qkv, f.qkv_bias, "bias")
+                and _views_of(gate_up, f.gate_up, "weight")
+            ):
+                continue
+            w = _fuse(qkv, "weight")
+            gu = _fuse(gate_up, "weight")
+            assert w is not None and gu is not None
+            self._fused[i] = FusedWeights(qkv=w, qkv_bias=_fuse(qkv, "bias"), gate_up=gu)
+            self.weights_epoch += 1
+        return self._fused
+
+    def release_fused(self) -> None:
+        """Drop the fused buffers (after the parameters were released: they would keep the memory)."""
+        self._fused = []
+
     @property
     def device(self) -> torch.device:
         return self.decoder.embed_tokens.weight.device
@@ -244,53 +338,50 @@ class PagedModel:
         """After the weights came back from `sleep` (the table lives with them)."""
         self._build_rope()
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :]  # [N, 1, D]
-        sin = self.sin[positions][:, None, :]
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
-    def _layer_in(self, layer: Any, x: torch.Tensor, positions: torch.Tensor):
-        """(q, k, v) of a layer for hidden states x (pre-norm)."""
+    def _layer_in(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos, sin):
+        """(q, k, v) of layer i for hidden states x (pre-norm); cos/sin `[N, 1, D]` of the positions."""
+        layer = self.layers[i]
         if not self.functional:
-            return self._qkv(layer, layer.input_layernorm(x), positions)
-        a = layer.self_attn
+            return self._qkv(layer, layer.input_layernorm(x), cos, sin)
+        a, f = layer.self_attn, self._fused[i]
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
         return self._attn_in(
-            x, layer.input_layernorm.weight, _eps(layer.input_layernorm), a.q_proj.weight, a.q_proj.bias,
-            a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+            x, layer.input_layernorm.weight, _eps(layer.input_layernorm), f.qkv, f.qkv_bias,
             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             _eps(qn) if qn is not None else 0.0, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
         )  # fmt: skip
 
-    def _layer_out(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _layer_out(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
         o = o.reshape(o.shape[0], -1)
         if self.tp is not None:
-            return self._parallel_out(layer, x, o)
+            return self._parallel_out(i, x, o)
         if not self.functional:
             x = x + layer.self_attn.o_proj(o)
             return x + layer.mlp(layer.post_attention_layernorm(x))
         a, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         return self._attn_out(
-            x, o, a.o_proj.weight, a.o_proj.bias, ln.weight, _eps(ln),
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+            x, o, a.o_proj.weight, a.o_proj.bias, ln.weight, _eps(ln), self._fused[i].gate_up, mlp.down_proj.weight,
         )  # fmt: skip
 
-    def _parallel_out(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _parallel_out(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Row-parallel output and down projections, each all-reduced over the tensor parallel ranks."""
         assert self.tp is not None
+        layer = self.layers[i]
         a, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         attn = F.linear(o, a.o_proj.weight)  # [N, H]: this rank's heads' share
         self.tp.all_reduce(attn)
         x, part = self._mlp(
-            x, attn, a.o_proj.bias, ln.weight, _eps(ln), mlp.gate_proj.weight, mlp.up_proj.weight,
-            mlp.down_proj.weight,
-        )  # fmt: skip
+            x, attn, a.o_proj.bias, ln.weight, _eps(ln), self._fused[i].gate_up, mlp.down_proj.weight
+        )
         self.tp.all_reduce(part)
         return x + part
 
-    def _qkv(self, layer: nn.Module, h: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         attn = layer.self_attn
         n = h.shape[0]
         q = attn.q_proj(h).view(n, self.num_heads, self.head_dim)
@@ -298,7 +389,7 @@ class PagedModel:
         v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return self._rope(q, positions), self._rope(k, positions), v
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     @staticmethod
     def _store(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -306,12 +397,56 @@ class PagedModel:
 
     def _layers(self, input_ids: torch.Tensor, positions, slots, k_caches, v_caches, attend) -> torch.Tensor:
         """Every decoder layer: q/k/v, their keys and values into the cache slots, `attend(i, q, k, v)`."""
+        self.fused_weights()
         x = self.decoder.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._layer_in(layer, x, positions)
+        cos = self.cos[positions][:, None, :]  # once for every layer
+        sin = self.sin[positions][:, None, :]
+        for i in range(len(self.layers)):
+            q, k, v = self._layer_in(i, x, positions, cos, sin)
             self._store(k_caches[i], slots, k)
             self._store(v_caches[i], slots, v)
-            x = self._layer_out(layer, x, attend(i, q, k, v))
+            x = self._layer_out(i, x, attend(i, q, k, v))
+        return x
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+        """`x @ w.T (+ bias) (+ residual)`: laden's split-K kernel for the few rows of a decode step
+        (where it streams the weights faster than cuBLAS), cuBLAS otherwise."""
+        from laden.rollout.native.triton_linear import linear, pick_config
+
+        config = (
+            pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms)
+            if x.dtype != torch.float32
+            else None
+        )
+        if config is not None:
+            return linear(x, w, residual, config, bias=bias)
+        y = F.linear(x, w, bias)
+        return y if residual is None else residual + y
+
+    def _fused_layers(self, input_ids: torch.Tensor, meta: DecodeMeta, k_caches, v_caches) -> torch.Tensor:
+        """The decode step's layers as laden's kernels (`fused_decode`): input RMSNorm, one q/k/v
+        projection, one kernel for the q/k norms, the rotary embedding and the cache writes, paged
+        attention, the output projection with its residual, RMSNorm, one gate/up projection, SwiGLU,
+        the down projection with its residual."""
+        from laden.rollout.native.triton_qkv import rope_store
+
+        fused = self.fused_weights()
+        x = self.decoder.embed_tokens(input_ids)
+        n = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            a, mlp, f = layer.self_attn, layer.mlp, fused[i]
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            qkv = self._linear(self._rms(x, ln1.weight, _eps(ln1)), f.qkv, f.qkv_bias)
+            q = rope_store(
+                qkv, meta.positions, self.cos, self.sin, qn.weight if qn is not None else None,
+                kn.weight if kn is not None else None, _eps(qn) if qn is not None else 0.0,
+                k_caches[i], v_caches[i], meta.slots, self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            o = self._decode_attention(q, k_caches[i], v_caches[i], meta).reshape(n, -1)
+            x = self._linear(o, a.o_proj.weight, a.o_proj.bias, residual=x)
+            act = self._swiglu(self._linear(self._rms(x, ln2.weight, _eps(ln2)), f.gate_up))
+            x = self._linear(act, mlp.down_proj.weight, residual=x)
         return x
 
     @torch.no_grad()
@@ -341,6 +476,10 @@ class PagedModel:
     ) -> torch.Tensor | None:
         """One token per sequence; fp32 logits `[B, V]` (None on a tensor parallel follower). No host
         sync (CUDA graph safe)."""
+
+        if self.fused_decode:
+            x = self._fused_layers(input_ids, meta, k_caches, v_caches)
+            return self.logits(x) if self.computes_logits else None
 
         def attend(i, q, k, v):
             return self._decode_attention(q, k_caches[i], v_caches[i], meta)

@@ -1,0 +1,86 @@
+"""laden's split-K linear for the decode step's few rows, against `F.linear` (+ bias, + residual).
+
+On the CPU through Triton's interpreter when Triton is installed (`TRITON_INTERPRET=1`, in a
+subprocess: the variable is read at import); on a GPU in bf16 (`gpu` marker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from laden.rollout.native.attention import triton_available
+
+CASES = """
+import torch, torch.nn.functional as F
+from laden.rollout.native.triton_linear import LinearConfig, linear, pick_config
+
+def check(dtype, device, tol):
+    torch.manual_seed(0)
+    shapes = [(1, 96, 256), (7, 130, 512), (33, 64, 1024), (64, 200, 384)]
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+        b = torch.randn(n, device=device, dtype=dtype)
+        r = torch.randn(m, n, device=device, dtype=dtype)
+        block_m = max(16, 1 << (m - 1).bit_length())
+        configs = [None, LinearConfig(block_m, 32, 64, 4), LinearConfig(block_m, 64, 128, 1), LinearConfig(block_m, 32, 64, 3)]
+        for cfg in configs:
+            for bias in (None, b):
+                for res in (None, r):
+                    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+                    if res is not None:
+                        want = want + res.float()
+                    got = linear(x, w, res, cfg, bias=bias)
+                    assert got.dtype == dtype and got.shape == (m, n)
+                    err = (got.float() - want).abs().max().item()
+                    assert err < tol, (m, n, k, cfg, bias is None, res is None, err)
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_linear_in_the_interpreter():
+    code = CASES + textwrap.dedent(
+        """
+        check(torch.float32, "cpu", 1e-4)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_linear_on_cuda(dtype):
+    scope: dict = {}
+    exec(CASES, scope)  # noqa: S102 - the same cases as the interpreter's
+    scope["check"](dtype, "cuda", 5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 3, 16, 48, 64, 100, 128])
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (2048, 2048), (2048, 6144)])
+def test_picked_configs_on_the_engines_shapes(rows, n, k):
+    """The narrow projections of Qwen3-0.6B / 1.7B (attention output, down) with their residual;
+    the wide ones (fused q/k/v, gate/up) and more rows go to cuBLAS."""
+    from laden.rollout.native.triton_linear import MAX_ROWS, linear, pick_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    config = pick_config(rows, n, k, sms)
+    assert config is not None and config.splits > 1
+    assert pick_config(MAX_ROWS + 1, n, k, sms) is None and pick_config(rows, 4096, 1024, sms) is None
+    torch.manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    r = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float()) + r.float()
+    torch.testing.assert_close(linear(x, w, r, config).float(), want, atol=5e-2, rtol=2e-2)
