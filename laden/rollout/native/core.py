@@ -155,6 +155,12 @@ class GenerationCore:
         self.device = model.device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # decode steps sample in one Triton pass (`triton_sampler`) where the rows need no top-k /
+        # top-p / min-token masking: its Philox key and step counter live on the device
+        self.fused_sampler = bool(getattr(model, "fused_decode", False))
+        if self.fused_sampler:
+            self.sample_seed = torch.tensor([seed], dtype=torch.int64, device=self.device)
+            self.sample_offset = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.oom_hook = oom_hook  # tests: called as (phase, batch size) before each device phase
         self.graphs: Any = None  # set by the engine on CUDA (`laden.rollout.native.graphs.DecodeGraphs`)
         self.chain_windows = chain_windows and tensor_parallel is None
@@ -303,18 +309,29 @@ class GenerationCore:
     def next_tokens(
         self, logits: torch.Tensor | None, st: SamplingTensors, generated: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample`; under tensor parallel the leader samples and broadcasts the token ids (followers
-        have no logits and get zero log-probs, which nobody reads). No host sync."""
+        """A decode step's sampling from the LM head's logits (fp32, or the model's dtype where the
+        engine samples in one Triton pass); under tensor parallel the leader samples and broadcasts
+        the token ids (followers have no logits and get zero log-probs, which nobody reads). No
+        host sync."""
         if self.tp is None:
             assert logits is not None
-            return sample(logits, st, generated, self.generator)
+            return self._sample(logits, st, generated)
         if logits is not None:
-            tokens, logprobs = sample(logits, st, generated, self.generator)
+            tokens, logprobs = self._sample(logits, st, generated)
         else:
             tokens = torch.empty_like(generated)
             logprobs = torch.zeros(generated.shape, dtype=torch.float32, device=generated.device)
         self.tp.broadcast(tokens)
         return tokens, logprobs
+
+    def _sample(
+        self, logits: torch.Tensor, st: SamplingTensors, generated: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_sampler and not st.truncate and not st.any_min_tokens:
+            from laden.rollout.native.triton_sampler import sample_fused
+
+            return sample_fused(logits, st.temperature, st.greedy, self.sample_seed, self.sample_offset)
+        return sample(logits.float(), st, generated, self.generator)
 
     def _admit(self) -> list[_Group]:
         admitted: list[_Group] = []
@@ -652,7 +669,7 @@ class GenerationCore:
             meta = DecodeMeta(
                 positions=pos, slots=slots, block_tables=table, context_lens=(pos + 1).to(torch.int32)
             )
-            logits = self.model.decode(tokens, meta, self.cache.k, self.cache.v)
+            logits = self.model.decode(tokens, meta, self.cache.k, self.cache.v, cast=not self.fused_sampler)
             tokens, lp = self.next_tokens(logits, st, generated)
             out_t.append(tokens)
             out_lp.append(lp)

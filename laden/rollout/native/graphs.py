@@ -113,7 +113,9 @@ class DecodeGraphs:
         meta = DecodeMeta(
             positions=pos, slots=slots, block_tables=self.table[:size], context_lens=(pos + 1).to(torch.int32)
         )
-        logits = model.decode(self.tokens[:size], meta, self.core.cache.k, self.core.cache.v)
+        logits = model.decode(
+            self.tokens[:size], meta, self.core.cache.k, self.core.cache.v, cast=not self.core.fused_sampler
+        )
         tokens, lp = self.core.next_tokens(logits, self._st(size), self.generated[:size])
         self.tokens[:size].copy_(tokens)
         self.out_lp[:size].copy_(lp)

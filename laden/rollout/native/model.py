@@ -473,19 +473,19 @@ class PagedModel:
         meta: DecodeMeta,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
+        cast: bool = True,
     ) -> torch.Tensor | None:
-        """One token per sequence; fp32 logits `[B, V]` (None on a tensor parallel follower). No host
-        sync (CUDA graph safe)."""
-
+        """One token per sequence; logits `[B, V]`, fp32 (`cast`) or in the model's dtype (None on a
+        tensor parallel follower). No host sync (CUDA graph safe)."""
         if self.fused_decode:
             x = self._fused_layers(input_ids, meta, k_caches, v_caches)
-            return self.logits(x) if self.computes_logits else None
+        else:
 
-        def attend(i, q, k, v):
-            return self._decode_attention(q, k_caches[i], v_caches[i], meta)
+            def attend(i, q, k, v):
+                return self._decode_attention(q, k_caches[i], v_caches[i], meta)
 
-        x = self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend)
-        return self.logits(x) if self.computes_logits else None
+            x = self._layers(input_ids, meta.positions, meta.slots, k_caches, v_caches, attend)
+        return self.logits(x, cast) if self.computes_logits else None
 
     def _decode_attention(self, q, k_cache, v_cache, meta: DecodeMeta) -> torch.Tensor:
         if self.decode_backend == "triton":
@@ -515,5 +515,6 @@ class PagedModel:
             )
         return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden)).float()
+    def logits(self, hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        out = self.model.lm_head(self.decoder.norm(hidden))
+        return out.float() if cast else out

@@ -1,0 +1,176 @@
+"""laden's fused sampler (Triton): temperature, greedy argmax, the exponential race and the drawn
+token's log-probability in one read of the logits.
+
+`sampler.sample` in torch makes about eight full passes over the `[B, V]` logits per decode step
+(the fp32 cast, the division by the temperature, log_softmax, exp, exponential_, the division by
+the race, two argmaxes, the gather): at V = 151,936 and B = 512 that is about 2.5 GB of fp32
+traffic a step. Here each logit is read once, in the LM head's dtype, and the rest happens in
+registers in fp32: `scaled = logits / T`, its max and sum of exponentials (the log-sum-exp), and
+the race winner `argmax(scaled_i - log(E_i))` with `E_i = -log(U_i)`, the Gumbel-max form of
+`argmax(p_i / E_i)` (the same draw, without exponentiating the logits). Greedy rows draw no
+random numbers and take the argmax of `scaled`, ties to the smallest index as `torch.argmax`. The
+logprob returned is `scaled[token] - logsumexp(scaled)`, as `sample` returns. Only the plain case:
+rows with top-k / top-p or `min_new_tokens` stay on the torch path.
+
+The vocabulary is split into chunks of `CHUNK` logits. One program per (row, chunk) loads its
+whole chunk at once (no loop: every load is in flight together) and writes the chunk's max, sum
+of exponentials, best race key and its index; a second kernel, one program per row, merges the
+row's chunks (a few hundred bytes) and reloads the one winning logit. At V = 151,936 that is 38
+programs a row, so one row already spreads over 38 SMs and four fill an H200; longer chunks would
+leave small batches on a few SMs, shorter ones only add partials to merge.
+
+The uniforms come from Philox4x32-10 (the generator behind torch's `exponential_`) keyed by `seed`
+with the counter `(chunk * CHUNK / 4 + i, row, step low, step high)`: each counter gives four
+numbers, for the chunk's logits i, i + CHUNK/4, i + CHUNK/2 and i + 3 CHUNK/4, so a number is
+unique to its (step, row, logit) whatever B and V are (graphs of different batch sizes never
+share one); the draws depend on `CHUNK`. `U = (k + 1/2) 2^-23` from the top 23 bits lies in
+[2^-24, 1 - 2^-24], never 0 or 1, so both logs are finite and a -inf logit is never drawn unless
+its whole row is -inf. As with torch's `exponential_` (whose uniforms are as coarse near 1), the
+smallest E are few and coarse: a token more than about 15 nats below the row's best is drawn less
+often than its probability says, and one more than about 19 nats below never.
+
+The step is the device tensor `offset`: the merge kernel adds one to it once every program of the
+first kernel has read it, so each replay of a CUDA graph draws fresh numbers with no host work.
+No host value is read and the grid depends only on B and V: the call is CUDA graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Logits per program of the first kernel (a power of two, at least 16) and its warps: 4096 over
+# 4 warps is four 1024-wide tiles, eight logits a thread in each (one 16-byte load in bf16).
+CHUNK = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _sample_chunks(
+    LOGITS, TEMP, GREEDY, SEED, OFFSET, PART_M, PART_S, PART_K, PART_I,
+    V, stride_l,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    Q: tl.constexpr = CHUNK // 4
+    lane = tl.arange(0, Q)
+    i0 = chunk * CHUNK + lane
+    i1 = i0 + Q
+    i2 = i0 + 2 * Q
+    i3 = i0 + 3 * Q
+    base = LOGITS + row.to(tl.int64) * stride_l
+    inv_t = 1.0 / tl.load(TEMP + row)
+    # written out four times, not through helpers: the interpreter pays dearly for each jit call
+    x0 = tl.load(base + i0, mask=i0 < V, other=float("-inf")).to(tl.float32) * inv_t
+    x1 = tl.load(base + i1, mask=i1 < V, other=float("-inf")).to(tl.float32) * inv_t
+    x2 = tl.load(base + i2, mask=i2 < V, other=float("-inf")).to(tl.float32) * inv_t
+    x3 = tl.load(base + i3, mask=i3 < V, other=float("-inf")).to(tl.float32) * inv_t
+    if tl.load(GREEDY + row):
+        k0, k1, k2, k3 = x0, x1, x2, x3
+    else:
+        step = tl.load(OFFSET)
+        zero = tl.zeros([Q], tl.uint32)
+        r0, r1, r2, r3 = tl.philox(
+            tl.load(SEED),
+            (chunk * Q + lane).to(tl.uint32),
+            zero + row.to(tl.uint32),
+            zero + step.to(tl.uint32),
+            zero + (step >> 32).to(tl.uint32),
+        )
+        # the race key x - log(E), E = -log(U), U = (top 23 bits + 1/2) 2^-23 in (0, 1)
+        k0 = x0 - tl.log(-tl.log(((r0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
+        k1 = x1 - tl.log(-tl.log(((r1 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
+        k2 = x2 - tl.log(-tl.log(((r2 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
+        k3 = x3 - tl.log(-tl.log(((r3 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
+    m = tl.max(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # an all -inf chunk: sum 0, not NaN
+    s = tl.sum(tl.exp(x0 - m_safe) + tl.exp(x1 - m_safe) + tl.exp(x2 - m_safe) + tl.exp(x3 - m_safe), axis=0)
+    # per lane the larger key, the earlier index on a tie (i0 < i1 < i2 < i3)
+    best = k0
+    arg = i0
+    take = k1 > best
+    best = tl.where(take, k1, best)
+    arg = tl.where(take, i1, arg)
+    take = k2 > best
+    best = tl.where(take, k2, best)
+    arg = tl.where(take, i2, arg)
+    take = k3 > best
+    best = tl.where(take, k3, best)
+    arg = tl.where(take, i3, arg)
+    k_max = tl.max(best, axis=0)
+    arg = tl.min(tl.where(best == k_max, arg, 2147483647), axis=0)  # the first index of the max
+    out = row * n_chunks + chunk
+    tl.store(PART_M + out, m)
+    tl.store(PART_S + out, s)
+    tl.store(PART_K + out, k_max)
+    tl.store(PART_I + out, arg)
+
+
+@triton.jit
+def _merge_chunks(
+    LOGITS, TEMP, OFFSET, PART_M, PART_S, PART_K, PART_I, TOKENS, LOGPROBS,
+    n_chunks, stride_l,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < n_chunks
+    part = row * n_chunks + offs
+    m = tl.load(PART_M + part, mask=mask, other=float("-inf"))
+    s = tl.load(PART_S + part, mask=mask, other=0.0)
+    k = tl.load(PART_K + part, mask=mask, other=float("-inf"))
+    a = tl.load(PART_I + part, mask=mask, other=2147483647)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
+    k_max = tl.max(k, axis=0)
+    token = tl.min(tl.where(k == k_max, a, 2147483647), axis=0)  # the first chunk's on a tie
+    inv_t = 1.0 / tl.load(TEMP + row)
+    scaled = tl.load(LOGITS + row.to(tl.int64) * stride_l + token).to(tl.float32) * inv_t
+    tl.store(TOKENS + row, token.to(tl.int64))
+    tl.store(LOGPROBS + row, scaled - lse)
+    if row == 0:  # every program of the first kernel has read the step
+        tl.store(OFFSET, tl.load(OFFSET) + 1)
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    chunk: int = CHUNK,
+    num_warps: int = NUM_WARPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits [B, V]` (bf16, fp16 or fp32, unit stride along V) -> (`tokens [B]` int64,
+    `logprobs [B]` fp32), as `sampler.sample` without top-k / top-p / min-token masking.
+
+    `temperature [>= B]` fp32 (1 where greedy) and `greedy [>= B]` bool: only the first B rows are
+    read. `seed [1]` and `offset [1]` int64 on the device: the Philox key and the step counter,
+    which the call advances by one on the device. `chunk`: logits per program (a power of two, at
+    least 16; the draws depend on it)."""
+    b, v = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("sample_fused needs logits with unit stride along the vocabulary")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, at least 16, got {chunk}")
+    n_chunks = triton.cdiv(v, chunk)
+    part = torch.empty(3, b, n_chunks, device=logits.device, dtype=torch.float32)
+    part_i = torch.empty(b, n_chunks, device=logits.device, dtype=torch.int32)
+    tokens = torch.empty(b, device=logits.device, dtype=torch.int64)
+    logprobs = torch.empty(b, device=logits.device, dtype=torch.float32)
+    _sample_chunks[(b, n_chunks)](
+        logits, temperature, greedy, seed, offset, part[0], part[1], part[2], part_i,
+        v, logits.stride(0),
+        CHUNK=chunk, num_warps=num_warps,
+    )  # fmt: skip
+    _merge_chunks[(b,)](
+        logits, temperature, offset, part[0], part[1], part[2], part_i, tokens, logprobs,
+        n_chunks, logits.stride(0),
+        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), num_warps=1,
+    )  # fmt: skip
+    return tokens, logprobs
