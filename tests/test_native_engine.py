@@ -109,6 +109,27 @@ def test_greedy_equals_reference_loop(kind, batch, chain):
     assert engine.core.cache.allocator.used() == 0
 
 
+def test_a_llama_with_mlp_biases_runs_its_own_modules():
+    """Llama's `mlp_bias`: the layers fall back to the model's modules (the fused path has no MLP
+    biases) and greedy decoding still equals the reference loop."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS, mlp_bias=True,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.bias.normal_(0, 0.5)
+    engine = _engine(model)
+    assert not engine.paged.functional
+    prompts = _prompts(3)
+    results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=8, ignore_eos=True))
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(model, p, 8, set())
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
 def test_logprobs_equal_teacher_forced_forward(temperature, chain):

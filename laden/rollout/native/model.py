@@ -259,7 +259,8 @@ class PagedModel:
 
     def _functional_ok(self) -> bool:
         """Whether the layers are the families' standard modules (RMSNorms with an epsilon, a SiLU
-        gated MLP), so the functional (and compiled) path computes exactly what they compute."""
+        gated MLP without biases), so the functional (and compiled) path computes exactly what they
+        compute; otherwise the layers run their own modules."""
         act = getattr(self.config, "hidden_act", None)
         layer = self.layers[0]
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -273,7 +274,8 @@ class PagedModel:
                 for n in norms
             )
             and all(
-                isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")
+                isinstance(getattr(mlp, p, None), nn.Linear) and getattr(mlp, p).bias is None
+                for p in ("gate_proj", "up_proj", "down_proj")
             )
         )
 
