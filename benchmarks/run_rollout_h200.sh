@@ -5,6 +5,8 @@
 #   B        workload B: 256 requests, prompt and output lengths uniform in [100, 1024], native
 #   greedy   SmolLM2-135M-Instruct (real weights, in SMOL_DIR): native greedy text == transformers'
 #   weights  weight updates: disk and xccl at 256/512/1024 MB buckets (0.6B, 1.7B), in place (1.7B, 8B)
+#   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
+#   profile  workload B under the profiler (the top 40 kernels)
 # Writes OUT/<part>.jsonl (the scripts' JSON lines) and OUT/<part>.log.
 #   PARTS="tests A B" bash benchmarks/run_rollout_h200.sh "$OUT"
 set -uo pipefail
@@ -12,10 +14,13 @@ out=${1:?usage: PARTS="tests A B greedy weights" bash benchmarks/run_rollout_h20
 parts=" ${PARTS:-tests A B} "
 mkdir -p "$out"
 source benchmarks/parts_lib.sh
-want tests && gpu_tests "${TESTS_S:-240}"
+want tests && gpu_tests "${TESTS_S:-480}"
 want A && run A "${A_S:-300}" python benchmarks/generate_throughput.py --workload A --batch 64 256 \
   --systems ${A_SYSTEMS:-native hf_static hf_cb}
 want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native ${B_ARGS:-}
 want greedy && run greedy "${GREEDY_S:-240}" python benchmarks/generate_throughput.py --greedy-check "${SMOL_DIR:?}" --prompts 20
 want weights && run weights "${WEIGHTS_S:-400}" python benchmarks/weight_update.py
+want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/skinny_gemm.py
+want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/decode_kernel.py --tiles 64 128 --warps 4 --stages 2 3 --splits none auto 16
+want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0
