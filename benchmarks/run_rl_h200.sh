@@ -27,7 +27,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 source benchmarks/parts_lib.sh
 tok=runs/smol-tok
-want tests && gpu_tests "${TESTS_S:-200}"
+want tests && gpu_tests "${TESTS_S:-480}"
 want probe && run probe "${PROBE_S:-150}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml \
   --label smol-shape-probe -- actor.path=$tok actor.init_from_config=true total_train_steps=${PROBE_STEPS:-8} \
   trial_name=probe checkpoint.resume=never checkpoint.save_at_end=false checkpoint.export_hf=false
