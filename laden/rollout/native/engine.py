@@ -78,8 +78,10 @@ class NativeEngine:
     chain_windows: launch the next decode window before the host reads the last (default: on
         CUDA without tensor parallel).
     fused_decode: decode steps run laden's Triton layer (one kernel for the q/k norms, rotary
-        embedding and cache writes; split-K projections for few rows) instead of the compiled
-        graphs around cuBLAS (default: on CUDA with Triton, the standard layers, no tensor parallel).
+        embedding and cache writes; split-K projections for few rows) and sample the rows without
+        top-k / top-p / min-token masking in one Triton pass, instead of the compiled graphs around
+        cuBLAS and the torch sampler (default: on CUDA with Triton, the standard layers, no tensor
+        parallel).
 
     The q/k/v and gate/up parameters become views of one fused tensor per layer (one projection
     each); updates copied into them by name land there.

@@ -5,8 +5,16 @@ a trainer's weights are copied into, under the same Hugging Face names) and runs
 layers with laden's attention in place of the model's own: queries, keys and values from the
 layer's projections (with Qwen3's q/k norms, Qwen2's biases), rotary embeddings from a table
 built once from the model's `rotary_emb`, the new keys and values written into the cache slots
-of their tokens, then prefill or decode attention (`laden.rollout.native.attention`). Norms and
-MLPs are the model's modules. Only the rows whose next token is wanted go through the LM head.
+of their tokens, then prefill or decode attention (`laden.rollout.native.attention`). Each
+layer's q/k/v and gate/up weights are concatenated into one tensor each, the model's parameters
+becoming views of them (updates copied in by name land there), so each is one projection. Only
+the rows whose next token is wanted go through the LM head.
+
+On CUDA with Triton a decode step runs laden's own layer (`fused_decode`): RMSNorm, the q/k/v
+projection, one kernel for the q/k norms, the rotary embedding and both cache writes
+(`triton_qkv`), paged attention, the output and down projections with their residuals through a
+split-K kernel where few rows would leave cuBLAS's tiles short of the SMs (`triton_linear`):
+about half the kernels a step of the compiled path, whose fixed costs bound the small batches.
 
 Under tensor parallel (`laden.rollout.native.tensor_parallel`) the model holds this rank's heads
 and MLP features; the output and down projections are all-reduced between the compiled pieces

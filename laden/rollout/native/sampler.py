@@ -6,6 +6,10 @@ with `E ~ Exp(1)` picks index i with probability p_i), which needs no cumulative
 host round trip; greedy rows take the argmax. The log-probability returned is that of the drawn
 token under `softmax(logits / temperature)` before top-k / top-p truncation and before the
 `min_new_tokens` mask (temperature 1 for greedy rows): what the trainer's teacher-forced forward at the same temperature computes.
+
+On CUDA the engine's decode steps sample the rows that need no truncation or masking in one
+Triton pass instead (`laden.rollout.native.triton_sampler`: the same race in its Gumbel-max form,
+the same log-probability); prefill and the other rows come here.
 """
 
 from __future__ import annotations
