@@ -7,11 +7,16 @@ Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head dim 128, bf16, page
     A      256 rows of 128 to 384 tokens (workload A mid-run)
     B      256 rows uniform in [200, 2048] tokens (workload B's mix)
     small  16 rows of 2,000 tokens (a small batch of long rows)
-    tiny   2 rows of 4,000 tokens (too few rows to fill the GPU unsplit; outside a CUDA graph,
-           as here, its time is mostly the kernels' launches)
+    r16, r32, r64  16 / 32 / 64 rows uniform in [200, 2048] (workload B's later steps)
+    tiny   2 rows of 4,000 tokens (too few rows to fill the GPU unsplit)
+
+Each configuration is timed inside a CUDA graph of `--iters` calls, as the engine runs it
+(`--eager`: launched back to back from Python, where the launches of the split and merge
+kernels can cost more than the kernels: the second round's figures were taken so).
 
     python benchmarks/decode_kernel.py                       # every case, the configuration grid
     python benchmarks/decode_kernel.py --cases B --tiles 64 --warps 4 --stages 2
+    python benchmarks/decode_kernel.py --cases small r16 r32 r64 tiny --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
 choice: `none` once rows x KV heads fill half the SMs, else splits of at least 512 tokens) or a
@@ -42,7 +47,46 @@ def lengths_for(case: str) -> list[int]:
         return torch.randint(200, 2049, (256,), generator=g).tolist()
     if case == "small":
         return [2000] * 16
+    if case in ("r16", "r32", "r64"):  # workload B's later steps: fewer rows of its length mix
+        return torch.randint(200, 2049, (int(case[1:]),), generator=g).tolist()
     return [4000] * 2
+
+
+def eager_us(call, iters: int) -> float:
+    """Microseconds a call, launched back to back from Python (launch costs included)."""
+    for _ in range(5):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def graph_us(call, iters: int, replays: int = 5) -> float:
+    """Microseconds a call inside one CUDA graph of `iters` calls, as the engine runs it (the split
+    and merge kernels' launches cost what they cost in a graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * replays)
 
 
 def main() -> None:
@@ -53,6 +97,9 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="+", default=["none", "auto", "8", "16"])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument(
+        "--eager", action="store_true", help="time calls launched from Python, not in a CUDA graph"
+    )
     args = ap.parse_args()
 
     from paged_case import paged_case
@@ -93,15 +140,7 @@ def main() -> None:
                                   "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
-            for _ in range(5):
-                call()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                call()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end) * 1e3 / args.iters
+            us = eager_us(call, args.iters) if args.eager else graph_us(call, args.iters)
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
                 "stages": stages, "split": split, "split_pages": pages, "us": round(us, 1),

@@ -21,6 +21,7 @@ want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workloa
 want greedy && run greedy "${GREEDY_S:-240}" python benchmarks/generate_throughput.py --greedy-check "${SMOL_DIR:?}" --prompts 20
 want weights && run weights "${WEIGHTS_S:-400}" python benchmarks/weight_update.py
 want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/skinny_gemm.py
-want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/decode_kernel.py --tiles 64 128 --warps 4 --stages 2 3 --splits none auto 16
+want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/decode_kernel.py --cases A B small r16 r32 r64 tiny \
+  --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0
