@@ -57,7 +57,7 @@ def graph_us(fn, calls: int, replays: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 128])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 128, 192, 256])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--block-n", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256])
@@ -100,7 +100,7 @@ def main() -> None:
                 t = graph_us(triton_fn(picked), args.layers)
                 row.update(picked=str(picked), picked_us=round(t, 2), picked_err=err)
             best = None
-            block_m = max(16, 1 << (m - 1).bit_length())
+            block_m = min(128, max(16, 1 << (m - 1).bit_length()))  # more rows: more row tiles
             for bn, bk, sp, st in itertools.product(args.block_n, args.block_k, args.splits, args.stages):
                 if sp * bk > k:
                     continue
