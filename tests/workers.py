@@ -13,7 +13,7 @@ the ranks are `spawn`ed (a process that may have touched CUDA must not be forked
 
 A worker that runs longer than `LADEN_WORKER_TIMEOUT_S` seconds (default 600) prints every
 thread's stack to stderr and exits, so a collective that never completes shows where each
-rank waits instead of hanging the test run.
+rank waits instead of hanging the test run; one that crashes prints its stack before it dies.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def _worker(
 ) -> None:
     os.environ.clear()  # the caller's environment, not the one the forkserver started with
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    faulthandler.enable()  # a rank that crashes (SIGSEGV, SIGABRT) prints its Python stack first
     faulthandler.dump_traceback_later(float(os.environ.get("LADEN_WORKER_TIMEOUT_S", "600")), exit=True)
     torch.set_num_threads(1)
     if "nccl" in backend:
