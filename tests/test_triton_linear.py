@@ -84,3 +84,25 @@ def test_picked_configs_on_the_engines_shapes(rows, n, k):
     r = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x.float(), w.float()) + r.float()
     torch.testing.assert_close(linear(x, w, r, config).float(), want, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_tiles_shrink_to_the_gpus_shared_memory():
+    """A GPU with less shared memory than an H200 (e.g. 99 KB a program on sm_86 / sm_89) gets fewer
+    pipeline stages, then shallower K tiles; one where nothing fits gets cuBLAS. The decode
+    kernel's tile halves likewise."""
+    from laden.rollout.native.triton_decode import TILE_TOKENS, tile_tokens_for
+    from laden.rollout.native.triton_linear import pick_config, shared_memory
+
+    h200, small = 232448, 101376
+    big = pick_config(128, 1024, 3072, 132, h200)
+    assert big is not None and big.num_stages == 4 and big.block_k == 128
+    assert big == pick_config(128, 1024, 3072, 132)  # no limit reported: the H200's choice
+    fitted = pick_config(128, 1024, 3072, 132, small)
+    assert fitted is not None and shared_memory(fitted) <= 0.9 * small
+    assert (fitted.num_stages, fitted.block_k) == (2, 128)
+    assert pick_config(128, 1024, 3072, 132, 8192) is None
+    assert tile_tokens_for(128, 2, 2, 32, h200) == TILE_TOKENS
+    assert tile_tokens_for(128, 2, 2, 32, None) == TILE_TOKENS
+    assert tile_tokens_for(128, 2, 2, 32, small) == TILE_TOKENS // 2
+    assert tile_tokens_for(128, 4, 2, 32, small) == 32  # fp32: half the tokens again, not below a page

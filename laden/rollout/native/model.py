@@ -250,9 +250,9 @@ class PagedModel:
             self._swiglu = torch.compile(_swiglu, dynamic=True)
             if tensor_parallel is not None:  # the all-reduces run between the compiled pieces
                 self._mlp = torch.compile(parallel_mlp, dynamic=True)
-        self._num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count if self.fused_decode else 0
-        )
+        props = torch.cuda.get_device_properties(self.device) if self.fused_decode else None
+        self._num_sms = props.multi_processor_count if props is not None else 0
+        self._smem = getattr(props, "shared_memory_per_block_optin", None)
 
     def _check_parallel(self) -> None:
         mlp = self.layers[0].mlp
@@ -424,7 +424,7 @@ class PagedModel:
         from laden.rollout.native.triton_linear import linear, pick_config
 
         config = (
-            pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms)
+            pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms, self._smem, x.element_size())
             if x.dtype != torch.float32
             else None
         )

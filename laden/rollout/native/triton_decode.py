@@ -19,6 +19,8 @@ a tensor.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -127,6 +129,26 @@ def _merge_splits(
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
+@functools.cache
+def shared_memory_limit(device_index: int) -> int | None:
+    """Bytes of shared memory one program may opt into on this GPU (None: not reported)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def tile_tokens_for(
+    head_dim: int, element_size: int, num_stages: int, page: int, smem_limit: int | None
+) -> int:
+    """Tokens per iteration: `TILE_TOKENS` (half in fp32, whose tiles take twice the room), halved
+    while the pipeline's key and value tiles would not fit 90% of `smem_limit` (GPUs with less
+    shared memory than an H200's 227 KB), never below one page."""
+    tile = TILE_TOKENS if element_size <= 2 else TILE_TOKENS // 2
+    if smem_limit is not None:
+        while tile > page and num_stages * 2 * tile * head_dim * element_size > 0.9 * smem_limit:
+            tile //= 2
+    return max(tile, page)
+
+
 def split_pages_for(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int | None:
     """Pages per split for a launch of `batch` rows whose tables hold `max_pages` pages; None (one
     split a row) when the rows alone make enough programs. Otherwise enough splits that a batch of
@@ -173,8 +195,14 @@ def paged_decode(
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
     max_pages = block_tables.shape[1]
-    default_tile = TILE_TOKENS if q.element_size() <= 2 else TILE_TOKENS // 2
-    tile_pages = max(1, (tile_tokens or default_tile) // page)
+    if tile_tokens is None:
+        limit = None
+        if q.is_cuda:
+            limit = shared_memory_limit(
+                q.device.index if q.device.index is not None else torch.cuda.current_device()
+            )
+        tile_tokens = tile_tokens_for(d, q.element_size(), num_stages, page, limit)
+    tile_pages = max(1, tile_tokens // page)
     split = max_pages if split_pages is None else max(1, min(split_pages, max_pages))
     split = -(-split // tile_pages) * tile_pages
     splits = -(-max_pages // split)

@@ -19,7 +19,7 @@ the GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -110,18 +110,36 @@ def _sum_splits(
     tl.store(Y + row * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> LinearConfig | None:
+def shared_memory(config: LinearConfig, element_size: int = 2) -> int:
+    """Bytes of shared memory the pipeline's x and weight tiles take."""
+    return config.num_stages * (config.block_m + config.block_n) * config.block_k * element_size
+
+
+def pick_config(
+    m: int, n: int, k: int, num_sms: int, smem_limit: int | None = None, element_size: int = 2
+) -> LinearConfig | None:
     """The launch for `m` rows of a `[n, k]` weight, or None where cuBLAS is the better choice: more
     than `MAX_ROWS` rows, or an output wide enough that cuBLAS's tiles fill the GPU. Splits: the
     fewest (a power of two) that bring the programs to 90% of the SMs, each at least `MIN_SPLIT_K`
-    deep."""
+    deep. On a GPU with less shared memory than the tiles need (`smem_limit`, bytes a program may
+    use) the pipeline gets fewer stages, then shallower K tiles."""
     tiles = triton.cdiv(n, BLOCK_N)
     if not 1 <= m <= MAX_ROWS or tiles >= NARROW_TILES_PER_SM * num_sms:
         return None
     splits = 1
     while tiles * splits < 0.9 * num_sms and k // (splits * 2) >= MIN_SPLIT_K:
         splits *= 2
-    return LinearConfig(max(16, triton.next_power_of_2(m)), BLOCK_N, BLOCK_K, splits)
+    config = LinearConfig(max(16, triton.next_power_of_2(m)), BLOCK_N, BLOCK_K, splits)
+    if smem_limit is None:
+        return config
+    while shared_memory(config, element_size) > 0.9 * smem_limit:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_k > 32:
+            config = replace(config, block_k=config.block_k // 2)
+        else:
+            return None  # not even the smallest tiles fit: cuBLAS
+    return config
 
 
 def linear(
