@@ -11,11 +11,10 @@ sink block, so they compute garbage that nobody reads. Graphs read their inputs 
 buffers (written once per window) and write the sampled tokens and log-probs to static
 outputs, copied out after each replay. A graph holds the addresses of the weights and the KV
 cache: after either is reallocated (`sleep` / `wake`, or the fused projections made again) they
-are captured again. Graphs for
-top-k / top-p or `min_new_tokens` rows are captured when a batch first needs them. Under tensor
-parallel every rank captures its own graphs, the layers' all-reduces and the step's token
-broadcast inside them (NCCL collectives are capturable); the ranks capture and replay the same
-sizes in the same order, since they run the same windows.
+are captured again. Graphs for top-k / top-p or `min_new_tokens` rows are captured when a batch
+first needs them. Under tensor parallel every rank captures its own graphs, the layers'
+all-reduces and the step's token broadcast inside them (NCCL collectives are capturable); the
+ranks capture and replay the same sizes in the same order, since they run the same windows.
 """
 
 from __future__ import annotations
