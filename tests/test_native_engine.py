@@ -410,6 +410,55 @@ def test_projections_are_views_of_one_fused_tensor_and_updates_land_there(kind):
         assert r.output_ids == reference_greedy(reference, p, 6, set())
 
 
+def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monkeypatch, caplog):
+    """A GPU or Triton version on which laden's kernels do not compile (Triton's own errors, e.g.
+    out of shared memory): the decode layer and the sampler fall back to the compiled layers and
+    the torch sampler, once, and generation equals the reference. Simulated on the CPU with the
+    kernel modules replaced by ones whose kernels raise such an error."""
+    import sys
+    import types
+
+    error = type("OutOfResources", (RuntimeError,), {"__module__": "triton.runtime.errors"})
+    calls = {"rope_store": 0, "sample_fused": 0}
+
+    def failing(name):
+        def fn(*args, **kwargs):
+            calls[name] += 1
+            raise error("out of resource: shared memory, Required: 262144, Hardware limit: 101376")
+
+        return fn
+
+    fakes = {
+        "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: None, "linear": None},
+        "laden.rollout.native.triton_qkv": {"rope_store": failing("rope_store")},
+        "laden.rollout.native.triton_sampler": {"sample_fused": failing("sample_fused")},
+    }
+    for name, attrs in fakes.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    model = _model("qwen3")
+    engine = _engine(copy.deepcopy(model))
+    engine.paged.fused_decode = True  # as on a GPU with Triton (the CPU engine never picks it)
+    engine.core.fused_sampler = True
+    engine.core.sample_seed = torch.zeros(1, dtype=torch.int64)
+    engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+    prompts = _prompts(4)
+    with caplog.at_level("WARNING"):
+        results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True))
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference_greedy(model, p, 9, set())
+    assert calls == {"rope_store": 1, "sample_fused": 1}  # tried once each, then the torch paths
+    assert not engine.paged.fused_decode and not engine.core.fused_sampler
+    assert "fused decode layer does not build on this GPU (OutOfResources" in caplog.text
+    assert "fused sampler does not build" in caplog.text
+    # any other error is not swallowed
+    engine.paged.fused_decode = True
+    monkeypatch.setattr(sys.modules["laden.rollout.native.triton_qkv"], "rope_store", None)
+    with pytest.raises(TypeError):
+        engine.generate_sync(_requests(prompts[:1], greedy=True, max_new_tokens=2, ignore_eos=True))
+
+
 def test_bad_requests_are_named():
     with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
         SamplingParams(temperature=0.0)

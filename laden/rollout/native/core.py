@@ -53,7 +53,7 @@ import torch
 
 from laden.rollout.base import GenerationRequest, GenerationResult, SamplingParams, StopReason
 from laden.rollout.native.kv_cache import KVCache
-from laden.rollout.native.model import DecodeMeta, PagedModel, PrefillMeta
+from laden.rollout.native.model import DecodeMeta, PagedModel, PrefillMeta, triton_failed
 from laden.rollout.native.sampler import SamplingTensors, build_sampling_tensors, sample
 from laden.rollout.native.tensor_parallel import Message, TensorParallel
 
@@ -330,7 +330,16 @@ class GenerationCore:
         if self.fused_sampler and not st.truncate and not st.any_min_tokens:
             from laden.rollout.native.triton_sampler import sample_fused
 
-            return sample_fused(logits, st.temperature, st.greedy, self.sample_seed, self.sample_offset)
+            try:
+                return sample_fused(logits, st.temperature, st.greedy, self.sample_seed, self.sample_offset)
+            except Exception as e:
+                if not triton_failed(e):
+                    raise
+                log.warning(
+                    "laden's fused sampler does not build on this GPU (%s: %s); sampling in torch from now on",
+                    type(e).__name__, (str(e).splitlines() or [""])[0],
+                )  # fmt: skip
+                self.fused_sampler = False
         return sample(logits.float(), st, generated, self.generator)
 
     def _admit(self) -> list[_Group]:

@@ -81,7 +81,8 @@ class NativeEngine:
         embedding and cache writes; split-K projections for few rows) and sample the rows without
         top-k / top-p / min-token masking in one Triton pass, instead of the compiled graphs around
         cuBLAS and the torch sampler (default: on CUDA with Triton, the standard layers, no tensor
-        parallel).
+        parallel). A kernel that does not build on the GPU (Triton's own error) turns its part off
+        with a warning; the step runs again on the torch path.
 
     The q/k/v and gate/up parameters become views of one fused tensor per layer (one projection
     each); updates copied into them by name land there.

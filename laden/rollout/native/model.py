@@ -23,6 +23,7 @@ and MLP features; the output and down projections are all-reduced between the co
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,14 @@ from laden.rollout.native.attention import (
 from laden.rollout.native.tensor_parallel import TensorParallel, local_heads
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+log = logging.getLogger(__name__)
+
+
+def triton_failed(error: BaseException) -> bool:
+    """Whether `error` is Triton's own (a kernel that does not compile or fit on this GPU, e.g.
+    `OutOfResources`, `CompilationError`): the engine then falls back to its torch paths."""
+    return type(error).__module__.split(".")[0] == "triton"
 
 
 @dataclass(slots=True)
@@ -489,9 +498,20 @@ class PagedModel:
     ) -> torch.Tensor | None:
         """One token per sequence; logits `[B, V]`, fp32 (`cast`) or in the model's dtype (None on a
         tensor parallel follower). No host sync (CUDA graph safe)."""
+        x = None
         if self.fused_decode:
-            x = self._fused_layers(input_ids, meta, k_caches, v_caches)
-        else:
+            try:
+                x = self._fused_layers(input_ids, meta, k_caches, v_caches)
+            except Exception as e:
+                if not triton_failed(e):
+                    raise
+                # the layers below write the same cache slots again: nothing of the step is lost
+                log.warning(
+                    "laden's fused decode layer does not build on this GPU (%s: %s); decoding through the "
+                    "compiled layers from now on (fused_decode=False)", type(e).__name__, (str(e).splitlines() or [""])[0],
+                )  # fmt: skip
+                self.fused_decode = False
+        if x is None:
 
             def attend(i, q, k, v):
                 return self._decode_attention(q, k_caches[i], v_caches[i], meta)
