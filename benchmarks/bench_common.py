@@ -53,6 +53,33 @@ def git_commit() -> str:
         return os.environ.get("GIT_COMMIT", "unknown")
 
 
+def cuda_graph_us(fn: Any, calls: int, replays: int = 20) -> float:
+    """Microseconds a call of `fn(i)` (i = 0 .. calls - 1) inside one CUDA graph of the `calls`
+    calls, replayed `replays` times after a warm-up pass: launches cost what they cost in the
+    engine's graphs. (torch is imported here: this module stays standard library only.)"""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * calls)
+
+
 def layer_forward_params(model: Any) -> list[int]:
     """Per pipeline layer of a Hugging Face causal LM, the parameters its forward multiplies each
     token by (2 FLOPs each): [embedding (a lookup: 0), decoder layers..., final norm + head].

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_common import git_commit  # noqa: E402
+from bench_common import cuda_graph_us, git_commit  # noqa: E402
 
 
 def lengths_for(case: str) -> list[int]:
@@ -63,30 +63,6 @@ def eager_us(call, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
-
-
-def graph_us(call, iters: int, replays: int = 5) -> float:
-    """Microseconds a call inside one CUDA graph of `iters` calls, as the engine runs it (the split
-    and merge kernels' launches cost what they cost in a graph)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * replays)
 
 
 def main() -> None:
@@ -140,7 +116,11 @@ def main() -> None:
                                   "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
-            us = eager_us(call, args.iters) if args.eager else graph_us(call, args.iters)
+            us = (
+                eager_us(call, args.iters)
+                if args.eager
+                else cuda_graph_us(lambda _, call=call: call(), args.iters, replays=5)
+            )
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
                 "stages": stages, "split": split, "split_pages": pages, "us": round(us, 1),

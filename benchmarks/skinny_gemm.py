@@ -25,33 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit  # noqa: E402
+from bench_common import cuda_graph_us, git_commit  # noqa: E402
 
 SHAPES = {"qkv": (4096, 1024, False), "o": (1024, 2048, True), "gate_up": (6144, 1024, False),
           "down": (1024, 3072, True)}  # fmt: skip
-
-
-def graph_us(fn, calls: int, replays: int = 20) -> float:
-    """Microseconds a call of `fn(i)` (i = 0..calls-1), captured once in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
 
 
 def main() -> None:
@@ -92,12 +69,12 @@ def main() -> None:
 
             row = {"bench": "skinny_gemm", "shape": name, "n": n, "k": k, "rows": m, "residual": has_res,
                    "git_commit": commit, "device": torch.cuda.get_device_name(dev)}  # fmt: skip
-            t = graph_us(cublas, args.layers)
+            t = cuda_graph_us(cublas, args.layers)
             row["cublas_us"], row["cublas_tb_s"] = round(t, 2), round(gbytes / t * 1e6 / 1e3, 2)
             picked = pick_config(m, n, k, sms)
             if picked is not None:
                 err = (linear(x, weights[0], res, picked, ws).float() - ref.float()).abs().max().item()
-                t = graph_us(triton_fn(picked), args.layers)
+                t = cuda_graph_us(triton_fn(picked), args.layers)
                 row.update(picked=str(picked), picked_us=round(t, 2), picked_err=err)
             best = None
             block_m = min(128, max(16, 1 << (m - 1).bit_length()))  # more rows: more row tiles
@@ -106,7 +83,7 @@ def main() -> None:
                     continue
                 cfg = LinearConfig(block_m, bn, bk, sp, 4, st)
                 try:
-                    t = graph_us(triton_fn(cfg), args.layers)
+                    t = cuda_graph_us(triton_fn(cfg), args.layers)
                 except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses (shared memory)
                     print(json.dumps({"skip": str(cfg), "error": str(e)[:200]}), file=sys.stderr)
                     continue
