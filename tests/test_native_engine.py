@@ -20,7 +20,8 @@ EOS = 3
 VOCAB = 96
 
 
-def _model(kind: str = "qwen3", seed: int = 0):
+def _model(kind: str = "qwen3", seed: int = 0, **overrides):
+    """A tiny fp32 model of `kind`; `overrides`: config fields (e.g. Llama's `mlp_bias`)."""
     torch.manual_seed(seed)
     if kind == "qwen3":
         cfg = tiny_qwen3_config(vocab_size=VOCAB)
@@ -34,11 +35,18 @@ def _model(kind: str = "qwen3", seed: int = 0):
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS, tie_word_embeddings=False,
         )  # fmt: skip
+    cfg.update(overrides)
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
-    with torch.no_grad():  # a visible bias so Qwen2's q/k/v biases are exercised
+    with torch.no_grad():  # visible biases so Qwen2's q/k/v (and any MLP) biases are exercised
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projs = (
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.mlp.down_proj,
+            )
+            for proj in projs:
                 if proj.bias is not None:
                     proj.bias.normal_(0, 0.5)
     return model
@@ -112,16 +120,7 @@ def test_greedy_equals_reference_loop(kind, batch, chain):
 def test_a_llama_with_mlp_biases_runs_its_own_modules():
     """Llama's `mlp_bias`: the layers fall back to the model's modules (the fused path has no MLP
     biases) and greedy decoding still equals the reference loop."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS, mlp_bias=True,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.down_proj.bias.normal_(0, 0.5)
+    model = _model("llama", mlp_bias=True)
     engine = _engine(model)
     assert not engine.paged.functional
     prompts = _prompts(3)
