@@ -36,6 +36,7 @@ from laden.rollout.native.attention import (
     decode_attention_torch,
     decode_attention_varlen,
     prefill_attention,
+    triton_available,
 )
 from laden.rollout.native.tensor_parallel import TensorParallel, local_heads
 
@@ -299,11 +300,7 @@ class PagedModel:
     def _fused_decode_ok(self) -> bool:
         """Whether decode steps can run laden's Triton layer (fused q/k norm, rotary embedding and
         cache write; split-K projections): CUDA, Triton, the standard layers, no tensor parallel."""
-        if self.device.type != "cuda" or not self.functional or self.tp is not None:
-            return False
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if self.device.type != "cuda" or not self.functional or self.tp is not None or not triton_available():
             return False
         return self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
 
