@@ -458,6 +458,11 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
         engine.generate_sync(_requests(prompts[:1], greedy=True, max_new_tokens=2, ignore_eos=True))
 
 
+def test_fused_decode_asked_for_where_it_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="fused_decode needs CUDA.*device cpu.*leave fused_decode unset"):
+        _engine(_model("qwen3"), fused_decode=True)
+
+
 def test_bad_requests_are_named():
     with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
         SamplingParams(temperature=0.0)

@@ -244,12 +244,15 @@ class PagedModel:
             self._check_parallel()
         self._fused: list[FusedWeights] = []
         self.weights_epoch = 0  # bumped whenever the fused buffers are made again (graphs hold them)
-        self.fused_decode = self._fused_decode_ok() if fused_decode is None else fused_decode
-        if self.fused_decode and not self._fused_decode_ok():
+        fused_ok = self._fused_decode_ok()
+        if fused_decode and not fused_ok:
             raise ValueError(
-                "fused_decode needs CUDA, Triton, the standard layers and no tensor parallel; this engine has "
-                f"device {self.device.type}, decode backend {decode_backend!r}, tensor parallel {tensor_parallel is not None}"
+                "fused_decode needs CUDA, Triton, the standard layers, a power-of-two head dim and no tensor parallel; "
+                f"this engine has device {self.device.type}, Triton {triton_available()}, standard layers "
+                f"{self.functional}, head dim {self.head_dim}, "
+                f"tensor parallel {tensor_parallel is not None}: leave fused_decode unset to pick it when it can run"
             )
+        self.fused_decode = fused_ok if fused_decode is None else fused_decode
         self._attn_in, self._attn_out, self._mlp = attention_inputs, attention_outputs, parallel_mlp
         self._rms, self._swiglu = _rms, _swiglu
         if compile and self.functional:
