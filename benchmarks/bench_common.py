@@ -80,6 +80,40 @@ def cuda_graph_us(fn: Any, calls: int, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / (replays * calls)
 
 
+def device_idle(prof: Any, top: int = 8, min_gap_us: float = 20.0) -> dict[str, Any]:
+    """Where a profiled run's GPU sat idle: the span from its first kernel (or copy) to its last,
+    the time anything ran (the union of the device events), the idle rest, the idle time in gaps
+    of at least `min_gap_us`, and the `top` longest gaps with the device events on either side."""
+    import torch
+
+    try:
+        spans = sorted(
+            (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+        )
+    except AttributeError as e:  # another torch's profiler internals
+        return {"error": f"{type(e).__name__}: {e}"}
+    if not spans:
+        return {}
+    busy, gaps, end, last = 0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            busy += stop - max(start, end)
+            end, last = stop, name
+    span = end - spans[0][0]
+    long = [g for g in gaps if g[0] >= min_gap_us * 1e3]
+    return {
+        "span_s": round(span / 1e9, 4), "busy_s": round(busy / 1e9, 4), "idle_s": round((span - busy) / 1e9, 4),
+        f"idle_in_gaps_over_{min_gap_us:g}us_s": round(sum(g[0] for g in long) / 1e9, 4), "long_gaps": len(long),
+        "longest": [
+            {"us": round(g / 1e3, 1), "after": a[:60], "before": b[:60]} for g, a, b in sorted(gaps, reverse=True)[:top]
+        ],
+    }  # fmt: skip
+
+
 def layer_forward_params(model: Any) -> list[int]:
     """Per pipeline layer of a Hugging Face causal LM, the parameters its forward multiplies each
     token by (2 FLOPs each): [embedding (a lookup: 0), decoder layers..., final norm + head].

@@ -19,8 +19,8 @@ kernels can cost more than the kernels: the second round's figures were taken so
     python benchmarks/decode_kernel.py --cases small r16 r32 r64 tiny --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
-choice: `none` once rows x KV heads fill half the SMs, else splits of at least 512 tokens) or a
-number of pages.
+choice: `none` once rows x KV heads make four programs an SM, else 256-token splits) or a number
+of pages.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def lengths_for(case: str) -> list[int]:
         return torch.randint(200, 2049, (256,), generator=g).tolist()
     if case == "small":
         return [2000] * 16
-    if case in ("r16", "r32", "r64"):  # workload B's later steps: fewer rows of its length mix
+    if case in ("r16", "r32", "r64", "r128"):  # workload B's later steps: fewer rows of its length mix
         return torch.randint(200, 2049, (int(case[1:]),), generator=g).tolist()
     return [4000] * 2
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import QWEN3_SHAPES, git_commit  # noqa: E402
+from bench_common import QWEN3_SHAPES, device_idle, git_commit  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)  # fmt: skip
@@ -131,7 +131,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
             "kernel_calls": sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
             "kernels": [
             {"name": e.key[:90], "self_device_s": round(e.self_device_time_total / 1e6, 4), "calls": e.count}
-            for e in top]}), flush=True)  # fmt: skip
+            for e in top], "idle": device_idle(prof)}), flush=True)  # fmt: skip
     engine.shutdown()
     out_tokens = sum(len(r.output_ids) for r in results)
     assert all(len(r.output_logprobs) == len(r.output_ids) for r in results)

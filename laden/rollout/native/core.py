@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from laden.rollout.base import GenerationRequest, GenerationResult, SamplingParams, StopReason
@@ -390,33 +391,35 @@ class GenerationCore:
             s.blocks = alloc.allocate(self.cache.blocks_for(s.num_tokens + ahead))
         return True
 
-    def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
+    def _slots(self, blocks: list[int], n: int) -> np.ndarray:
+        """The cache slots of a sequence's first `n` tokens (int64)."""
         bs = self.cache.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        pages = np.asarray(blocks[: -(-n // bs)], dtype=np.int64)
+        return (pages[:, None] * bs + np.arange(bs)).reshape(-1)[:n]
 
     def _prefill(self, groups: list[_Group], finished: list[Sequence]) -> None:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        ids: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         bounds = [0]
         rows: list[list[Sequence]] = []  # the sequences that sample from each prefilled row
         for g in groups:
             lead = g.seqs[0]
             for s in [lead] if g.fresh else g.seqs:
-                tokens = [*s.prompt, *s.output]
-                ids += tokens
-                positions += range(len(tokens))
-                slots += self._slots(s.blocks, 0, len(tokens))
-                bounds.append(len(ids))
+                n = s.num_tokens
+                ids += [np.asarray(s.prompt, dtype=np.int64), np.asarray(s.output, dtype=np.int64)]
+                slots.append(self._slots(s.blocks, n))
+                bounds.append(bounds[-1] + n)
                 rows.append(g.seqs if g.fresh else [s])
+        positions = np.concatenate([np.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+        ids_np, slots_np = np.concatenate(ids), np.concatenate(slots)  # numpy: a Python loop per token took ms
         if self.oom_hook is not None:
             self.oom_hook("prefill", len(bounds) - 1)
         dev = self.device
         copies = self._partial_block_copies(rows)
-        self.send("prefill", (ids, positions, slots, bounds, copies))
-        logits = self.run_prefill(ids, positions, slots, bounds, copies)
+        self.send("prefill", (ids_np, positions, slots_np, bounds, copies))
+        logits = self.run_prefill(ids_np, positions, slots_np, bounds, copies)
         assert logits is not None
-        self.stats["prefill_tokens"] += len(ids)
+        self.stats["prefill_tokens"] += bounds[-1]
         expanded = [r for r, seqs in enumerate(rows) for _ in seqs]  # completions of a prompt share its row
         flat = [s for seqs in rows for s in seqs]
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in flat], dev)
@@ -442,25 +445,31 @@ class GenerationCore:
 
     def run_prefill(
         self,
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
+        ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
         bounds: list[int],
         copies: list[tuple[int, int]],
     ) -> torch.Tensor | None:
-        """The device side of a prefill: the packed prompts through the model, then the block copies;
-        the logits at each prompt's last token (None on a tensor parallel follower)."""
+        """The device side of a prefill (int64 token ids, positions and cache slots of the packed
+        prompts): the model, then the block copies; the logits at each prompt's last token (None on
+        a tensor parallel follower)."""
         dev = self.device
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+        def up(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(dev, non_blocking=True)
+
         meta = PrefillMeta(
-            positions=torch.tensor(positions, device=dev),
-            slots=torch.tensor(slots, device=dev),
+            positions=up(positions),
+            slots=up(slots),
             cu_seqlens=torch.tensor(bounds, device=dev, dtype=torch.int32),
             bounds=bounds,
             max_len=max(lengths),
             last=torch.tensor([b - 1 for b in bounds[1:]], device=dev),
         )
-        logits = self.model.prefill(torch.tensor(ids, device=dev), meta, self.cache.k, self.cache.v)
+        ids_d = up(ids)
+        logits = self.model.prefill(ids_d, meta, self.cache.k, self.cache.v)
         for src, dst in copies:
             self.cache.copy_block(src, dst)
         return logits
@@ -609,9 +618,10 @@ class GenerationCore:
         if self.oom_hook is not None:
             self.oom_hook("decode", len(seqs))
         max_blocks = self.cache.blocks_for(self.model.max_model_len)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        rows = np.zeros((len(seqs), max_blocks), dtype=np.int32)
         for i, s in enumerate(seqs):
-            table[i, : len(s.blocks)] = torch.tensor(s.blocks[:max_blocks], dtype=torch.int32)
+            rows[i, : len(s.blocks)] = s.blocks[:max_blocks]
+        table = torch.from_numpy(rows)
         st = build_sampling_tensors([(s.params, s.stop_ids) for s in seqs], torch.device("cpu"))
         self.send("decode", (table, last, positions, generated, st, steps))
         t1 = time.perf_counter()
@@ -642,12 +652,24 @@ class GenerationCore:
             tokens, logprobs = window.host
         else:
             tokens, logprobs = window.tokens, window.logprobs
-        tokens_h, logprobs_h = tokens.tolist(), logprobs.tolist()  # the window's one host read
+        tokens_h, logprobs_h = tokens.t().tolist(), logprobs.t().tolist()  # the window's one host read, by row
         t1 = time.perf_counter()
-        for j in range(window.steps):
-            for i, s in enumerate(window.seqs):
-                if s.done is None:
-                    self._append(s, tokens_h[j][i], logprobs_h[j][i])
+        for s, row, lps in zip(window.seqs, tokens_h, logprobs_h):
+            if s.done is not None:
+                continue
+            if s.params.stop or not s.stop_ids.isdisjoint(row):
+                for t, lp in zip(row, lps):  # token by token: a stop may end the row inside the window
+                    self._append(s, t, lp)
+                    if s.done is not None:
+                        break
+                continue
+            # no stop in the window: the row ends only at its length limit
+            take = min(len(row), self._remaining(s))
+            s.output += row[:take]
+            s.logprobs += lps[:take]
+            s.versions += [self.version] * take
+            if self._remaining(s) <= 0:
+                s.done = "length"
         self._retire(finished)
         self.stats["decode_wait_s"] += t1 - t0
         self.stats["host_s"] += time.perf_counter() - t1

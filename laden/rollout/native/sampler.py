@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -58,9 +59,11 @@ def build_sampling_tensors(
         min_tokens.append(params.min_new_tokens)
         stops.append(list(stop_ids))
     width = max([1, *(len(s) for s in stops)]) if stop_width is None else stop_width
-    stop_t = torch.full((len(rows), width), -1, dtype=torch.int64)
+    stop_np = np.full((len(rows), width), -1, dtype=np.int64)  # numpy: a tensor a row took ms per window
     for i, s in enumerate(stops):
-        stop_t[i, : len(s)] = torch.tensor(s[:width], dtype=torch.int64)
+        if s:
+            stop_np[i, : min(len(s), width)] = s[:width]
+    stop_t = torch.from_numpy(stop_np)
 
     def dev(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -26,16 +26,18 @@ import triton
 import triton.language as tl
 
 # What the kernel runs with unless a caller says otherwise (measured on an H200 by
-# benchmarks/decode_kernel.py, see RESULTS.md): tokens per iteration (halved for fp32, whose tiles
-# take twice the shared memory), warps, pipeline stages, shortest split, most splits, and the
-# fewest programs (rows x KV heads) per SM at which one split per row is fastest: at 128 programs
-# on 132 SMs the unsplit kernel beat every split.
+# benchmarks/decode_kernel.py inside CUDA graphs, see RESULTS.md): tokens per iteration (halved
+# for fp32, whose tiles take twice the shared memory), warps, pipeline stages, the split length,
+# most splits, and the fewest programs (rows x KV heads) per SM at which one split per row is
+# fastest. 256-token splits were the fastest from 2 to 64 rows of workload B's lengths (16 rows:
+# 25 us against 38 unsplit and 26 in 512-token splits; 64 rows: 84 against 87); at 256 rows
+# (2,048 programs on 132 SMs) the unsplit kernel beat every split.
 TILE_TOKENS = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
-SPLIT_TOKENS = 512
+SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-UNSPLIT_PROGRAMS_PER_SM = 0.5
+UNSPLIT_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -151,16 +153,13 @@ def tile_tokens_for(
 
 def split_pages_for(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int | None:
     """Pages per split for a launch of `batch` rows whose tables hold `max_pages` pages; None (one
-    split a row) when the rows alone make enough programs. Otherwise enough splits that a batch of
-    full-length rows makes about four waves of programs, none shorter than `SPLIT_TOKENS` (shorter
-    ones cost more in the merge than they gain: 2 rows of 4,000 tokens took 88 us in 128-token
-    splits, 60 us in 512-token ones), at most `MAX_SPLITS`, a whole number of tiles each."""
+    split a row) when the rows alone make enough programs. Otherwise splits of `SPLIT_TOKENS`
+    (more when the table would need more than `MAX_SPLITS`), a whole number of tiles each: a
+    row uses as many as its length needs, so short rows stay one program."""
     if batch * kv_heads >= UNSPLIT_PROGRAMS_PER_SM * num_sms:
         return None
     tile = max(1, TILE_TOKENS // page)
-    splits = max(1, -(-4 * num_sms // (batch * kv_heads)))
-    pages = -(-max_pages // splits)
-    pages = max(pages, SPLIT_TOKENS // page, -(-max_pages // MAX_SPLITS), 1)
+    pages = max(SPLIT_TOKENS // page, -(-max_pages // MAX_SPLITS), 1)
     return -(-pages // tile) * tile
 
 

@@ -5,10 +5,14 @@ token's log-probability in one read of the logits.
 (the fp32 cast, the division by the temperature, log_softmax, exp, exponential_, the division by
 the race, two argmaxes, the gather): at V = 151,936 and B = 512 that is about 2.5 GB of fp32
 traffic a step. Here each logit is read once, in the LM head's dtype, and the rest happens in
-registers in fp32: `scaled = logits / T`, its max and sum of exponentials (the log-sum-exp), and
-the race winner `argmax(scaled_i - log(E_i))` with `E_i = -log(U_i)`, the Gumbel-max form of
-`argmax(p_i / E_i)` (the same draw, without exponentiating the logits). Greedy rows draw no
-random numbers and take the argmax of `scaled`, ties to the smallest index as `torch.argmax`. The
+registers in fp32: `scaled = logits / T`, its max m and sum of exponentials (the log-sum-exp), and
+the race winner `argmax(p_i / E_i)` with `E_i = -log2(U_i)`, computed as `exp(scaled_i - m) / E_i`
+from the exponentials the sum needs (E in base 2 is the exponential variable over ln 2, the same
+scale for every logit, so the draw is the same; each chunk reports `log(best key) + m`, comparable
+across chunks). That is one logarithm a logit, an `lg2.approx` instruction: the sampler is bound by
+arithmetic, not by the logits' bytes (the Gumbel form, two libdevice logarithms a logit, took
+93 us a step at 139 rows of 151,936 on an H200). Greedy rows draw no random numbers and take the
+argmax of `scaled`, ties to the smallest index as `torch.argmax`. The
 logprob returned is `scaled[token] - logsumexp(scaled)`, as `sample` returns. Only the plain case:
 rows with top-k / top-p or `min_new_tokens` stay on the torch path.
 
@@ -24,8 +28,8 @@ with the counter `(chunk * CHUNK / 4 + i, row, step low, step high)`: each count
 numbers, for the chunk's logits i, i + CHUNK/4, i + CHUNK/2 and i + 3 CHUNK/4, so a number is
 unique to its (step, row, logit) whatever B and V are (graphs of different batch sizes never
 share one); the draws depend on `CHUNK`. `U = (k + 1/2) 2^-23` from the top 23 bits lies in
-[2^-24, 1 - 2^-24], never 0 or 1, so both logs are finite and a -inf logit is never drawn unless
-its whole row is -inf. As with torch's `exponential_` (whose uniforms are as coarse near 1), the
+[2^-24, 1 - 2^-24], never 0 or 1, so E is finite and positive, and a -inf logit (e = 0) is never
+drawn unless its whole row is -inf. As with torch's `exponential_` (whose uniforms are as coarse near 1), the
 smallest E are few and coarse: a token more than about 15 nats below the row's best is drawn less
 often than its probability says, and one more than about 19 nats below never.
 
@@ -36,6 +40,8 @@ No host value is read and the grid depends only on B and V: the call is CUDA gra
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,13 +50,34 @@ import triton.language as tl
 # 4 warps is four 1024-wide tiles, eight logits a thread in each (one 16-byte load in bf16).
 CHUNK = 4096
 NUM_WARPS = 4
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _neg_log2(u, FAST: tl.constexpr):
+    """-log2(u) for u in (0, 1): one `lg2.approx` on the GPU (relative error about 2^-22), libdevice's
+    log2 under the interpreter (which runs no inline assembly)."""
+    if FAST:
+        return -tl.inline_asm_elementwise(
+            "lg2.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return -tl.log2(u)
+
+
+@triton.jit
+def _race_key(e, r, FAST: tl.constexpr):
+    """The race key `e / E` of a logit, `e = exp(x - m)` (m: the chunk's max), `E = -log2(U)` from the top 23 bits of a Philox
+    number `r`: `U = (bits + 1/2) 2^-23` in (0, 1). The Gumbel-max keys `x - log(-ln U)` are this
+    key's log plus `m` and a constant (E in base 2 is E in base e over ln 2), so both draw the
+    same token; this form needs one logarithm and the exponential the log-sum-exp needs anyway."""
+    return tl.fdiv(e, _neg_log2(((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07, FAST), ieee_rounding=False)
 
 
 @triton.jit
 def _sample_chunks(
     LOGITS, TEMP, GREEDY, SEED, OFFSET, PART_M, PART_S, PART_K, PART_I,
     V, stride_l,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -63,12 +90,20 @@ def _sample_chunks(
     i3 = i0 + 3 * Q
     base = LOGITS + row.to(tl.int64) * stride_l
     inv_t = 1.0 / tl.load(TEMP + row)
-    # written out four times, not through helpers: the interpreter pays dearly for each jit call
+    # written out four times: a loop over the four tiles would serialise their loads
     x0 = tl.load(base + i0, mask=i0 < V, other=float("-inf")).to(tl.float32) * inv_t
     x1 = tl.load(base + i1, mask=i1 < V, other=float("-inf")).to(tl.float32) * inv_t
     x2 = tl.load(base + i2, mask=i2 < V, other=float("-inf")).to(tl.float32) * inv_t
     x3 = tl.load(base + i3, mask=i3 < V, other=float("-inf")).to(tl.float32) * inv_t
-    if tl.load(GREEDY + row):
+    m = tl.max(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # an all -inf chunk: sum 0, not NaN
+    e0 = tl.exp(x0 - m_safe)
+    e1 = tl.exp(x1 - m_safe)
+    e2 = tl.exp(x2 - m_safe)
+    e3 = tl.exp(x3 - m_safe)
+    s = tl.sum(e0 + e1 + e2 + e3, axis=0)
+    greedy = tl.load(GREEDY + row)
+    if greedy:
         k0, k1, k2, k3 = x0, x1, x2, x3
     else:
         step = tl.load(OFFSET)
@@ -80,14 +115,10 @@ def _sample_chunks(
             zero + step.to(tl.uint32),
             zero + (step >> 32).to(tl.uint32),
         )
-        # the race key x - log(E), E = -log(U), U = (top 23 bits + 1/2) 2^-23 in (0, 1)
-        k0 = x0 - tl.log(-tl.log(((r0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
-        k1 = x1 - tl.log(-tl.log(((r1 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
-        k2 = x2 - tl.log(-tl.log(((r2 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
-        k3 = x3 - tl.log(-tl.log(((r3 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07))
-    m = tl.max(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # an all -inf chunk: sum 0, not NaN
-    s = tl.sum(tl.exp(x0 - m_safe) + tl.exp(x1 - m_safe) + tl.exp(x2 - m_safe) + tl.exp(x3 - m_safe), axis=0)
+        k0 = _race_key(e0, r0, FAST)
+        k1 = _race_key(e1, r1, FAST)
+        k2 = _race_key(e2, r2, FAST)
+        k3 = _race_key(e3, r3, FAST)
     # per lane the larger key, the earlier index on a tie (i0 < i1 < i2 < i3)
     best = k0
     arg = i0
@@ -102,6 +133,8 @@ def _sample_chunks(
     arg = tl.where(take, i3, arg)
     k_max = tl.max(best, axis=0)
     arg = tl.min(tl.where(best == k_max, arg, 2147483647), axis=0)  # the first index of the max
+    if not greedy:
+        k_max = tl.log(k_max) + m_safe  # comparable across chunks (-inf where nothing can be drawn)
     out = row * n_chunks + chunk
     tl.store(PART_M + out, m)
     tl.store(PART_S + out, s)
@@ -166,7 +199,7 @@ def sample_fused(
     _sample_chunks[(b, n_chunks)](
         logits, temperature, greedy, seed, offset, part[0], part[1], part[2], part_i,
         v, logits.stride(0),
-        CHUNK=chunk, num_warps=num_warps,
+        CHUNK=chunk, FAST=not _INTERPRETED, num_warps=num_warps,
     )  # fmt: skip
     _merge_chunks[(b,)](
         logits, temperature, offset, part[0], part[1], part[2], part_i, tokens, logprobs,
