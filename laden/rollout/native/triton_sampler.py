@@ -70,7 +70,8 @@ def _race_key(e, r, FAST: tl.constexpr):
     number `r`: `U = (bits + 1/2) 2^-23` in (0, 1). The Gumbel-max keys `x - log(-ln U)` are this
     key's log plus `m` and a constant (E in base 2 is E in base e over ln 2), so both draw the
     same token; this form needs one logarithm and the exponential the log-sum-exp needs anyway."""
-    return tl.fdiv(e, _neg_log2(((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07, FAST), ieee_rounding=False)
+    u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return tl.fdiv(e, _neg_log2(u, FAST), ieee_rounding=False)
 
 
 @triton.jit
