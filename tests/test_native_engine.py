@@ -188,6 +188,26 @@ def test_more_requests_than_max_concurrent_each_returned_once(chain):
     assert keys == expected
     assert max(seen_batches) == 3  # never more in flight than allowed ...
     assert engine.core.stats["windows"] > 4  # ... so the queue was drained over several windows
+    # chained: later prompts were prefilled while a window was in flight
+    assert (engine.core.stats["overlapped"] > 0) == chain
+
+
+def test_prompts_prefilled_behind_a_window_in_flight_equal_the_reference():
+    """Chained windows with a queue: each prefill is queued behind the window in flight, which is
+    read after it; every completion equals the reference loop."""
+    model = _model("qwen3")
+    prompts = _prompts(8)
+    engine = _engine(model, max_concurrent=3, decode_steps=3, chain_windows=True)
+    lengths = [4 + 3 * (i % 3) for i in range(8)]  # places free up at different windows
+    reqs = [
+        GenerationRequest(rid=f"r{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=n, greedy=True, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]  # fmt: skip
+    results = engine.generate_sync(reqs)
+    assert engine.core.stats["overlapped"] > 0 and engine.core.stats["chained"] > 0
+    for p, n, r in zip(prompts, lengths, results):
+        assert r.output_ids == reference_greedy(model, p, n, set())
+    assert engine.core.cache.allocator.used() == 0
     assert engine.core.cache.allocator.used() == 0  # every block came back
 
 
@@ -407,6 +427,81 @@ def test_projections_are_views_of_one_fused_tensor_and_updates_land_there(kind):
     results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=6, ignore_eos=True))
     for p, r in zip(prompts, results):
         assert r.output_ids == reference_greedy(reference, p, 6, set())
+
+
+def _rope_store_reference(qkv, positions, cos, sin, qn_w, kn_w, eps, k_cache, v_cache, slots, nh, nkv):
+    """`triton_qkv.rope_store` in plain torch: per-head RMSNorm of q and k (Qwen3), rotary
+    embedding, k and v into the cache slots; returns q `[N, nh, D]`."""
+    d = cos.shape[-1]
+    n = qkv.shape[0]
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.reshape(n, nh, d), k.reshape(n, nkv, d), v.reshape(n, nkv, d)
+
+    def rms(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rotate(x):
+        c, s_ = cos[positions][:, None], sin[positions][:, None]
+        return x * c + torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1) * s_
+
+    if qn_w is not None:
+        q, k = rms(q, qn_w), rms(k, kn_w)
+    q, k = rotate(q), rotate(k)
+    k_cache.view(-1, nkv, d)[slots] = k
+    v_cache.view(-1, nkv, d)[slots] = v
+    return q
+
+
+@pytest.mark.parametrize("projections", ["cublas", "split_k"])
+def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections):
+    """The fused decode layer's own arithmetic on the CPU (fp32), its kernels replaced by plain
+    torch: projections whose residual is added by the split-K kernel, or left to the RMSNorm after
+    them (`_add_rms`, as cuBLAS's rows are), give the greedy tokens and log-probs of the standard
+    layers."""
+    import sys
+    import types
+
+    def linear(x, w, residual=None, config=None, bias=None):
+        y = x @ w.t() + (0 if bias is None else bias)
+        return y if residual is None else residual + y
+
+    split_k = projections == "split_k"
+    if split_k:
+        monkeypatch.setattr("laden.rollout.native.model.SPLIT_K_DTYPES", (torch.float32,))
+    fakes = {
+        "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: object() if split_k else None,
+                                               "linear": linear},
+        "laden.rollout.native.triton_qkv": {"rope_store": _rope_store_reference},
+    }  # fmt: skip
+    for name, attrs in fakes.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    model = _model("qwen3")
+    prompts = _prompts(4)
+    reqs = _requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True)
+    plain = _engine(copy.deepcopy(model)).generate_sync(reqs)
+    engine = _engine(copy.deepcopy(model))
+    engine.paged.fused_decode = True  # as on a GPU with Triton (the CPU engine never picks it)
+    engine.paged._num_sms = 2
+    calls = {"add_rms": 0}
+    add_rms = engine.paged._add_rms
+
+    def counted(*args):
+        calls["add_rms"] += 1
+        return add_rms(*args)
+
+    engine.paged._add_rms = counted
+    fused = engine.generate_sync(reqs)
+    assert engine.paged.fused_decode
+    for p, a, b in zip(prompts, fused, plain):
+        assert a.output_ids == b.output_ids == reference_greedy(model, p, 9, set())
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs))
+    layers = model.config.num_hidden_layers
+    steps = engine.core.stats["decode_steps"]
+    # cuBLAS: two sums a layer in the RMSNorms but the first layer's input; split-K: none
+    assert calls["add_rms"] == (0 if split_k else (2 * layers - 1) * steps), calls
 
 
 def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monkeypatch, caplog):

@@ -171,11 +171,13 @@ class GenerationCore:
         self.stats: dict[str, float] = {
             "windows": 0, "prefill_tokens": 0, "decode_steps": 0, "preempted": 0, "oom_retries": 0,
             "prefill_s": 0.0, "decode_launch_s": 0.0, "decode_wait_s": 0.0, "host_s": 0.0, "chained": 0,
+            "overlapped": 0,
         }  # fmt: skip
         """Counts, and seconds of wall time: prefill (to its sampled tokens on the host), decode
         launch (graph replays or eager steps queued), decode wait (the window's one host read),
         host (building the window's inputs, stop checks and bookkeeping); `chained`: windows
-        launched before the host read the one before."""
+        launched before the host read the one before; `overlapped`: prefills queued behind a
+        window in flight."""
 
     # ----------------------------------------------------------------- queue
 
@@ -221,22 +223,32 @@ class GenerationCore:
         """Admit, prefill, decode one window; the completions that finished in it.
 
         With a window in flight (chained windows) it launches the next one first when it may,
-        then reads the one in flight."""
+        then reads the one in flight. When queued sequences can join, the window just launched is
+        left in flight instead, and the next step builds and queues their prefill behind it before
+        reading it (the GPU does not wait for the host's prefill work), then launches a window for
+        every running sequence."""
         finished: list[Sequence] = []
         admitted: list[_Group] = []
         try:
             if self._inflight is None:
                 admitted = self._admit()
                 if admitted:
-                    t0 = time.perf_counter()
-                    self._prefill(admitted, finished)
-                    self.stats["prefill_s"] += time.perf_counter() - t0
+                    self._timed_prefill(admitted, finished)
                 if self.running:
                     self._inflight = self._launch_window(finished)
-            if self._inflight is not None:
-                nxt = self._chain(self._inflight) if self._may_chain() else None
-                window, self._inflight = self._inflight, nxt
+                if self._inflight is not None and not self._joinable(self._inflight):
+                    self._advance(finished)
+            elif self._joinable(self._inflight):
+                admitted = self._admit(self._staying(self._inflight))
+                if admitted:
+                    self._timed_prefill(admitted, finished)
+                    self.stats["overlapped"] += 1
+                window, self._inflight = self._inflight, None
                 self._read_window(window, finished)
+                if self.running:
+                    self._inflight = self._launch_window(finished)
+            else:
+                self._advance(finished)
         except torch.OutOfMemoryError as e:
             if self.tp is None:
                 self._settle()  # a window in flight is read first: its tokens are kept
@@ -274,6 +286,27 @@ class GenerationCore:
 
     def _may_chain(self) -> bool:
         return self.chain_windows and (self.may_chain is None or self.may_chain())
+
+    def _staying(self, window: _Window) -> int:
+        """Running sequences that still decode after `window` (the others end at their length limit in it)."""
+        return sum(1 for s in self.running if self._remaining(s) > window.steps)
+
+    def _joinable(self, window: _Window) -> bool:
+        """Whether queued sequences may join while `window` is in flight: a free place after it and
+        chaining allowed."""
+        return bool(self.waiting) and self._may_chain() and self._staying(window) < self.max_concurrent
+
+    def _advance(self, finished: list[Sequence]) -> None:
+        """Launch the next window from the one in flight when it may (`_chain`), then read that one."""
+        assert self._inflight is not None
+        nxt = self._chain(self._inflight) if self._may_chain() else None
+        window, self._inflight = self._inflight, nxt
+        self._read_window(window, finished)
+
+    def _timed_prefill(self, groups: list[_Group], finished: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        self._prefill(groups, finished)
+        self.stats["prefill_s"] += time.perf_counter() - t0
 
     def _strand(self, admitted: list[_Group]) -> None:
         """After a failed window: its sequences give their blocks back and are put back at the head of
@@ -343,10 +376,12 @@ class GenerationCore:
                 self.fused_sampler = False
         return sample(logits.float(), st, generated, self.generator)
 
-    def _admit(self) -> list[_Group]:
+    def _admit(self, in_flight: int | None = None) -> list[_Group]:
+        """Queued groups to prefill now, in order, while places (`in_flight` of `max_concurrent`
+        taken: the running sequences unless given), blocks and the prefill token budget allow."""
         admitted: list[_Group] = []
         budget = self.max_prefill_tokens
-        in_flight = len(self.running)
+        in_flight = len(self.running) if in_flight is None else in_flight
         while self.waiting:
             group = self.waiting[0]
             n = len(group.seqs)
@@ -356,7 +391,7 @@ class GenerationCore:
             if admitted and tokens > budget:
                 break
             if not self._reserve(group):
-                if in_flight == 0 and not admitted:
+                if not self.running and not admitted:  # nothing else holds blocks
                     raise RuntimeError(
                         f"request {group.seqs[0].request.rid!r} needs more KV cache than the engine has "
                         f"({self.cache.allocator.capacity} blocks of {self.cache.block_size} tokens); raise "

@@ -43,6 +43,8 @@ from laden.rollout.native.tensor_parallel import TensorParallel, local_heads
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 log = logging.getLogger(__name__)
+# the decode step's projections that may take laden's split-K kernel (fp32 stays in cuBLAS)
+SPLIT_K_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def triton_failed(error: BaseException) -> bool:
@@ -114,6 +116,12 @@ def attention_inputs(
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     return q, k, v
+
+
+def _add_rms(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    """A residual sum and its RMSNorm in one pass: `(x + y, _rms(x + y))`."""
+    s = x + y
+    return s, _rms(s, weight, eps)
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
@@ -254,12 +262,13 @@ class PagedModel:
             )
         self.fused_decode = fused_ok if fused_decode is None else fused_decode
         self._attn_in, self._attn_out, self._mlp = attention_inputs, attention_outputs, parallel_mlp
-        self._rms, self._swiglu = _rms, _swiglu
+        self._rms, self._add_rms, self._swiglu = _rms, _add_rms, _swiglu
         if compile and self.functional:
             # dynamic: one graph for every token count (prefill and each captured decode batch)
             self._attn_in = torch.compile(attention_inputs, dynamic=True)
             self._attn_out = torch.compile(attention_outputs, dynamic=True)
             self._rms = torch.compile(_rms, dynamic=True)
+            self._add_rms = torch.compile(_add_rms, dynamic=True)
             self._swiglu = torch.compile(_swiglu, dynamic=True)
             if tensor_parallel is not None:  # the all-reduces run between the compiled pieces
                 self._mlp = torch.compile(parallel_mlp, dynamic=True)
@@ -427,48 +436,57 @@ class PagedModel:
             x = self._layer_out(i, x, attend(i, q, k, v))
         return x
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
-        """`x @ w.T (+ bias) (+ residual)`: laden's split-K kernel for the few rows of a decode step
-        (where it streams the weights faster than cuBLAS), cuBLAS otherwise."""
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, residual=None):
+        """`x @ w.T (+ bias)`; with a `residual`, `(residual, y)`: laden's split-K kernel for the few
+        rows of a decode step (where it streams the weights faster than cuBLAS) adds the residual
+        itself and returns `(residual + y, None)`; cuBLAS leaves the sum to the next RMSNorm
+        (`_add_rms`: one kernel, where a residual in cuBLAS's epilogue cost a copy of it)."""
         from laden.rollout.native.triton_linear import linear, pick_config
 
         config = (
             pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms, self._smem, x.element_size())
-            if x.dtype != torch.float32
+            if x.dtype in SPLIT_K_DTYPES
             else None
         )
         if config is not None:
-            return linear(x, w, residual, config, bias=bias)
-        if residual is not None and bias is None:
-            return torch.addmm(residual, x, w.t())  # the residual added in cuBLAS's epilogue
+            y = linear(x, w, residual, config, bias=bias)
+            return y if residual is None else (y, None)
         y = F.linear(x, w, bias)
-        return y if residual is None else residual + y
+        return y if residual is None else (residual, y)
+
+    def _norm(self, x: torch.Tensor, pending: torch.Tensor | None, ln: nn.Module):
+        """`(x, RMSNorm(x))` after adding a projection's output still `pending` to the residual."""
+        if pending is None:
+            return x, self._rms(x, ln.weight, _eps(ln))
+        return self._add_rms(x, pending, ln.weight, _eps(ln))
 
     def _fused_layers(self, input_ids: torch.Tensor, meta: DecodeMeta, k_caches, v_caches) -> torch.Tensor:
         """The decode step's layers as laden's kernels (`fused_decode`): input RMSNorm, one q/k/v
         projection, one kernel for the q/k norms, the rotary embedding and the cache writes, paged
-        attention, the output projection with its residual, RMSNorm, one gate/up projection, SwiGLU,
-        the down projection with its residual."""
+        attention, the output projection, RMSNorm, one gate/up projection, SwiGLU, the down
+        projection; each residual sum in the projection before it or in the RMSNorm after it."""
         from laden.rollout.native.triton_qkv import rope_store
 
         fused = self.fused_weights()
         x = self.decoder.embed_tokens(input_ids)
         n = x.shape[0]
+        pending = None
         for i, layer in enumerate(self.layers):
             a, mlp, f = layer.self_attn, layer.mlp, fused[i]
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            qkv = self._linear(self._rms(x, ln1.weight, _eps(ln1)), f.qkv, f.qkv_bias)
+            x, h = self._norm(x, pending, layer.input_layernorm)
+            qkv = self._linear(h, f.qkv, f.qkv_bias)
             q = rope_store(
                 qkv, meta.positions, self.cos, self.sin, qn.weight if qn is not None else None,
                 kn.weight if kn is not None else None, _eps(qn) if qn is not None else 0.0,
                 k_caches[i], v_caches[i], meta.slots, self.num_heads, self.num_kv_heads,
             )  # fmt: skip
             o = self._decode_attention(q, k_caches[i], v_caches[i], meta).reshape(n, -1)
-            x = self._linear(o, a.o_proj.weight, a.o_proj.bias, residual=x)
-            act = self._swiglu(self._linear(self._rms(x, ln2.weight, _eps(ln2)), f.gate_up))
-            x = self._linear(act, mlp.down_proj.weight, residual=x)
-        return x
+            x, pending = self._linear(o, a.o_proj.weight, a.o_proj.bias, residual=x)
+            x, h = self._norm(x, pending, layer.post_attention_layernorm)
+            act = self._swiglu(self._linear(h, f.gate_up))
+            x, pending = self._linear(act, mlp.down_proj.weight, residual=x)
+        return x if pending is None else x + pending
 
     @torch.no_grad()
     def prefill(
