@@ -240,11 +240,18 @@ class GenerationCore:
                     self._advance(finished)
             elif self._joinable(self._inflight):
                 admitted = self._admit(self._staying(self._inflight))
+
+                def read() -> None:  # while the prefill runs on the GPU (in flight until then: an
+                    # out-of-memory error in the prefill reads it first, its tokens kept)
+                    assert self._inflight is not None
+                    window, self._inflight = self._inflight, None
+                    self._read_window(window, finished)
+
                 if admitted:
-                    self._timed_prefill(admitted, finished)
+                    self._timed_prefill(admitted, finished, then=read)
                     self.stats["overlapped"] += 1
-                window, self._inflight = self._inflight, None
-                self._read_window(window, finished)
+                else:
+                    read()
                 if self.running:
                     self._inflight = self._launch_window(finished)
             else:
@@ -303,9 +310,9 @@ class GenerationCore:
         window, self._inflight = self._inflight, nxt
         self._read_window(window, finished)
 
-    def _timed_prefill(self, groups: list[_Group], finished: list[Sequence]) -> None:
+    def _timed_prefill(self, groups: list[_Group], finished: list[Sequence], then=None) -> None:
         t0 = time.perf_counter()
-        self._prefill(groups, finished)
+        self._prefill(groups, finished, then)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
     def _strand(self, admitted: list[_Group]) -> None:
@@ -432,7 +439,11 @@ class GenerationCore:
         pages = np.asarray(blocks[: -(-n // bs)], dtype=np.int64)
         return (pages[:, None] * bs + np.arange(bs)).reshape(-1)[:n]
 
-    def _prefill(self, groups: list[_Group], finished: list[Sequence]) -> None:
+    def _prefill(
+        self, groups: list[_Group], finished: list[Sequence], then: Callable[[], None] | None = None
+    ) -> None:
+        """Prefill `groups` and sample each completion's first token; `then` runs once the device
+        work is queued, before the host waits for the sampled tokens."""
         ids: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         bounds = [0]
@@ -462,6 +473,8 @@ class GenerationCore:
         generated = torch.tensor([len(s.output) for s in flat], device=dev)
         row_logits = logits[torch.tensor(expanded, device=dev)]
         sampled, sampled_lp = sample(row_logits, st, generated, self.generator)
+        if then is not None:
+            then()
         tokens_h, logprobs_h = sampled.tolist(), sampled_lp.tolist()
         for s, t, lp in zip(flat, tokens_h, logprobs_h):
             self.running.append(s)
