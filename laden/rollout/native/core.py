@@ -15,9 +15,11 @@ flight, from its device tokens, so the GPU decodes window k+1 while the host che
 stops; the host reads each window through pinned buffers and an event, not a sync of the stream.
 A sequence that stops inside window k ran on speculatively in window k+1, its tokens dropped;
 sequences known to reach their length limit in window k are left out of window k+1. A chain
-stops (the window in flight is read and nothing new launched) when a queued sequence could be
-admitted, when blocks are short (a chained window never preempts), or when `may_chain` says no
-(the engine: a caller waits to add requests, pause, update, sleep, wake or close). `drain()`
+stops (the window in flight is read and nothing new launched) when blocks are short (a chained
+window never preempts) or when `may_chain` says no (the engine: a caller waits to add requests,
+pause, update, sleep, wake or close). When a queued sequence could be admitted, the window in
+flight is not chained: the queued sequences' prefill is built and queued behind it, the host reads
+it while the prefill runs, and one window is then launched for every running sequence. `drain()`
 reads the window in flight; everything that reshapes the running set (`requeue_running`,
 `abort_all`) drains first.
 

@@ -11,10 +11,10 @@ from the exponentials the sum needs (E in base 2 is the exponential variable ove
 scale for every logit, so the draw is the same; each chunk reports `log(best key) + m`, comparable
 across chunks). That is one logarithm a logit, an `lg2.approx` instruction: the sampler is bound by
 arithmetic, not by the logits' bytes (the Gumbel form, two libdevice logarithms a logit, took
-93 us a step at 139 rows of 151,936 on an H200). Greedy rows draw no random numbers and take the
-argmax of `scaled`, ties to the smallest index as `torch.argmax`. The
-logprob returned is `scaled[token] - logsumexp(scaled)`, as `sample` returns. Only the plain case:
-rows with top-k / top-p or `min_new_tokens` stay on the torch path.
+93 us a step at 139 rows of 151,936 on an H200; this one 56 us). Greedy rows draw no random
+numbers and take the argmax of `scaled`, ties to the smallest index as `torch.argmax`. The logprob
+returned is `scaled[token] - logsumexp(scaled)`, as `sample` returns. Only the plain case: rows
+with top-k / top-p or `min_new_tokens` stay on the torch path.
 
 The vocabulary is split into chunks of `CHUNK` logits. One program per (row, chunk) loads its
 whole chunk at once (no loop: every load is in flight together) and writes the chunk's max, sum
@@ -29,9 +29,9 @@ numbers, for the chunk's logits i, i + CHUNK/4, i + CHUNK/2 and i + 3 CHUNK/4, s
 unique to its (step, row, logit) whatever B and V are (graphs of different batch sizes never
 share one); the draws depend on `CHUNK`. `U = (k + 1/2) 2^-23` from the top 23 bits lies in
 [2^-24, 1 - 2^-24], never 0 or 1, so E is finite and positive, and a -inf logit (e = 0) is never
-drawn unless its whole row is -inf. As with torch's `exponential_` (whose uniforms are as coarse near 1), the
-smallest E are few and coarse: a token more than about 15 nats below the row's best is drawn less
-often than its probability says, and one more than about 19 nats below never.
+drawn unless its whole row is -inf. As with torch's `exponential_` (whose uniforms are as coarse
+near 1), the smallest E are few and coarse: a token more than about 15 nats below the row's best
+is drawn less often than its probability says, and one more than about 19 nats below never.
 
 The step is the device tensor `offset`: the merge kernel adds one to it once every program of the
 first kernel has read it, so each replay of a CUDA graph draws fresh numbers with no host work.
@@ -55,8 +55,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def _neg_log2(u, FAST: tl.constexpr):
-    """-log2(u) for u in (0, 1): one `lg2.approx` on the GPU (relative error about 2^-22), libdevice's
-    log2 under the interpreter (which runs no inline assembly)."""
+    """-log2(u) for u in (0, 1): one `lg2.approx` on the GPU (relative error about 2^-22),
+    libdevice's log2 under the interpreter (which runs no inline assembly)."""
     if FAST:
         return -tl.inline_asm_elementwise(
             "lg2.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1
@@ -66,10 +66,11 @@ def _neg_log2(u, FAST: tl.constexpr):
 
 @triton.jit
 def _race_key(e, r, FAST: tl.constexpr):
-    """The race key `e / E` of a logit, `e = exp(x - m)` (m: the chunk's max), `E = -log2(U)` from the top 23 bits of a Philox
-    number `r`: `U = (bits + 1/2) 2^-23` in (0, 1). The Gumbel-max keys `x - log(-ln U)` are this
-    key's log plus `m` and a constant (E in base 2 is E in base e over ln 2), so both draw the
-    same token; this form needs one logarithm and the exponential the log-sum-exp needs anyway."""
+    """The race key `e / E` of a logit, `e = exp(x - m)` (m: the chunk's max), `E = -log2(U)` from
+    the top 23 bits of a Philox number `r`: `U = (bits + 1/2) 2^-23` in (0, 1). The Gumbel-max key
+    `x - log(-ln U)` is this key's log plus `m` and a constant (E in base 2 is E in base e over
+    ln 2), so both draw the same token; this form needs one logarithm and the exponential the
+    log-sum-exp needs anyway."""
     u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     return tl.fdiv(e, _neg_log2(u, FAST), ieee_rounding=False)
 
