@@ -456,9 +456,10 @@ class PagedModel:
 
     def _norm(self, x: torch.Tensor, pending: torch.Tensor | None, ln: nn.Module):
         """`(x, RMSNorm(x))` after adding a projection's output still `pending` to the residual."""
+        weight: torch.Tensor = ln.weight  # type: ignore[assignment]
         if pending is None:
-            return x, self._rms(x, ln.weight, _eps(ln))
-        return self._add_rms(x, pending, ln.weight, _eps(ln))
+            return x, self._rms(x, weight, _eps(ln))
+        return self._add_rms(x, pending, weight, _eps(ln))
 
     def _fused_layers(self, input_ids: torch.Tensor, meta: DecodeMeta, k_caches, v_caches) -> torch.Tensor:
         """The decode step's layers as laden's kernels (`fused_decode`): input RMSNorm, one q/k/v
