@@ -6,6 +6,15 @@
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTORCH_CUDA_ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 
+# wheels: the wheels in .whl (pure-Python packages the device image lacks) installed under /tmp/site
+# and put on the import path after this checkout (OUT/pip.log); nothing when .whl holds none.
+wheels() {
+  ls .whl/*.whl >/dev/null 2>&1 || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$out/pip.log" 2>&1 || echo "!! wheel install failed (see pip.log)" >&2
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+
 # want NAME: whether PARTS names it.
 want() { [[ $parts == *" $1 "* ]]; }
 

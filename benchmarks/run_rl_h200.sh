@@ -20,12 +20,8 @@ set -uo pipefail
 out=${1:?usage: PARTS="tests probe smol big8b gsm" bash benchmarks/run_rl_h200.sh OUTDIR}
 parts=" ${PARTS:-probe} "
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >"$out/pip.log" 2>&1 || echo "!! wheel install failed (see pip.log)" >&2
-  export PYTHONPATH=/tmp/site
-fi
 source benchmarks/parts_lib.sh
+wheels
 tok=runs/smol-tok
 want tests && gpu_tests "${TESTS_S:-480}"
 want probe && run probe "${PROBE_S:-150}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml \

@@ -1,7 +1,9 @@
 """Measure `laden sft` end to end on a Qwen3-0.6B-shaped random-init model.
 
 Each variant (gradient checkpointing on/off x chunked cross-entropy on/off) runs the real
-CLI in its own process, so its peak GPU memory is its own. Data: synthetic documents of
+CLI in its own process (under torchrun with `--nproc N`), so its peak GPU memory is its own;
+its JSON line has every step's loss, so two layouts of one workload can be checked to agree.
+`--model qwen3-moe-small` (or `tiny-moe`) is a Qwen3-MoE shape for the archon engine. Data: synthetic documents of
 `--seq-len` characters with the local character tokenizer (one token per character), so
 every sequence is exactly the requested length. Prints one JSON object per variant.
 
@@ -22,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
 from bench_common import shapes  # noqa: E402
+from moe_train import SHAPES as MOE_SHAPES  # noqa: E402
 
 SHAPES = shapes(
     "qwen3-0.6b",
@@ -37,16 +40,17 @@ SHAPES = shapes(
         tie_word_embeddings=False,
     ),
 )
+MOE = {"qwen3-moe-small": MOE_SHAPES["qwen3-moe-small"], "tiny-moe": MOE_SHAPES["tiny"]}
+"""Qwen3-MoE shapes (benchmarks/moe_train.py's), for the archon engine's expert parallel."""
 
 
 def write_model_dir(out: Path, shape: str, max_positions: int) -> None:
     from tiny import build_char_tokenizer
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     build_char_tokenizer(out)
-    Qwen3Config(
-        **SHAPES[shape], max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=3
-    ).save_pretrained(out)
+    kind, dims = (Qwen3MoeConfig, MOE[shape]) if shape in MOE else (Qwen3Config, SHAPES[shape])
+    kind(**dims, max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=3).save_pretrained(out)
 
 
 def chat_overhead_tokens(model_dir: Path) -> int:
@@ -122,12 +126,16 @@ def run_variant(work: Path, args, *, gc: bool, chunked: bool) -> dict:
         "peak_host_gib": round(max(r.get("peak_host_gib", 0.0) for r in rows), 2),
         "first_loss": rows[0]["loss"],
         "last_loss": rows[-1]["loss"],
-    }
+        "losses": [r["loss"] for r in rows],
+        "nproc": args.nproc,
+        **{key: [round(max(r[key][i] for r in rows), 2) for i in range(args.nproc)]
+           for key in ("peak_gpu_gib_ranks", "peak_host_gib_ranks") if key in rows[0]},
+    }  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted([*SHAPES, *MOE]))
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--tokens-per-mb", type=int, default=0, help="0 = one sequence per micro-batch")

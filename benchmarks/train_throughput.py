@@ -16,6 +16,8 @@ One JSON object per result on stdout. Systems:
   `--gradient-checkpointing` is Hugging Face's own (off by default). (Up to RESULTS' seventh
   round `plain` was laden's former `LocalEngine` with checkpointing forced on.)
 
+On a machine with several GPUs the `laden` system pools every visible one (the roundpipe pool;
+`gpus_visible` in the result); `CUDA_VISIBLE_DEVICES=0` gives the one-GPU figure of the same work.
 The resident systems (`fsdp`, `plain`) are not capped unless `--cap-plain`. `laden` and
 `fsdp` train on the same random packed micro-batches: `--num-seqs` sequences of `--seq-len`
 tokens per optimizer step, packed `--num-seqs / --num-microbatch` sequences per row; `plain`
@@ -611,6 +613,8 @@ def run_facts(args: argparse.Namespace, device: torch.device) -> dict:
     return {
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # the laden system's pool (roundpipe streams its stages through every visible GPU)
+        "gpus_visible": torch.cuda.device_count() if device.type == "cuda" else 0,
         "gpu_mem_cap_gib": args.gpu_mem_cap_gib if device.type == "cuda" and is_capped(args) else None,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "torch": torch.__version__,

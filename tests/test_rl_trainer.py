@@ -100,6 +100,8 @@ def test_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     assert resumed.rewards == full.rewards[3:]  # steps 4..6, bitwise
     a, b = _metrics(full), _metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, 7))
+    elapsed = [r["elapsed_s"] for r in b]  # the loop's clock goes on across the resume
+    assert all(x < y for x, y in zip(elapsed, elapsed[1:])), elapsed
     for ra, rb in zip(a, b):
         assert ra["reward_mean"] == rb["reward_mean"] and ra["loss"] == rb["loss"]
         assert (ra["episodes"], ra["trained"], ra["version"]) == (

@@ -87,6 +87,15 @@ class Runtime:
             raise error
         return result
 
+    def gather_floats(self, value: float) -> list[float]:
+        """`value` of every rank, in rank order (one all-gather on the host group; every rank calls it)."""
+        if self.world_size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(every, mine, group=self.host_group)
+        return [float(t.item()) for t in every]
+
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (one all-reduce on the host group; every rank calls it)."""
         if self.world_size == 1:

@@ -310,9 +310,7 @@ class _Loop:
                 ):
                     out["eval_loss"] = evaluate(cfg, rt, self.engine, self.valid)
                 if done % cfg.log_freq_steps == 0 or done == self.total_steps:
-                    record = _log_record(
-                        out, done, num_mbs, num_tokens, window_tokens, window_start, rt.device
-                    )
+                    record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt)
                     window_tokens, window_start = 0, time.perf_counter()
                     if metrics is not None:
                         metrics.write(json.dumps(record) + "\n")
@@ -354,7 +352,11 @@ class _Loop:
         )  # fmt: skip
 
 
-def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, device) -> dict[str, Any]:
+def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, rt: Runtime) -> dict[str, Any]:
+    """A step's metrics row. Every rank calls it: with several ranks, the peaks of each are gathered
+    (`peak_gpu_gib_ranks`, `peak_host_gib_ranks`; `peak_gpu_gib` is then the largest, the GPU
+    nearest its limit, as pipeline stages differ; `peak_host_gib` stays this process's)."""
+    device = rt.device
     # The one deliberate host sync per logged step: read the metric tensors.
     values = {k: float(v) for k, v in out.items()}
     if device.type == "cuda":
@@ -363,8 +365,13 @@ def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, dev
     record = {"step": step, **values, "num_mbs": num_mbs, "num_tokens": num_tokens}
     record["tokens_per_s"] = window_tokens / elapsed
     if device.type == "cuda":
-        record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        gpu = rt.gather_floats(torch.cuda.max_memory_allocated(device) / 2**30)
+        record["peak_gpu_gib"] = max(gpu)
+        if rt.world_size > 1:
+            record["peak_gpu_gib_ranks"] = gpu
     record["peak_host_gib"] = peak_rss_bytes() / 2**30
+    if rt.world_size > 1:
+        record["peak_host_gib_ranks"] = rt.gather_floats(record["peak_host_gib"])
     if not math.isfinite(record["loss"]):
         raise RuntimeError(f"loss became {record['loss']} at step {step}; lower actor.optimizer.lr")
     return record

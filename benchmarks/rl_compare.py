@@ -1,0 +1,117 @@
+"""Synchronous against asynchronous `laden rl`: wall-clock time to the same reward, one JSON line a run.
+
+    python benchmarks/rl_compare.py runs/rl-x/k0 runs/rl-x/k4 [--window 5] [--target 0.6] \
+        [--accuracy k0=0.41 k4=0.42]
+
+Each argument is a run directory (or its `metrics.jsonl`). A run's reward curve is the moving mean of
+`reward_mean` over `--window` steps. Its time axis is `elapsed_s`, the training loop's seconds at the
+end of each step. The target is `--target`, or else the highest smoothed reward that every run reaches
+(the "same reward"). Each run's line has the first step and `elapsed_s` at which its curve reaches the
+target. The last line compares the runs. `speedup` is the first run's time over each other run's, so
+list the synchronous run (`rollout.max_head_offpolicyness: 0`) first. `accuracy_gap` is each run's
+final accuracy minus the first run's. Final accuracy is the mean `accuracy` of the last `--window`
+steps, or the held-out figure given with `--accuracy LABEL=VALUE` (e.g. from examples/eval_arith.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl; `path` is the run directory or the file itself."""
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise SystemExit(f"{file}: no logged steps")
+    if "elapsed_s" not in rows[-1]:
+        raise SystemExit(
+            f"{file}: rows have no elapsed_s (written by laden rl from 2026-12-04 on): rerun the run"
+        )
+    return rows
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing moving mean: entry i is the mean of values[max(0, i - window + 1) : i + 1]."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def time_to(rows: list[dict[str, Any]], target: float, window: int) -> tuple[int, float] | None:
+    """(step, elapsed_s) of the first step whose smoothed reward reaches `target`, or None."""
+    curve = smoothed([float(r["reward_mean"]) for r in rows], window)
+    for row, value in zip(rows, curve):
+        if value >= target:
+            return int(row["step"]), float(row["elapsed_s"])
+    return None
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], *, window: int, target: float | None = None,
+            accuracy: dict[str, float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One record per run, then the summary (see the module docstring)."""
+    curves = {
+        label: smoothed([float(r["reward_mean"]) for r in rows], window) for label, rows in runs.items()
+    }
+    same = min(max(curve) for curve in curves.values()) if target is None else target
+    records: list[dict[str, Any]] = []
+    for label, rows in runs.items():
+        hit = time_to(rows, same, window)
+        acc = (accuracy or {}).get(label)
+        if acc is None:
+            tail = [float(r["accuracy"]) for r in rows[-window:] if "accuracy" in r]
+            acc = sum(tail) / len(tail) if tail else math.nan
+        records.append({
+            "bench": "rl_compare", "label": label, "steps": len(rows), "target_reward": round(same, 4),
+            "step_to_target": hit[0] if hit else None, "seconds_to_target": round(hit[1], 2) if hit else None,
+            "total_s": rows[-1]["elapsed_s"], "reward_last": round(curves[label][-1], 4),
+            "final_accuracy": round(acc, 4),
+        })  # fmt: skip
+    first = records[0]
+    summary: dict[str, Any] = {"bench": "rl_compare", "summary": True, "reference": first["label"],
+                               "target_reward": round(same, 4), "window": window}  # fmt: skip
+    for rec in records[1:]:
+        a, b = first["seconds_to_target"], rec["seconds_to_target"]
+        summary[f"speedup_{rec['label']}"] = round(a / b, 3) if a and b else None
+        summary[f"accuracy_gap_{rec['label']}"] = round(rec["final_accuracy"] - first["final_accuracy"], 4)
+    return [*records, summary]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "runs", nargs="+", type=Path, help="run directories (or metrics.jsonl), the reference first"
+    )
+    p.add_argument("--labels", nargs="*", default=None, help="one per run (default: the directory names)")
+    p.add_argument("--window", type=int, default=5, help="steps in the reward's moving mean")
+    p.add_argument(
+        "--target", type=float, default=None, help="reward to reach (default: the highest all reach)"
+    )
+    p.add_argument("--accuracy", nargs="*", default=[], help="LABEL=VALUE held-out final accuracies")
+    args = p.parse_args(argv)
+    if args.window < 1:
+        p.error(f"--window {args.window}: must be at least 1")
+    labels = args.labels or [(r if r.is_dir() else r.parent).name for r in args.runs]
+    if len(labels) != len(args.runs) or len(set(labels)) != len(labels):
+        p.error(f"--labels {labels}: need one distinct label per run ({len(args.runs)} runs)")
+    accuracy = {}
+    for item in args.accuracy:
+        label, _, value = item.partition("=")
+        if label not in labels or not value:
+            p.error(f"--accuracy {item!r}: expected LABEL=VALUE with LABEL one of {labels}")
+        accuracy[label] = float(value)
+    runs = {label: load(path) for label, path in zip(labels, args.runs)}
+    for record in compare(runs, window=args.window, target=args.target, accuracy=accuracy):
+        print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
