@@ -87,6 +87,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         decode_steps=args.decode_steps, cuda_graphs=None if not args.no_graphs else False,
         decode_backend=args.decode_backend, seed=0, tensor_parallel=args.tensor_parallel,
         chain_windows=False if args.no_chain else None, fused_decode=False if args.no_fused else None,
+        max_prefill_tokens=args.max_prefill_tokens,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
 
@@ -141,7 +142,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         "kv_gib": round(engine.core.cache.nbytes / 2**30, 2), "decode_backend": engine.paged.decode_backend,
         "cuda_graphs": engine.cuda_graphs, "chain_windows": engine.core.chain_windows,
         "fused_decode": engine.paged.fused_decode,
-        "decode_steps": engine.decode_steps, "stats": dict(engine.core.stats),
+        "decode_steps": engine.decode_steps, "max_prefill_tokens": engine.max_prefill_tokens, "stats": dict(engine.core.stats),
         "logprobs": True,
     }  # fmt: skip
 
@@ -151,6 +152,7 @@ def run_hf_static(model, reqs, args, device) -> dict[str, Any]:
 
     n = reqs[0][1]
     ids = torch.tensor([p for p, _ in reqs], device=device)
+    static = args.hf_cache == "static" and device.type == "cuda"
     gc = GenerationConfig(
         max_new_tokens=n,
         min_new_tokens=n,
@@ -159,12 +161,15 @@ def run_hf_static(model, reqs, args, device) -> dict[str, Any]:
         top_p=1.0,
         top_k=0,
         pad_token_id=0,
+        # transformers compiles the decode step itself over a static cache (its fastest path)
+        **({"cache_implementation": "static"} if static else {}),
     )
     with torch.no_grad():
-        model.generate(
-            ids,
-            generation_config=GenerationConfig(**{**gc.to_dict(), "max_new_tokens": 8, "min_new_tokens": 8}),
-        )
+        # warm-up: a static cache is sized by prompt + new tokens, so the compiled step is only
+        # reused by a pass of the same length; a dynamic cache needs a few steps only
+        short = {} if static else {"max_new_tokens": 8, "min_new_tokens": 8}
+        model.generate(ids, generation_config=GenerationConfig(**{**gc.to_dict(), **short}),
+                       attention_mask=torch.ones_like(ids))  # fmt: skip
         _sync(device)
         t0 = time.perf_counter()
         out = model.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
@@ -174,6 +179,7 @@ def run_hf_static(model, reqs, args, device) -> dict[str, Any]:
         "output_tokens": int((out.shape[1] - ids.shape[1]) * ids.shape[0]),
         "seconds": round(seconds, 3),
         "logprobs": False,
+        "cache": "static" if static else "dynamic",
     }
 
 
@@ -301,12 +307,17 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument("--decode-steps", type=int, default=None)
+    ap.add_argument(
+        "--max-prefill-tokens", type=int, default=None, help="native: tokens one prefill may take"
+    )
     ap.add_argument("--decode-backend", default="auto")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument(
         "--no-chain", action="store_true", help="native: read each window before launching the next"
     )
     ap.add_argument("--hf-cb-batch-tokens", type=int, default=None)
+    ap.add_argument("--hf-cache", choices=["static", "dynamic"], default="static",
+                    help="hf_static's KV cache on CUDA: static (transformers compiles its step) or dynamic")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="native: top CUDA kernels of the timed pass")
     ap.add_argument(
         "--no-fused", action="store_true", help="native: decode through the compiled layers and cuBLAS"

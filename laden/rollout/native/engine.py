@@ -70,6 +70,10 @@ class NativeEngine:
     max_concurrent: sequences in flight (`rollout.max_concurrent_rollouts`); the rest queue.
     max_model_len: longest prompt + completion; sizes the block tables and rotary table.
     decode_steps: decode steps per window between host reads (1 = check stops every token).
+    max_prefill_tokens: prompt tokens one prefill may take (default 32768 on CUDA, 2048 on the CPU;
+        a longer prompt is prefilled alone). The profiling pass that sizes the KV cache runs a
+        prefill of this many tokens. On an H200, workload B ran at 25,477 output tokens/s with
+        32768 (fewer, larger prefills: 0.51 s of prefill) and at 25,004 with 16384 (0.70 s).
     compile: run each layer's norms, projections, rotary embedding and MLP as one
         `torch.compile`'d graph per side of the attention (default: on CUDA), so a decode step is
         a few kernels per layer instead of dozens; off, the same math runs eagerly.
@@ -142,7 +146,7 @@ class NativeEngine:
         self.max_concurrent = max_concurrent
         on_cuda = device.type == "cuda"
         self.decode_steps = decode_steps or (8 if on_cuda else 4)
-        self.max_prefill_tokens = max_prefill_tokens or (16384 if on_cuda else 2048)
+        self.max_prefill_tokens = max_prefill_tokens or (32768 if on_cuda else 2048)
         self._cache_kwargs = dict(
             num_layers=cfg.num_hidden_layers, block_size=block_size, kv_heads=self.paged.num_kv_heads,
             head_dim=self.paged.head_dim, dtype=dtype, device=device,
