@@ -674,3 +674,55 @@ def test_start_server_engine_takes_sglang_settings_from_the_run_config(monkeypat
     assert start_server_engine(AllocationMode.parse("sglang:d2t4"), model_dir="m", cfg=cfg) == "engine"
     assert (seen["dp"], seen["tp"], seen["cfg"].mem_fraction_static, seen["cfg"].seed) == (2, 4, 0.55, 11)
     assert seen["cfg"].log_dir == str(tmp_path / "laden" / "run0" / "logs" / "rollout")
+
+
+class _CharTokenizer:
+    """One character per token id: the text of a token sequence is exact and easy to cut."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(0x100 + int(i)) for i in ids)
+
+
+def _straddle_scenario(fake, engine_cls, weights_dir, *, stop_len, min_new_tokens=0):
+    """8 tokens, paused after 3, resumed; the stop string is the 2 tokens before the pause and the
+    first `stop_len - 2` after it, so only the joined text holds it."""
+    head_ids, _ = expected(PROMPT, 3)
+    tail_ids, _ = expected((*PROMPT, *head_ids), 5)
+    tok = _CharTokenizer()
+    stop = tok.decode(head_ids[-2:] + tail_ids[: stop_len - 2])
+    fake.core.block_after = 3
+    request = GenerationRequest(
+        rid="s", input_ids=PROMPT, sampling=SamplingParams(max_new_tokens=8, min_new_tokens=min_new_tokens,
+                                                           stop=(stop,)),
+    )  # fmt: skip
+
+    async def main():
+        engine = engine_cls.attach([fake.url], tokenizer=tok)
+        consumer = asyncio.ensure_future(collect(engine, [request]))
+        await asyncio.to_thread(fake.core.wait_blocked, 1)
+        await engine.pause()
+        await engine.update_weights(SimpleNamespace(type="disk", path=str(weights_dir)), 7)
+        await engine.resume()
+        results = await asyncio.wait_for(consumer, timeout=30)
+        await engine.close()
+        return results["s", 0]
+
+    return run(main()), head_ids, tail_ids
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang"])
+@pytest.mark.parametrize("stop_len", [3, 4])
+def test_a_stop_string_split_by_a_pause_ends_the_completion_where_it_ends(
+    request, tmp_path, server, stop_len
+):
+    fake = request.getfixturevalue(f"fake_{server}")
+    engine_cls = VLLMEngine if server == "vllm" else SGLangEngine
+    r, head_ids, tail_ids = _straddle_scenario(fake, engine_cls, tmp_path, stop_len=stop_len)
+    cut = stop_len - 2  # tokens of the continuation up to the stop string's last character
+    assert r.output_ids == head_ids + tail_ids[:cut] and r.stop_reason == "stop"
+    assert r.output_versions == [0] * 3 + [7] * cut and len(r.output_logprobs) == 3 + cut
+
+
+def test_a_split_stop_string_before_min_new_tokens_does_not_count(fake_vllm, tmp_path):
+    r, head_ids, tail_ids = _straddle_scenario(fake_vllm, VLLMEngine, tmp_path, stop_len=3, min_new_tokens=6)
+    assert r.output_ids == head_ids + tail_ids and r.stop_reason == "length"

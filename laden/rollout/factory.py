@@ -12,6 +12,7 @@ host before they move to the GPU, so no rank holds the whole model on its device
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from laden.config.alloc import AllocationMode, check_alloc
 if TYPE_CHECKING:
     from laden.config.schema import LadenConfig
     from laden.rollout.base import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENT = 256
 
@@ -103,7 +106,20 @@ def build_rollout_engine(
     if path is None:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r} needs a model directory: set actor.path")
     kwargs.setdefault("max_concurrent_requests", max_concurrent_rollouts(cfg))
+    kwargs.setdefault("tokenizer", tokenizer if tokenizer is not None else _tokenizer_or_none(path))
     return start_server_engine(mode, model_dir=path, cfg=cfg, **kwargs)
+
+
+def _tokenizer_or_none(path: Path) -> Any:
+    """The tokenizer of the model directory a server loads (the engine decodes stop strings split by a
+    pause with it), or None where the directory has none; the server then fails on its own terms."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        log.warning("no tokenizer in %s (%s): stop strings split by a pause will not be found", path, err)
+        return None
 
 
 def native_engine_from_weights(

@@ -18,7 +18,10 @@ Pausing is done by aborting, and the weight version of every token is exact:
   tokens of several versions, which `max_head_offpolicyness` bounds.
 - Cost: one prefill of prompt + partial output per unfinished completion per weight update
   (the old KV cache is stale under the new weights anyway, so keeping it would mix versions
-  inside one token's context). A stop string that straddles two segments is not detected.
+  inside one token's context). A stop string that straddles two segments (begun before the
+  pause, ended after it) is invisible to the server, which sees the first part as prompt: the
+  engine finds it in the joined text (it needs the `tokenizer`) and cuts the completion after the
+  token that ends it, as the native engine would have.
 - A segment sent just as the pause begins may be held by the server without being aborted
   (both servers queue requests that arrive while paused). Such a segment has generated nothing
   when `pause()` has waited `pause_drain_s` for it, so it is tagged with the version in force
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +47,8 @@ from typing import Any, Protocol
 from laden.rollout.base import GenerationRequest, GenerationResult, SamplingParams, StopReason
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError
 from laden.rollout.servers.process import ServerProcess
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +161,7 @@ class ServerEngine:
         max_concurrent_requests: int = 256,
         request_timeout_s: float | None = None,
         pause_drain_s: float = 5.0,
+        tokenizer: Any = None,
     ) -> None:
         if not servers:
             raise ValueError(f"{dialect.name} engine needs at least one server; got none")
@@ -162,6 +169,10 @@ class ServerEngine:
         self.servers = list(servers)
         self.pause_drain_s = pause_drain_s
         """Longest `pause()` waits for aborted requests to come back (see the module docstring)."""
+        self.tokenizer = tokenizer
+        """Decodes the text around a segment boundary for stop strings (None: not checked, with a
+        warning the first time it matters)."""
+        self._warned_no_tokenizer = False
         self._http = AsyncJSONClient(
             max_concurrent_requests=max_concurrent_requests, timeout_s=request_timeout_s
         )
@@ -448,16 +459,46 @@ class ServerEngine:
         finished: dict[int, StopReason] = {}
         for i, (segment, ticket) in zip(indices, segments):
             sample = samples[i]
+            before = len(sample.output_ids)
             sample.output_ids += segment.token_ids
             sample.logprobs += segment.logprobs
             sample.versions += [ticket.version] * len(segment.token_ids)
-            if segment.finish != "abort" or self._closed:
+            end = self._straddling_stop(sample, before, sampling) if before and segment.token_ids else None
+            if end is not None:
+                del sample.output_ids[end:], sample.logprobs[end:], sample.versions[end:]
+                finished[i] = "stop"
+            elif segment.finish != "abort" or self._closed:
                 finished[i] = segment.finish
             elif ticket.pause_epoch == self._pause_epoch:
                 finished[i] = "abort"  # aborted by the server, not by a pause of this engine
             elif len(sample.output_ids) >= sampling.max_new_tokens:
                 finished[i] = "length"
         return finished
+
+    def _straddling_stop(self, sample: _Sample, before: int, sampling: SamplingParams) -> int | None:
+        """The output length that ends at a stop string begun before token `before` (where the last
+        segment began) and ended in that segment, or None. Such a string ends within its own length
+        in characters of the boundary, so only that many tokens are decoded; stop strings the
+        segment holds whole are the server's to find."""
+        if not sampling.stop or sampling.ignore_eos:
+            return None
+        if self.tokenizer is None:
+            if not self._warned_no_tokenizer:
+                self._warned_no_tokenizer = True
+                log.warning(
+                    "%s engine: no tokenizer, so a stop string split by a pause (begun before it, "
+                    "ended after) is not detected; pass tokenizer= to the engine", self.dialect.name,
+                )  # fmt: skip
+            return None
+        longest = max(len(x) for x in sampling.stop)
+        out, decode = sample.output_ids, self.tokenizer.decode
+        first = max(before, sampling.min_new_tokens - 1)  # a stop counts from min_new_tokens on
+        for end in range(first + 1, min(len(out), before + longest + 1) + 1):  # +1: a token of no text
+            lo = max(0, before - longest - 8)
+            tail, prior = decode(out[lo:end]), decode(out[lo : end - 1])
+            if any(x in tail and x not in prior for x in sampling.stop):
+                return end
+        return None
 
     def _result(
         self, request: GenerationRequest, index: int, sample: _Sample, stop: StopReason
