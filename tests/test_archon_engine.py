@@ -358,3 +358,26 @@ def test_offloaded_and_onloaded_trains_as_never_offloaded():
     want = dict(plain.named_weights(torch.float32))
     for name, value in moved.named_weights(torch.float32):
         assert torch.equal(value, want[name]), name
+
+
+def test_moe_settings_on_a_dense_model_are_named_as_doing_nothing(caplog):
+    import logging
+
+    from laden.config import load_config
+    from laden.engine.factory import build_engine
+
+    overrides = [
+        "actor.backend=archon:d1",
+        "actor.archon.router_aux_loss_coef=0.01",
+        "actor.archon.moe_capacity_factor=1.5",
+    ]
+    cfg = load_config("examples/sft_tiny.yaml", overrides, job="sft")
+    with caplog.at_level(logging.WARNING, logger="laden.archon"):
+        build_engine(cfg, _model(True), total_steps=2, device=torch.device("cpu"))
+    assert "actor.archon.router_aux_loss_coef=0.01, actor.archon.moe_capacity_factor=1.5" in caplog.text
+    assert "has no Mixture-of-Experts layers" in caplog.text
+    caplog.clear()
+    plain = load_config("examples/sft_tiny.yaml", ["actor.backend=archon:d1"], job="sft")
+    with caplog.at_level(logging.WARNING, logger="laden.archon"):
+        build_engine(plain, _model(True), total_steps=2, device=torch.device("cpu"))
+    assert "Mixture-of-Experts" not in caplog.text

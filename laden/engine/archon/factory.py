@@ -35,6 +35,7 @@ def build_archon_engine(
             "actor.use_lora=true is not supported by the archon engine; use actor.backend: fsdp:dN"
         )
     dp, pp, ep = archon_layout(mode)
+    _warn_moe_settings_on_a_dense_model(cfg, model, ep)
     config: Any = model.config
     coef = archon.router_aux_loss_coef
     if coef is None:
@@ -49,6 +50,25 @@ def build_archon_engine(
         plan_tokens=int(actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length or 4096), router_aux_loss_coef=coef,
         capacity_factor=archon.moe_capacity_factor,
     )  # fmt: skip
+
+
+def _warn_moe_settings_on_a_dense_model(cfg: Any, model: nn.Module, ep: int) -> None:
+    """The Mixture-of-Experts settings this run sets, named in one warning when the model has no
+    experts for them to act on (a field that is parsed does something, or the run says it does not)."""
+    from laden.model import moe
+
+    if moe.moe_blocks(model):
+        return
+    archon = cfg.actor.archon
+    unused = [f"actor.archon.{name}={getattr(archon, name)}" for name in ("router_aux_loss_coef", "moe_capacity_factor")
+              if getattr(archon, name) is not None]  # fmt: skip
+    if ep > 1:
+        unused.append(f"expert parallel e{ep} in actor.backend={cfg.actor.backend!r}")
+    if unused:
+        log.warning(
+            "%s: %s has no Mixture-of-Experts layers, so these do nothing; leave them unset for a dense model",
+            ", ".join(unused), type(model).__name__,
+        )  # fmt: skip
 
 
 def virtual_stages(archon: Any, model: nn.Module, pp: int) -> int:
