@@ -277,6 +277,32 @@ def test_roundpipe_and_archon_actors_train_like_an_fsdp_one(tmp_path):
     assert batch_device(_cfg(tmp_path), on_gpu) == torch.device("cuda", 0)
 
 
+def test_roundpipe_num_microbatch_splits_the_rl_step_and_changes_nothing_else(tmp_path, monkeypatch):
+    """`actor.roundpipe.num_microbatch` packs each policy step into at least that many micro-batches
+    (as in `laden sft`); the step's loss is normalised by the step's token count, so it trains the same."""
+    from laden.engine.roundpipe import RoundPipeEngine
+
+    seen: list[int] = []
+    original = RoundPipeEngine.forward_backward
+
+    def counting(self, mbs, *args, **kwargs):
+        seen.append(len(mbs))
+        return original(self, mbs, *args, **kwargs)
+
+    monkeypatch.setattr(RoundPipeEngine, "forward_backward", counting)
+    runs = {}
+    for n in (1, 3):
+        cfg = _cfg(tmp_path / f"n{n}", "total_train_steps=2", "actor.backend=roundpipe:d1",
+                   f"actor.roundpipe.num_microbatch={n}", "actor.mb_spec.max_tokens_per_mb=65536")  # fmt: skip
+        seen.clear()
+        runs[n] = _metrics(run_rl(cfg, progress=False))
+        assert len(seen) == 2 and min(seen) >= n and (n > 1 or seen == [1, 1]), seen  # one fits the budget
+    for one, three in zip(runs[1], runs[3]):
+        assert three["reward_mean"] == one["reward_mean"]
+        for name in ("loss", "grad_norm"):
+            assert math.isclose(three[name], one[name], rel_tol=1e-4, abs_tol=1e-5), name
+
+
 @pytest.mark.parametrize(
     ("actor", "rollout", "world_size", "gpus", "expected"),
     [

@@ -156,6 +156,16 @@ def engine_kind(cfg: LadenConfig) -> str:
     return "archon" if backend == "megatron" else backend
 
 
+def min_micro_batches(cfg: LadenConfig) -> int:
+    """Micro-batches a step packs at least: `actor.mb_spec.n_mbs`, raised to
+    `actor.roundpipe.num_microbatch` under the roundpipe engine (its pipeline overlaps the stages of
+    different micro-batches). `laden sft` and `laden rl` both pack by it."""
+    n = cfg.actor.mb_spec.n_mbs
+    if engine_kind(cfg) == "roundpipe" and cfg.actor.roundpipe.num_microbatch:
+        n = max(n, cfg.actor.roundpipe.num_microbatch)
+    return n
+
+
 def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
     """The model this rank hands its engine, patched for that engine (a meta skeleton on ranks > 0
     with `actor.fsdp.memory_efficient_load`)."""

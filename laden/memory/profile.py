@@ -112,8 +112,8 @@ def _reset_host_peak() -> int | None:
 def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> list[Any]:
     """Micro-batches of the full token budget, packed with the longest sequences (random tokens)."""
     from laden.data.batch import pack_samples
+    from laden.engine.runtime import min_micro_batches
     from laden.memory.estimate import longest_sequence, tokens_per_microbatch
-    from laden.sft.trainer import min_micro_batches
 
     tokens = tokens_per_microbatch(cfg)
     longest = min(tokens, longest_sequence(cfg))

@@ -80,6 +80,7 @@ from laden.engine.runtime import (
     check_world_size,
     engine_kind,
     load_model,
+    min_micro_batches,
     resolve_auto_knobs,
     seed_everything,
     start_runtime,
@@ -810,8 +811,8 @@ class _Run:
         fields = {"advantages": [advantages[id(t)] for t in trajs], "old_logprobs": [t.logprobs for t in trajs]}  # fmt: skip
         mbs, _ = pack_trajectories(
             trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
-            + self.cfg.gconfig.max_new_tokens, n_mbs=spec.n_mbs or 1, algorithm=spec.packing_algorithm,
-            device=batch_device(self.cfg, self.rt),
+            + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, min_micro_batches(self.cfg)),
+            algorithm=spec.packing_algorithm, device=batch_device(self.cfg, self.rt),
         )  # fmt: skip
         return mbs
 

@@ -56,6 +56,7 @@ from laden.engine.runtime import (
     engine_kind,
     load_model,
     loss_tokens,
+    min_micro_batches,
     resolve_auto_knobs,
     seed_everything,
     shard_for_rank,
@@ -87,14 +88,6 @@ class SFTResult:
 def budget(cfg: LadenConfig) -> int:
     """Tokens per micro-batch: `actor.mb_spec.max_tokens_per_mb` or, unset, `train_dataset.max_length`."""
     return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
-
-
-def min_micro_batches(cfg: LadenConfig) -> int:
-    """`actor.mb_spec.n_mbs`, raised to `actor.roundpipe.num_microbatch` under the roundpipe engine."""
-    n = cfg.actor.mb_spec.n_mbs
-    if engine_kind(cfg) == "roundpipe" and cfg.actor.roundpipe.num_microbatch:
-        n = max(n, cfg.actor.roundpipe.num_microbatch)
-    return n
 
 
 def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
