@@ -194,6 +194,56 @@ def test_two_processes_train_one_policy_and_both_engines_get_it(fsdp_d2_run):
     assert [r["trained"] for r in rows] == [32, 64, 96]  # counted over both ranks
 
 
+def _rl_rank_resumed(rank: int, world_size: int, root: str) -> dict:
+    """A worker: `_rl_rank`'s run (fsdp:d2, an engine per rank), stopped at step 3 on both ranks and
+    run again, resuming from the checkpoint of step 2; rank 0 returns the metrics rows."""
+    original = rl_trainer._Run._step
+
+    async def crash(self, step, *args):
+        if step == 3:
+            raise KeyboardInterrupt
+        return await original(self, step, *args)
+
+    cfg = _cfg(Path(root), "total_train_steps=3", "actor.backend=fsdp:d2", "rollout.backend=native:d2",
+               "cluster.n_gpus_per_node=2", "checkpoint.save_freq_steps=1")  # fmt: skip
+    rl_trainer._Run._step = crash
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(cfg, progress=False)
+    rl_trainer._Run._step = original
+    build, restored = rl_trainer._Run._rollout_engine, []
+
+    def keep_state(self, **kwargs):
+        engine = build(self, **kwargs)
+        restored.append(engine.core.generator.get_state().tolist())
+        return engine
+
+    rl_trainer._Run._rollout_engine = keep_state
+    result = run_rl(cfg, progress=False)
+    rl_trainer._Run._rollout_engine = build
+    return {"rows": _metrics(result) if rank == 0 else [], "restored": restored[0]}
+
+
+def test_two_processes_resumed_equal_uninterrupted(tmp_path, fsdp_d2_run):
+    """Each rank samples its share of the batch with its own generator; the checkpoint keeps every
+    rank's, so the resumed step 3 generates and trains exactly as the uninterrupted run's."""
+    from workers import run_workers
+
+    out = run_workers(_rl_rank_resumed, 2, str(tmp_path / "resumed"))
+    (saved,) = [json.loads(f.read_text())["rl"] for f in tmp_path.rglob("step_2/trainer.json")]
+    assert [o["restored"] for o in out] == saved["rollout_rng_ranks"]  # each rank its own
+    rows, reference = (
+        out[0]["rows"],
+        fsdp_d2_run[0]["rows"],
+    )  # (in this short run both ranks' states coincide)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for got, want in zip(rows, reference):
+        assert (got["reward_mean"], got["loss"], got["trained"]) == (
+            want["reward_mean"],
+            want["loss"],
+            want["trained"],
+        )
+
+
 @pytest.mark.parametrize("backend", ["archon:d1p2", "fsdp:d1t2"])
 def test_pipeline_and_tensor_ranks_train_on_the_same_rollouts(tmp_path, backend, fsdp_d2_run):
     """Both processes generate half the batch, as under fsdp:d2; the two pipeline stages (tensor ranks) of
@@ -328,3 +378,15 @@ def test_where_the_native_engine_generates(tmp_path, actor, rollout, world_size,
     if expected == "cuda:1":
         with pytest.raises(ValueError, match=r"cluster.n_gpus_per_node=2 .* sees 1 GPU\(s\)"):
             rl_trainer.rollout_device(cfg, rt, device_count=1)
+
+
+def test_each_rank_resumes_its_own_sampling_state(caplog):
+    import logging
+
+    own = rl_trainer._own_rng
+    assert own({"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]]}, 1, 2) == [2]
+    assert own({"rollout_rng": [1]}, 0, 1) == [1]  # a checkpoint written before the states of every rank
+    state = {"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]], "episodes": 3}
+    with caplog.at_level(logging.WARNING, logger="laden.rl"):
+        assert own(state, 0, 4) == [1]  # another world size: rank 0's, said once
+    assert "this run has 4" in caplog.text and state == {"episodes": 3}  # the counters are left

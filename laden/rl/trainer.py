@@ -342,7 +342,7 @@ class _Run:
         self.batches.load_state_dict(data["batches"])
         self._carry = [int(i) for i in data.get("carry", [])]
         rl_state = dict(state.get("rl", {}))
-        self._rollout_rng = rl_state.pop("rollout_rng", None)
+        self._rollout_rng = _own_rng(rl_state, self.rt.rank, self.rt.world_size)
         self.counters.load(rl_state)
         for line in changes:
             log.warning("%s (takes effect from step %d)", line, step + 1)
@@ -825,9 +825,14 @@ class _Run:
             mbs[i] = mb.with_fields(**{name: out["logprobs"].to(mb.labels.device)})
 
     def _rng_state(self) -> dict[str, Any]:
-        """The native engine's sampling generator (so a resumed run samples what it would have)."""
+        """The native engines' sampling generators, every rank's (each samples its own share of a
+        batch), so a resumed run samples what it would have. Every rank calls it (`_save`)."""
         generator = getattr(getattr(self.rollout, "core", None), "generator", None)
-        return {} if generator is None else {"rollout_rng": generator.get_state().tolist()}
+        mine = None if generator is None else generator.get_state().tolist()
+        every = self._gather(mine)
+        if every[0] is None:
+            return {}
+        return {"rollout_rng": every[0], "rollout_rng_ranks": every}
 
     def _gather(self, obj: Any) -> list[Any]:
         """`obj` of every rank, in rank order (the host group; `[obj]` in one process)."""
@@ -884,6 +889,22 @@ class _Run:
             config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=self.rt.rank,
             barrier=self.rt.barrier, others=None if self.critic is None else {"critic": self.critic.engine},
         )  # fmt: skip
+
+
+def _own_rng(rl_state: dict[str, Any], rank: int, world_size: int) -> list[int] | None:
+    """This rank's sampling generator state from a checkpoint's `rl` state (its entries removed):
+    its own when the checkpoint was written by as many ranks, else rank 0's (with a warning on a
+    change of world size: the resumed run samples other completions than an uninterrupted one)."""
+    first = rl_state.pop("rollout_rng", None)
+    every = rl_state.pop("rollout_rng_ranks", None)
+    if every is not None and len(every) == world_size:
+        return every[rank]
+    if first is not None and world_size > 1 and rank == 0:
+        log.warning(
+            "the checkpoint holds the sampling state of %s rank(s) and this run has %d: every rank starts "
+            "from rank 0's, so rollouts differ from an uninterrupted run's", len(every) if every else 1, world_size,
+        )  # fmt: skip
+    return first
 
 
 def _tensorboard(log_dir: Path) -> Any:
