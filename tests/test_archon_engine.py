@@ -242,7 +242,16 @@ def _moe_layout(rank, world, dp, pp, ep, tp=1, cp=1, coef=0.01):
         float(out["loss"]),
         float(out["grad_norm"]),
         {n: t.clone() for n, t in engine.named_weights(torch.float32)},
+        {k: float(v) for k, v in out.items() if k.startswith("moe_")},
     )
+
+
+def _assert_moe_metrics(
+    got: dict, want: dict, names=("moe_aux_loss", "moe_expert_load_max", "moe_dropped_fraction")
+):
+    """Every rank reports the whole model's routing figures over the whole step, as one process does."""
+    for name in names:
+        assert got[name] == pytest.approx(float(want[name]), rel=1e-5, abs=1e-7), name
 
 
 def test_moe_without_router_loss_equals_stock_hugging_face():
@@ -277,7 +286,9 @@ def test_expert_parallel_layouts_equal_one_process(world, dp, pp, ep):
     every = [pack_samples(mb) for mb in _samples()]
     out = engine.train_batch(every, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in every))
     want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
-    for loss, norm, weights in run_workers(_moe_layout, world, dp, pp, ep):
+    assert float(out["moe_aux_loss"]) > 0 and float(out["moe_expert_load_max"]) > 1
+    for loss, norm, weights, metrics in run_workers(_moe_layout, world, dp, pp, ep):
+        _assert_moe_metrics(metrics, out)
         assert loss == pytest.approx(float(out["loss"]), rel=1e-5)
         assert norm == pytest.approx(float(out["grad_norm"]), rel=1e-4)
         assert weights.keys() == want.keys()
@@ -299,7 +310,11 @@ def test_tensor_and_context_parallel_beside_experts_equal_one_process(world, dp,
     every = [pack_samples(mb) for mb in _samples()]
     out = engine.train_batch(every, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in every))
     want = {n: t.clone() for n, t in engine.named_weights(torch.float32)}
-    for loss, norm, weights in run_workers(_moe_layout, world, dp, 1, ep, tp, cp, coef):
+    for loss, norm, weights, metrics in run_workers(_moe_layout, world, dp, 1, ep, tp, cp, coef):
+        # a context rank's router loss is over its slice of the tokens; the expert loads add up
+        _assert_moe_metrics(
+            metrics, out, ("moe_expert_load_max",) if cp > 1 else ("moe_aux_loss", "moe_expert_load_max")
+        )
         assert loss == pytest.approx(float(out["loss"]), rel=1e-5)
         assert norm == pytest.approx(float(out["grad_norm"]), rel=1e-4)
         assert weights.keys() == want.keys()

@@ -447,20 +447,42 @@ class RouterStats:
             self._loads[layer] = counts + self._loads[layer] if layer in self._loads else counts
         return _AuxLossScaler.apply(scores, aux, weight) if differentiate else scores
 
-    def pop(self) -> dict[str, torch.Tensor]:
+    def pop(self, group: Any = None) -> dict[str, torch.Tensor]:
         """Since the last pop (then reset), as device tensors: `moe_aux_loss` (the mean aux over layers
         and forwards), `moe_dropped_fraction` (dropped / all assignments, 0 dropless), and
         `moe_expert_load_max` (per layer, the most loaded expert's share of its assignments times E,
-        1.0 when balanced; averaged over the layers)."""
-        zero = torch.zeros((), device=self._device())
-        aux = zero if self._aux_sum is None else self._aux_sum / self._num_aux
-        loads = [c.numel() * c.max().float() / c.sum() for c in self._loads.values()]
-        load = torch.stack(loads).mean() if loads else zero
+        1.0 when balanced; averaged over the layers).
+
+        `group`: the ranks of one model split by stages and data (every rank calls it): the tallies
+        are summed over them first, so every rank returns the whole model's figures over the whole
+        step, as one process would (each layer's load from its expert counts summed over the data
+        ranks; ranks that tally the same tokens, tensor parallel, count them in both terms of each
+        ratio, which leaves it unchanged). None: this process's own."""
+        dev = self._device()
+        zero = torch.zeros((), device=dev)
         dropped, assigned = zero, 0
         for block in self._blocks:
             ep = _experts(block).__dict__.get(_EP_ATTR)
             num, count = ep.take() if ep is not None else (None, 0)
             dropped, assigned = (dropped + num if num is not None else dropped), assigned + count
+        if group is not None:
+            num_experts = int(_router(self._blocks[0]).weight.shape[0])
+            counts = torch.zeros(self.num_layers, num_experts, device=dev)
+            for layer, c in self._loads.items():
+                counts[layer] += c.to(dev, torch.float32)
+            aux_sum = zero if self._aux_sum is None else self._aux_sum.float()
+            sums = torch.stack([aux_sum, torch.tensor(float(self._num_aux), device=dev),
+                                dropped.float(), torch.tensor(float(assigned), device=dev)])  # fmt: skip
+            flat = torch.cat([counts.flatten(), sums])
+            dist.all_reduce(flat, group=group)
+            counts = flat[: counts.numel()].view_as(counts)
+            aux_sum, num_aux, dropped, total = flat[counts.numel() :]
+            self._aux_sum, self._num_aux = (aux_sum if num_aux > 0 else None), int(num_aux)
+            self._loads = {i: c for i, c in enumerate(counts) if c.sum() > 0}
+            assigned = int(total)
+        aux = zero if self._aux_sum is None else self._aux_sum / self._num_aux
+        loads = [c.numel() * c.max().float() / c.sum() for c in self._loads.values()]
+        load = torch.stack(loads).mean() if loads else zero
         self._aux_sum, self._num_aux, self._loads = None, 0, {}
         fraction = dropped.float() / max(assigned, 1)
         return {"moe_aux_loss": aux, "moe_dropped_fraction": fraction, "moe_expert_load_max": load}

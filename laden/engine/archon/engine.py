@@ -389,9 +389,11 @@ class ArchonEngine:
     def _weigh_router_loss(self, mb: PackedBatch) -> None:
         """The router loss of the micro-batch about to run enters the gradient like its loss tokens."""
         self.moe_stats.scale = mb.num_loss_tokens * self._loss_scale
-        self.moe_stats.num_real_tokens = sum(
-            mb.seqlens
-        )  # `pad_to`'s padding document, at the end, is left out
+        real = sum(mb.seqlens)  # `pad_to`'s padding document, at the end, is left out
+        if self.cp > 1:  # this rank holds tokens [r * piece, (r + 1) * piece) of the padded row
+            piece = mb.input_ids.numel()
+            real = min(max(real - self.cp_rank * piece, 0), piece)
+        self.moe_stats.num_real_tokens = real
 
     def forward_backward(
         self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
@@ -522,8 +524,8 @@ class ArchonEngine:
         self.scheduler.step()
         self._version += 1
         out = {"grad_norm": norm, "lr": lr}
-        if self.moe_stats is not None:
-            out.update(self.moe_stats.pop())
+        if self.moe_stats is not None:  # the whole model's over every stage and data rank (rank 0 logs)
+            out.update(self.moe_stats.pop(group=dist.group.WORLD if self.distributed else None))
         return out
 
     def _grad_norm(self) -> torch.Tensor:
