@@ -46,9 +46,9 @@ def smoothed(values: list[float], window: int) -> list[float]:
     return out
 
 
-def time_to(rows: list[dict[str, Any]], target: float, window: int) -> tuple[int, float] | None:
-    """(step, elapsed_s) of the first step whose smoothed reward reaches `target`, or None."""
-    curve = smoothed([float(r["reward_mean"]) for r in rows], window)
+def time_to(rows: list[dict[str, Any]], curve: list[float], target: float) -> tuple[int, float] | None:
+    """(step, elapsed_s) of the first step whose smoothed reward (`curve`, one value a row) reaches
+    `target`, or None."""
     for row, value in zip(rows, curve):
         if value >= target:
             return int(row["step"]), float(row["elapsed_s"])
@@ -64,7 +64,7 @@ def compare(runs: dict[str, list[dict[str, Any]]], *, window: int, target: float
     same = min(max(curve) for curve in curves.values()) if target is None else target
     records: list[dict[str, Any]] = []
     for label, rows in runs.items():
-        hit = time_to(rows, same, window)
+        hit = time_to(rows, curves[label], same)
         acc = (accuracy or {}).get(label)
         if acc is None:
             tail = [float(r["accuracy"]) for r in rows[-window:] if "accuracy" in r]

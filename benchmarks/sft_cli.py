@@ -3,8 +3,8 @@
 Each variant (gradient checkpointing on/off x chunked cross-entropy on/off) runs the real
 CLI in its own process (under torchrun with `--nproc N`), so its peak GPU memory is its own;
 its JSON line has every step's loss, so two layouts of one workload can be checked to agree.
-`--model qwen3-moe-small` (or `tiny-moe`) is a Qwen3-MoE shape for the archon engine. Data: synthetic documents of
-`--seq-len` characters with the local character tokenizer (one token per character), so
+`--model qwen3-moe-small` (or `tiny-moe`) is a Qwen3-MoE shape for the archon engine. Data:
+synthetic documents of `--seq-len` characters with the local character tokenizer (one token per character), so
 every sequence is exactly the requested length. Prints one JSON object per variant.
 
     python benchmarks/sft_cli.py --seq-len 4096 --batch-size 8 --steps 8

@@ -493,8 +493,8 @@ class ServerEngine:
         longest = max(len(x) for x in sampling.stop)
         out, decode = sample.output_ids, self.tokenizer.decode
         first = max(before, sampling.min_new_tokens - 1)  # a stop counts from min_new_tokens on
+        lo = max(0, before - longest - 8)
         for end in range(first + 1, min(len(out), before + longest + 1) + 1):  # +1: a token of no text
-            lo = max(0, before - longest - 8)
             tail, prior = decode(out[lo:end]), decode(out[lo : end - 1])
             if any(x in tail and x not in prior for x in sampling.stop):
                 return end
