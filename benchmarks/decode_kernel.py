@@ -72,6 +72,10 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="+", default=["none", "auto", "8", "16"])
+    ap.add_argument(
+        "--mask-loads", nargs="+", choices=["on", "off"], default=["on"],
+        help="on: tokens past a row's end are not read (the kernel's default); off: read, then masked",
+    )  # fmt: skip
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--eager", action="store_true", help="time calls launched from Python, not in a CUDA graph"
@@ -95,7 +99,8 @@ def main() -> None:
         ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, d**-0.5)
         read = sum(lengths) * hkv * d * 2 * 2  # keys and values, bf16
         best = None
-        for tile, warps, stages, split in itertools.product(args.tiles, args.warps, args.stages, args.splits):
+        grid = itertools.product(args.tiles, args.warps, args.stages, args.splits, args.mask_loads)
+        for tile, warps, stages, split, mask in grid:
             pages = (
                 None
                 if split == "none"
@@ -106,14 +111,14 @@ def main() -> None:
 
             call = functools.partial(
                 paged_decode, q, kc, vc, table, lens, d**-0.5, pages,
-                tile_tokens=tile, num_warps=warps, num_stages=stages,
+                tile_tokens=tile, num_warps=warps, num_stages=stages, mask_loads=mask == "on",
             )  # fmt: skip
 
             try:
                 out = call()
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
                 print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
-                                  "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                                  "mask_loads": mask, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
             us = (
@@ -123,7 +128,7 @@ def main() -> None:
             )
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
-                "stages": stages, "split": split, "split_pages": pages, "us": round(us, 1),
+                "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "us": round(us, 1),
                 "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

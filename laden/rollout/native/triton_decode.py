@@ -38,6 +38,9 @@ NUM_STAGES = 2
 SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 UNSPLIT_PROGRAMS_PER_SM = 4
+# Whether the key and value loads of a row's last tile skip the tokens past its end (masked loads
+# zero-fill shared memory without touching HBM) instead of reading them and masking the scores.
+MASK_LOADS = True
 
 
 @triton.jit
@@ -51,6 +54,7 @@ def _paged_decode_split(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    MASK_LOADS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,13 +84,17 @@ def _paged_decode_split(
     for t in range(first_tile, last_tile):
         start = t * TILE
         page = t * TILE_PAGES + offs_n // PAGE
-        # pages past this split's end (a partial last tile) read block 0, the sink, and are masked
+        valid = ((start + offs_n) < length) & (page < last_page)
+        # pages past this split's end (a partial last tile) point at block 0, the sink
         blk = tl.load(BT + b * stride_btb + page, mask=page < last_page, other=0).to(tl.int64)
         rows = blk * stride_kb + in_page
-        k = tl.load(K + rows[:, None] + offs_d[None, :])  # [TILE, D]
-        v = tl.load(V + rows[:, None] + offs_d[None, :])
+        if MASK_LOADS:  # tokens past the row's end are never read (zero-filled)
+            k = tl.load(K + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [TILE, D]
+            v = tl.load(V + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        else:  # read and discarded below
+            k = tl.load(K + rows[:, None] + offs_d[None, :])
+            v = tl.load(V + rows[:, None] + offs_d[None, :])
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, TILE] fp32
-        valid = ((start + offs_n) < length) & (page < last_page)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -183,6 +191,7 @@ def paged_decode(
     tile_tokens: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    mask_loads: bool = MASK_LOADS,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
     int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
@@ -225,7 +234,7 @@ def paged_decode(
         block_tables.stride(0),
         *strides,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d,
-        TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1,
+        TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1, MASK_LOADS=mask_loads,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
