@@ -73,8 +73,12 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--splits", nargs="+", default=["none", "auto", "8", "16"])
     ap.add_argument(
-        "--mask-loads", nargs="+", choices=["on", "off"], default=["on"],
-        help="on: tokens past a row's end are not read (the kernel's default); off: read, then masked",
+        "--mask-loads", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+        help="on: tokens past a row's end are not read; off: read, then masked; auto: the kernel's default",
+    )  # fmt: skip
+    ap.add_argument(
+        "--order", nargs="+", choices=["default", "rows", "heads"], default=["default"],
+        help="program order: one KV head of consecutive rows (rows) or a row's KV heads adjacent (heads)",
     )  # fmt: skip
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
@@ -99,8 +103,10 @@ def main() -> None:
         ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, d**-0.5)
         read = sum(lengths) * hkv * d * 2 * 2  # keys and values, bf16
         best = None
-        grid = itertools.product(args.tiles, args.warps, args.stages, args.splits, args.mask_loads)
-        for tile, warps, stages, split, mask in grid:
+        grid = itertools.product(
+            args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order
+        )
+        for tile, warps, stages, split, mask, order in grid:
             pages = (
                 None
                 if split == "none"
@@ -111,14 +117,15 @@ def main() -> None:
 
             call = functools.partial(
                 paged_decode, q, kc, vc, table, lens, d**-0.5, pages,
-                tile_tokens=tile, num_warps=warps, num_stages=stages, mask_loads=mask == "on",
+                tile_tokens=tile, num_warps=warps, num_stages=stages, mask_loads=None if mask == "auto" else mask == "on",
+                heads_inner=None if order == "default" else order == "heads",
             )  # fmt: skip
 
             try:
                 out = call()
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
                 print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
-                                  "mask_loads": mask, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                                  "mask_loads": mask, "order": order, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
             us = (
@@ -128,7 +135,8 @@ def main() -> None:
             )
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
-                "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "us": round(us, 1),
+                "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "order": order,
+                "us": round(us, 1),
                 "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -32,9 +32,12 @@ def test_triton_kernel_in_the_interpreter():
         # one split, splits of 1 to 3 pages, tiles of 1, 2 and 4 pages (partial tiles at a split's end)
         for split_pages in (None, 1, 2, 3):
             for tile in (8, 16, 32):
-                out = paged_decode(q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile)
-                err = (out - ref).abs().max()
-                assert err < 1e-5, (split_pages, tile, err)
+                for heads_inner in (False, True):  # both program orders
+                    out = paged_decode(
+                        q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile, heads_inner=heads_inner
+                    )
+                    err = (out - ref).abs().max()
+                    assert err < 1e-5, (split_pages, tile, heads_inner, err)
         # every slot no row uses (past each row's end, the sink, free blocks) holds NaN: the
         # masked loads never read them; reading them and masking the scores lets NaN through p @ v
         used = torch.zeros(kc.shape[:2], dtype=torch.bool)
@@ -43,7 +46,7 @@ def test_triton_kernel_in_the_interpreter():
                 used[table[i, t // 8], t % 8] = True
         kc[~used], vc[~used] = float("nan"), float("nan")
         for split_pages in (None, 2):
-            out = paged_decode(q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=32)
+            out = paged_decode(q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=32, mask_loads=True)
             assert (out - ref).abs().max() < 1e-5, split_pages
         unmasked = paged_decode(q, kc, vc, table, lens, 0.25, tile_tokens=32, mask_loads=False)
         assert unmasked.isnan().any()
