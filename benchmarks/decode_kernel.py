@@ -18,6 +18,9 @@ kernels can cost more than the kernels: the second round's figures were taken so
     python benchmarks/decode_kernel.py --cases B --tiles 64 --warps 4 --stages 2
     python benchmarks/decode_kernel.py --cases small r16 r32 r64 tiny --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 
+`--mask-loads` (`auto`: the kernel's rule, masked when unsplit) and `--order` (`default`:
+`HEADS_INNER`) compare the kernel's two load modes and program orders.
+
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
 choice: `none` once rows x KV heads make four programs an SM, else 256-token splits) or a number
 of pages.

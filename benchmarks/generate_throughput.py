@@ -346,6 +346,7 @@ def main() -> None:
     for batch in batches:
         reqs = workload(args.workload, batch, shape["vocab_size"], args.smoke)
         for system in args.systems:
+            started = time.perf_counter()
             model = _build(shape, device, dtype, args.tensor_parallel)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -361,6 +362,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one system's failure is a result line, not the end
                 record.update(error=f"{type(e).__name__}: {e}"[:500])
             record["peak_gpu_gib"] = _peak_gib(device)
+            record["wall_s"] = round(time.perf_counter() - started, 1)  # build, compile, warm-up, timed pass
             if is_main:
                 print(json.dumps(record), flush=True)
             del model

@@ -5,7 +5,8 @@ by memory bandwidth, so the kernel's job is to keep enough loads in flight to st
 full speed. One program handles one (sequence, KV head, split): the query heads that share that
 KV head (padded to 16 rows so the score and value products run on tensor cores) against one range
 of the sequence's pages, `tile_pages` pages (gathered through the block table) per iteration,
-with an online softmax in fp32.
+with an online softmax in fp32. In an unsplit launch the loads of a row's last tile skip the
+tokens past its end (`MASK_LOADS`).
 
 Splits are ranges of `split_pages` pages, fixed per launch: a sequence uses as many as its length
 needs and the programs of the others return at once. They give a small batch enough programs to
