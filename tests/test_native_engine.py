@@ -633,3 +633,30 @@ def test_an_oom_on_a_group_larger_than_the_lowered_concurrency_splits_it():
     )
     assert failures == [1] and engine.core.max_concurrent == 2
     assert [r.output_ids for r in out] == [reference_greedy(model, prompt, 5, set())] * 4
+
+
+def test_sampling_state_continues_the_draws():
+    """`sampling_state` / `load_sampling_state`: an engine given another's state samples what that
+    one samples next (the torch generator), and the fused sampler's device step counter is restored
+    in place (the CUDA graphs hold that tensor)."""
+    model = _model("qwen3")
+    a, b = _engine(copy.deepcopy(model), seed=3), _engine(copy.deepcopy(model), seed=4)
+    for engine in (a, b):  # as on a GPU: the fused sampler's step counter
+        engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+    prompts = _prompts(3)
+    a.generate_sync(_requests(prompts, max_new_tokens=5, ignore_eos=True))
+    a.core.sample_offset.fill_(41)
+    state = a.sampling_state()
+    assert state["fused_step"] == 41
+    held = b.core.sample_offset
+    b.load_sampling_state(state)
+    assert b.core.sample_offset is held and int(held) == 41
+    ra = a.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))
+    rb = b.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))
+    assert [r.output_ids for r in ra] == [r.output_ids for r in rb]
+    c = _engine(copy.deepcopy(model), seed=5)  # a bare generator state, as older checkpoints hold
+    c.load_sampling_state(a.sampling_state()["generator"])
+    again = [r.output_ids for r in a.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))]
+    assert [
+        r.output_ids for r in c.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))
+    ] == again

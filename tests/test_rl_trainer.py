@@ -204,7 +204,7 @@ def _rl_rank_resumed(rank: int, world_size: int, root: str) -> dict:
 
     def keep_state(self, **kwargs):
         engine = build(self, **kwargs)
-        built.append(engine.core.generator.get_state().tolist())
+        built.append(engine.sampling_state())
         return engine
 
     with pytest.MonkeyPatch.context() as mp:
@@ -221,7 +221,7 @@ def test_two_processes_resumed_equal_uninterrupted(tmp_path, fsdp_d2_run):
     out = run_workers(_rl_rank_resumed, 2, str(tmp_path / "resumed"))
     (saved,) = [json.loads(f.read_text())["rl"] for f in tmp_path.rglob("step_2/trainer.json")]
     assert [o["restored"] for o in out] == saved["rollout_rng_ranks"]  # each rank its own
-    # (in this short run both ranks' states coincide, so the rows would match under rank 0's too)
+    assert out[0]["restored"] != out[1]["restored"]  # the engines sample with seed + rank
     rows, reference = out[0]["rows"], fsdp_d2_run[0]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for got, want in zip(rows, reference):

@@ -50,3 +50,19 @@ def test_a_server_backend_that_is_not_installed_names_native(tiny_dir, monkeypat
     monkeypatch.delenv("LADEN_VLLM_PYTHON", raising=False)
     with pytest.raises(ServerNotInstalledError, match="native:d1"):
         build_rollout_engine(_cfg(tiny_dir, "rollout.backend=vllm:d1", "cluster.n_gpus_per_node=2"))
+
+
+def test_each_engine_of_a_data_parallel_rollout_samples_with_its_own_seed(tiny_dir, monkeypatch):
+    """native:d2 under two processes: engine i samples with seed + i, so the two shares of a batch
+    do not draw the same random numbers row for row."""
+    import torch
+
+    cfg = _cfg(tiny_dir, "rollout.backend=native:d2", "cluster.n_gpus_per_node=2", "seed=5")
+    states = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        engine = build_rollout_engine(cfg, device="cpu", kv_cache_tokens=256)
+        states.append(engine.core.generator.get_state())
+    for i, state in enumerate(states):
+        assert torch.equal(state, torch.Generator().manual_seed(5 + i).get_state())

@@ -207,7 +207,7 @@ class _Run:
         self.cfg, self.rt, self.run = cfg, rt, run
         self.rollout_device = rollout_device(cfg, rt)
         self.counters = _Counters()
-        self._rollout_rng: list[int] | None = None
+        self._rollout_rng: Any = None  # this rank's `sampling_state` from a checkpoint
         self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
         self._step_now = 0  # the step being trained (for error reports)
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laden-train")
@@ -369,9 +369,8 @@ class _Run:
             cfg, self.engine.named_weights(), device=device, tokenizer=self.tokenizer, version=version
         )
         log.info("rollout engine %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
-        generator = getattr(getattr(engine, "core", None), "generator", None)
-        if self._rollout_rng is not None and generator is not None:  # resumed: sampling continues as it was
-            generator.set_state(torch.tensor(self._rollout_rng, dtype=torch.uint8))
+        if self._rollout_rng is not None:  # resumed: sampling continues as it was
+            engine.load_sampling_state(self._rollout_rng)
         return engine
 
     def _critic(self):
@@ -825,10 +824,11 @@ class _Run:
             mbs[i] = mb.with_fields(**{name: out["logprobs"].to(mb.labels.device)})
 
     def _rng_state(self) -> dict[str, Any]:
-        """The native engines' sampling generators, every rank's (each samples its own share of a
-        batch), so a resumed run samples what it would have. Every rank calls it (`_save`)."""
-        generator = getattr(getattr(self.rollout, "core", None), "generator", None)
-        mine = None if generator is None else generator.get_state().tolist()
+        """The native engines' sampling states (`NativeEngine.sampling_state`), every rank's (each
+        samples its own share of a batch), so a resumed run samples what it would have. Every rank
+        calls it (`_save`)."""
+        sampling_state = getattr(self.rollout, "sampling_state", None)
+        mine = None if sampling_state is None else sampling_state()
         every = self._gather(mine)
         if every[0] is None:
             return {}
@@ -891,8 +891,8 @@ class _Run:
         )  # fmt: skip
 
 
-def _own_rng(rl_state: dict[str, Any], rank: int, world_size: int) -> list[int] | None:
-    """This rank's sampling generator state from a checkpoint's `rl` state (its entries removed):
+def _own_rng(rl_state: dict[str, Any], rank: int, world_size: int) -> Any:
+    """This rank's sampling state from a checkpoint's `rl` state (its entries removed):
     its own when the checkpoint was written by as many ranks, else rank 0's (with a warning on a
     change of world size: the resumed run samples other completions than an uninterrupted one)."""
     first = rl_state.pop("rollout_rng", None)

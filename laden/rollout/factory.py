@@ -3,7 +3,9 @@
 `build_rollout_engine(cfg, ...)` reads the fields the OOM guide names: `rollout.backend`,
 `rollout.max_concurrent_rollouts` (or the top-level `max_concurrent_rollouts`),
 `native.mem_fraction_static`, `sglang.mem_fraction_static`, and `seed`; the context length
-is the prompt budget (`train_dataset.max_length`) plus `gconfig.max_new_tokens`.
+is the prompt budget (`train_dataset.max_length`) plus `gconfig.max_new_tokens`. Each native
+engine of a `native:dN` run samples with `seed` plus its index (`rank // M`): the N engines
+generate different shares of a batch, and one seed would give their rows the same random draws.
 
 `native:dNtM` runs under torchrun with N*M processes: N engines of M consecutive ranks, each a
 tensor parallel engine (`laden.rollout.native.tensor_parallel`); its weights are sharded on the
@@ -97,9 +99,11 @@ def build_rollout_engine(
             ShardLayout(model.config, rank=tp.rank, size=tp.size).shard_model(model)
         model = model.to(device=dev, dtype=dtype)
         kwargs.setdefault("max_model_len", cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens)
+        engine_index = int(os.environ.get("RANK", "0")) // mode.tp  # its M ranks share one sampler
         return NativeEngine(
             model, tokenizer, max_concurrent=max_concurrent_rollouts(cfg),
-            mem_fraction_static=cfg.native.mem_fraction_static, seed=cfg.seed, tensor_parallel=tp, **kwargs,
+            mem_fraction_static=cfg.native.mem_fraction_static, seed=cfg.seed + engine_index, tensor_parallel=tp,
+            **kwargs,
         )  # fmt: skip
     from laden.rollout.servers import start_server_engine
 

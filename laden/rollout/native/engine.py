@@ -528,6 +528,25 @@ class NativeEngine:
         state = self.model.state_dict(keep_vars=True)
         return {name: state[name].data for name in hf_state_names(self.model)}
 
+    def sampling_state(self) -> dict[str, Any]:
+        """Where the engine's random draws stand: the torch sampler's generator and the fused
+        sampler's step counter (its draws are keyed by the seed and that counter, on the device).
+        `load_sampling_state` continues from it (a resumed run samples what it would have)."""
+        state: dict[str, Any] = {"generator": self.core.generator.get_state().tolist()}
+        offset = getattr(self.core, "sample_offset", None)
+        if offset is not None:
+            state["fused_step"] = int(offset.item())
+        return state
+
+    def load_sampling_state(self, state: dict[str, Any] | list[int]) -> None:
+        """Continue from `sampling_state()`'s result (a bare list: a generator state alone)."""
+        if isinstance(state, list):
+            state = {"generator": state}
+        self.core.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        offset = getattr(self.core, "sample_offset", None)
+        if offset is not None and "fused_step" in state:
+            offset.fill_(int(state["fused_step"]))  # in place: the CUDA graphs read this tensor
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Synchronous in-place update (the engine idle or paused)."""
         version = self.core.version if version is None else version
