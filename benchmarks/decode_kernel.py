@@ -18,8 +18,9 @@ kernels can cost more than the kernels: the second round's figures were taken so
     python benchmarks/decode_kernel.py --cases B --tiles 64 --warps 4 --stages 2
     python benchmarks/decode_kernel.py --cases small r16 r32 r64 tiny --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 
-`--mask-loads` (`auto`: the kernel's rule, masked when unsplit) and `--order` (`default`:
-`HEADS_INNER`) compare the kernel's two load modes and program orders.
+`--mask-loads` (`auto`: the kernel's rule, masked when unsplit), `--order` (`default`:
+`HEADS_INNER`) and `--prefetch-table` (`default`: `PREFETCH_TABLE`) compare the kernel's load
+modes, program orders and block-table loads.
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
 choice: `none` once rows x KV heads make four programs an SM, else 256-token splits) or a number
@@ -83,6 +84,10 @@ def main() -> None:
         "--order", nargs="+", choices=["default", "rows", "heads"], default=["default"],
         help="program order: one KV head of consecutive rows (rows) or a row's KV heads adjacent (heads)",
     )  # fmt: skip
+    ap.add_argument(
+        "--prefetch-table", nargs="+", choices=["default", "on", "off"], default=["default"],
+        help="on: each iteration loads the next tile's block numbers; off: its own; default: PREFETCH_TABLE",
+    )  # fmt: skip
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--eager", action="store_true", help="time calls launched from Python, not in a CUDA graph"
@@ -107,9 +112,9 @@ def main() -> None:
         read = sum(lengths) * hkv * d * 2 * 2  # keys and values, bf16
         best = None
         grid = itertools.product(
-            args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order
+            args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order, args.prefetch_table
         )
-        for tile, warps, stages, split, mask, order in grid:
+        for tile, warps, stages, split, mask, order, prefetch in grid:
             pages = (
                 None
                 if split == "none"
@@ -122,13 +127,14 @@ def main() -> None:
                 paged_decode, q, kc, vc, table, lens, d**-0.5, pages,
                 tile_tokens=tile, num_warps=warps, num_stages=stages, mask_loads=None if mask == "auto" else mask == "on",
                 heads_inner=None if order == "default" else order == "heads",
+                prefetch_table=None if prefetch == "default" else prefetch == "on",
             )  # fmt: skip
 
             try:
                 out = call()
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
                 print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
-                                  "mask_loads": mask, "order": order, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                                  "mask_loads": mask, "order": order, "prefetch_table": prefetch, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
             us = (
@@ -139,7 +145,7 @@ def main() -> None:
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
                 "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "order": order,
-                "us": round(us, 1),
+                "prefetch_table": prefetch, "us": round(us, 1),
                 "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -32,12 +32,13 @@ def test_triton_kernel_in_the_interpreter():
         # one split, splits of 1 to 3 pages, tiles of 1, 2 and 4 pages (partial tiles at a split's end)
         for split_pages in (None, 1, 2, 3):
             for tile in (8, 16, 32):
-                for heads_inner in (False, True):  # both program orders
+                for heads_inner, prefetch in ((False, False), (True, False), (True, True)):
                     out = paged_decode(
-                        q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile, heads_inner=heads_inner
+                        q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile, heads_inner=heads_inner,
+                        prefetch_table=prefetch,
                     )
                     err = (out - ref).abs().max()
-                    assert err < 1e-5, (split_pages, tile, heads_inner, err)
+                    assert err < 1e-5, (split_pages, tile, heads_inner, prefetch, err)
         # every slot no row uses (past each row's end, the sink, free blocks) holds NaN: the
         # masked loads never read them; reading them and masking the scores lets NaN through p @ v
         used = torch.zeros(kc.shape[:2], dtype=torch.bool)

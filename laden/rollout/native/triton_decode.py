@@ -48,6 +48,9 @@ MASK_LOADS: bool | None = None
 # pieces of each cached token's keys), False one KV head of consecutive rows. Measured: 71.2
 # against 71.3 us for workload A's rows, 274.5 against 275.8 for B's, the split launches even.
 HEADS_INNER = True
+# Whether each iteration loads the next tile's block numbers (so the key and value addresses of a
+# tile are known an iteration early, for the pipeline) instead of its own. Not measured yet: off.
+PREFETCH_TABLE = False
 
 
 @triton.jit
@@ -61,7 +64,7 @@ def _paged_decode_split(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    MASK_LOADS: tl.constexpr, HEADS_INNER: tl.constexpr,
+    MASK_LOADS: tl.constexpr, HEADS_INNER: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
 ):  # fmt: skip
     if HEADS_INNER:
         kvh = tl.program_id(0)
@@ -92,12 +95,21 @@ def _paged_decode_split(
     last_tile = tl.cdiv(last_page, TILE_PAGES)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
     in_page = (offs_n % PAGE) * stride_ks + kvh * stride_kh
+    table = BT + b * stride_btb
+    if PREFETCH_TABLE:  # the first tile's block numbers before the loop, each next tile's one ahead
+        page = first_tile * TILE_PAGES + offs_n // PAGE
+        blk_next = tl.load(table + page, mask=page < last_page, other=0)
     for t in range(first_tile, last_tile):
         start = t * TILE
         page = t * TILE_PAGES + offs_n // PAGE
         valid = ((start + offs_n) < length) & (page < last_page)
         # pages past this split's end (a partial last tile) point at block 0, the sink
-        blk = tl.load(BT + b * stride_btb + page, mask=page < last_page, other=0).to(tl.int64)
+        if PREFETCH_TABLE:
+            blk = blk_next.to(tl.int64)
+            ahead = page + TILE_PAGES
+            blk_next = tl.load(table + ahead, mask=ahead < last_page, other=0)
+        else:
+            blk = tl.load(table + page, mask=page < last_page, other=0).to(tl.int64)
         rows = blk * stride_kb + in_page
         if MASK_LOADS:  # tokens past the row's end are never read (zero-filled)
             k = tl.load(K + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [TILE, D]
@@ -204,6 +216,7 @@ def paged_decode(
     num_stages: int = NUM_STAGES,
     mask_loads: bool | None = None,
     heads_inner: bool | None = None,
+    prefetch_table: bool | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
     int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
@@ -211,7 +224,8 @@ def paged_decode(
     `split_pages`: pages per split (None: one split for the whole table); it is rounded up to a
     whole number of tiles. `workspace`: preallocated flat fp32 buffers `(partials, lse)` of at
     least `B * splits * Hq * D` and `B * splits * Hq` elements (a CUDA graph keeps its own).
-    `mask_loads` / `heads_inner`: see `MASK_LOADS` and `HEADS_INNER` (None: those defaults)."""
+    `mask_loads` / `heads_inner` / `prefetch_table`: see `MASK_LOADS`, `HEADS_INNER` and
+    `PREFETCH_TABLE` (None: those defaults)."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -243,6 +257,8 @@ def paged_decode(
         mask_loads = MASK_LOADS if MASK_LOADS is not None else splits == 1
     if heads_inner is None:
         heads_inner = HEADS_INNER
+    if prefetch_table is None:
+        prefetch_table = PREFETCH_TABLE
     _paged_decode_split[(hkv, b, splits) if heads_inner else (b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,
         scale,
@@ -252,7 +268,7 @@ def paged_decode(
         *strides,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1, MASK_LOADS=mask_loads,
-        HEADS_INNER=heads_inner,
+        HEADS_INNER=heads_inner, PREFETCH_TABLE=prefetch_table,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
