@@ -299,6 +299,32 @@ def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
     return model.to(device)
 
 
+def set_kernel_options(options: list[str]) -> dict[str, Any]:
+    """`MODULE.NAME=VALUE` (a Python literal) set on `laden.rollout.native.MODULE`; only names the
+    module already defines, so a typo is an error, not an option that does nothing."""
+    import ast
+    import importlib
+
+    done: dict[str, Any] = {}
+    for option in options:
+        target, sep, text = option.partition("=")
+        module_name, dot, name = target.rpartition(".")
+        if not sep or not dot:
+            raise SystemExit(
+                f"--kernel-option {option!r}: expected MODULE.NAME=VALUE, e.g. triton_swiglu.IN_DECODE=True"
+            )
+        try:
+            module = importlib.import_module(f"laden.rollout.native.{module_name}")
+        except ImportError as e:
+            raise SystemExit(f"--kernel-option {option!r}: {e}") from e
+        if not hasattr(module, name):
+            raise SystemExit(f"--kernel-option {option!r}: laden.rollout.native.{module_name} has no {name}")
+        value = ast.literal_eval(text)
+        setattr(module, name, value)
+        done[target] = value
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["A", "B"], default="A")
@@ -330,7 +356,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--tp", type=int, default=1, help="native tensor parallel size (run under torchrun)")
+    ap.add_argument(
+        "--kernel-option", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+        help="native: set a module constant of laden.rollout.native before the engine is built, e.g. "
+        "triton_swiglu.IN_DECODE=True or triton_decode.PREFETCH_TABLE=True (recorded as kernel_options)",
+    )  # fmt: skip
     args = ap.parse_args()
+    args.kernel_options = set_kernel_options(args.kernel_option)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.tensor_parallel, is_main = None, True
     if args.tp > 1:
@@ -356,6 +388,8 @@ def main() -> None:
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "prompt_tokens": sum(len(p) for p, _ in reqs), "git_commit": git_commit(), "tp": args.tp,
             }  # fmt: skip
+            if args.kernel_options and system == "native":
+                record["kernel_options"] = args.kernel_options
             try:
                 record.update(SYSTEMS[system](model, reqs, args, device))
                 record["output_tokens_per_s"] = round(record["output_tokens"] / record["seconds"], 1)

@@ -453,18 +453,30 @@ def _rope_store_reference(qkv, positions, cos, sin, qn_w, kn_w, eps, k_cache, v_
     return q
 
 
+def _swiglu_reference(gu):
+    g, u = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
 @pytest.mark.parametrize("projections", ["cublas", "split_k"])
-def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections):
+@pytest.mark.parametrize("swiglu_kernel", [False, True], ids=["compiled_swiglu", "swiglu_kernel"])
+def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections, swiglu_kernel):
     """The fused decode layer's own arithmetic on the CPU (fp32), its kernels replaced by plain
     torch: projections whose residual is added by the split-K kernel, or left to the RMSNorm after
     them (`_add_rms`, as cuBLAS's rows are), give the greedy tokens and log-probs of the standard
-    layers."""
+    layers; with `triton_swiglu.IN_DECODE` the SwiGLU is the kernel's, once a layer."""
     import sys
     import types
 
     def linear(x, w, residual=None, config=None, bias=None):
         y = x @ w.t() + (0 if bias is None else bias)
         return y if residual is None else residual + y
+
+    calls = {"add_rms": 0, "swiglu": 0}
+
+    def counted_swiglu(gu):
+        calls["swiglu"] += 1
+        return _swiglu_reference(gu)
 
     split_k = projections == "split_k"
     if split_k:
@@ -473,6 +485,7 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
         "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: object() if split_k else None,
                                                "linear": linear},
         "laden.rollout.native.triton_qkv": {"rope_store": _rope_store_reference},
+        "laden.rollout.native.triton_swiglu": {"IN_DECODE": swiglu_kernel, "swiglu": counted_swiglu},
     }  # fmt: skip
     for name, attrs in fakes.items():
         module = types.ModuleType(name)
@@ -485,7 +498,6 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
     engine = _engine(copy.deepcopy(model))
     engine.paged.fused_decode = True  # as on a GPU with Triton (the CPU engine never picks it)
     engine.paged._num_sms = 2
-    calls = {"add_rms": 0}
     add_rms = engine.paged._add_rms
 
     def counted(*args):
@@ -502,6 +514,7 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
     steps = engine.core.stats["decode_steps"]
     # cuBLAS: two sums a layer in the RMSNorms but the first layer's input; split-K: none
     assert calls["add_rms"] == (0 if split_k else (2 * layers - 1) * steps), calls
+    assert calls["swiglu"] == (layers * steps if swiglu_kernel else 0), calls
 
 
 def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monkeypatch, caplog):
@@ -526,6 +539,7 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
         "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: None, "linear": None},
         "laden.rollout.native.triton_qkv": {"rope_store": failing("rope_store")},
         "laden.rollout.native.triton_sampler": {"sample_fused": failing("sample_fused")},
+        "laden.rollout.native.triton_swiglu": {"IN_DECODE": False, "swiglu": None},
     }
     for name, attrs in fakes.items():
         module = types.ModuleType(name)

@@ -467,6 +467,8 @@ class PagedModel:
         attention, the output projection, RMSNorm, one gate/up projection, SwiGLU, the down
         projection; each residual sum in the projection before it or in the RMSNorm after it."""
         from laden.rollout.native.triton_qkv import rope_store
+        from laden.rollout.native.triton_swiglu import IN_DECODE as swiglu_kernel
+        from laden.rollout.native.triton_swiglu import swiglu
 
         fused = self.fused_weights()
         x = self.decoder.embed_tokens(input_ids)
@@ -485,7 +487,8 @@ class PagedModel:
             o = self._decode_attention(q, k_caches[i], v_caches[i], meta).reshape(n, -1)
             x, pending = self._linear(o, a.o_proj.weight, a.o_proj.bias, residual=x)
             x, h = self._norm(x, pending, layer.post_attention_layernorm)
-            act = self._swiglu(self._linear(h, f.gate_up))
+            gu = self._linear(h, f.gate_up)
+            act = swiglu(gu) if swiglu_kernel else self._swiglu(gu)
             x, pending = self._linear(act, mlp.down_proj.weight, residual=x)
         return x if pending is None else x + pending
 
