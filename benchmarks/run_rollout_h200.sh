@@ -8,7 +8,8 @@
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
 #   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE, the
-#            sampler's chunk and warps, the SwiGLU kernel against the compiled torch one
+#            sampler's chunk and warps, the SwiGLU kernel against the compiled torch one, the split-K
+#            linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
 # Writes OUT/<part>.jsonl (the scripts' JSON lines) and OUT/<part>.log.
 #   PARTS="tests A B" bash benchmarks/run_rollout_h200.sh "$OUT"
 set -uo pipefail
@@ -32,5 +33,7 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/decode_kernel.py --case
   --warps 4 --stages 2 --splits auto --prefetch-table on off
 want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --rows 64 256
 want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --blocks 512 1024 2048 --warps 4 8
+want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
+  --block-k 128 --splits 1 2 4
 want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0

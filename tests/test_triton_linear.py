@@ -29,7 +29,8 @@ def check(dtype, device, tol):
         b = torch.randn(n, device=device, dtype=dtype)
         r = torch.randn(m, n, device=device, dtype=dtype)
         block_m = max(16, 1 << (m - 1).bit_length())
-        configs = [None, LinearConfig(block_m, 32, 64, 4), LinearConfig(block_m, 64, 128, 1), LinearConfig(block_m, 32, 64, 3)]
+        configs = [None, LinearConfig(block_m, 32, 64, 4), LinearConfig(block_m, 64, 128, 1), LinearConfig(block_m, 32, 64, 3),
+                   LinearConfig(16, 32, 64, 2)]  # the last: several row tiles
         for cfg in configs:
             for bias in (None, b):
                 for res in (None, r):
@@ -84,6 +85,18 @@ def test_picked_configs_on_the_engines_shapes(rows, n, k):
     r = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x.float(), w.float()) + r.float()
     torch.testing.assert_close(linear(x, w, r, config).float(), want, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_more_rows_than_one_tile_are_row_tiles(monkeypatch):
+    """With `MAX_ROWS` raised past 128 the rows are tiles of `MAX_BLOCK_M`, as the benchmark's grid
+    runs them, not one tile of every row."""
+    from laden.rollout.native import triton_linear
+
+    monkeypatch.setattr(triton_linear, "MAX_ROWS", 256)
+    assert triton_linear.pick_config(256, 1024, 3072, 132).block_m == triton_linear.MAX_BLOCK_M == 128
+    assert triton_linear.pick_config(100, 1024, 3072, 132).block_m == 128
+    assert triton_linear.pick_config(40, 1024, 3072, 132).block_m == 64
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")

@@ -46,6 +46,7 @@ class LinearConfig:
 # this kernel 5.4 to 6.7 us for 1 to 128 rows in 4 splits; the wide ones (q/k/v fused, 4096 x 1024,
 # and gate/up, 6144 x 1024) were as fast or faster in cuBLAS.
 MAX_ROWS = 128
+MAX_BLOCK_M = 128  # more rows than this are more row tiles (`benchmarks/skinny_gemm.py`'s grid does the same)
 NARROW_TILES_PER_SM = 0.5
 BLOCK_N = 32
 BLOCK_K = 128
@@ -129,7 +130,7 @@ def pick_config(
     splits = 1
     while tiles * splits < 0.9 * num_sms and k // (splits * 2) >= MIN_SPLIT_K:
         splits *= 2
-    config = LinearConfig(max(16, triton.next_power_of_2(m)), BLOCK_N, BLOCK_K, splits)
+    config = LinearConfig(min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m))), BLOCK_N, BLOCK_K, splits)
     if smem_limit is None:
         return config
     while shared_memory(config, element_size) > 0.9 * smem_limit:
