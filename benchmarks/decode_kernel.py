@@ -19,8 +19,9 @@ kernels can cost more than the kernels: the second round's figures were taken so
     python benchmarks/decode_kernel.py --cases small r16 r32 r64 tiny --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 
 `--mask-loads` (`auto`: the kernel's rule, masked when unsplit), `--order` (`default`:
-`HEADS_INNER`) and `--prefetch-table` (`default`: `PREFETCH_TABLE`) compare the kernel's load
-modes, program orders and block-table loads.
+`HEADS_INNER`), `--prefetch-table` (`default`: `PREFETCH_TABLE`) and `--heads-per-program`
+(`default`: `HEADS_PER_PROGRAM`) compare the kernel's load modes, program orders, block-table
+loads and KV heads a program.
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
 choice: `none` once rows x KV heads make four programs an SM, else 256-token splits) or a number
@@ -88,6 +89,10 @@ def main() -> None:
         "--prefetch-table", nargs="+", choices=["default", "on", "off"], default=["default"],
         help="on: each iteration loads the next tile's block numbers; off: its own; default: PREFETCH_TABLE",
     )  # fmt: skip
+    ap.add_argument(
+        "--heads-per-program", nargs="+", default=["default"], choices=["default", "1", "2"],
+        help="KV heads a program attends (default: HEADS_PER_PROGRAM); --tiles counts one head's tokens",
+    )  # fmt: skip
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--eager", action="store_true", help="time calls launched from Python, not in a CUDA graph"
@@ -112,9 +117,10 @@ def main() -> None:
         read = sum(lengths) * hkv * d * 2 * 2  # keys and values, bf16
         best = None
         grid = itertools.product(
-            args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order, args.prefetch_table
-        )
-        for tile, warps, stages, split, mask, order, prefetch in grid:
+            args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order, args.prefetch_table,
+            args.heads_per_program,
+        )  # fmt: skip
+        for tile, warps, stages, split, mask, order, prefetch, pair in grid:
             pages = (
                 None
                 if split == "none"
@@ -128,13 +134,14 @@ def main() -> None:
                 tile_tokens=tile, num_warps=warps, num_stages=stages, mask_loads=None if mask == "auto" else mask == "on",
                 heads_inner=None if order == "default" else order == "heads",
                 prefetch_table=None if prefetch == "default" else prefetch == "on",
+                heads_per_program=None if pair == "default" else int(pair),
             )  # fmt: skip
 
             try:
                 out = call()
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
                 print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
-                                  "mask_loads": mask, "order": order, "prefetch_table": prefetch, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                                  "mask_loads": mask, "order": order, "prefetch_table": prefetch, "heads_per_program": pair, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
             us = (
@@ -145,7 +152,7 @@ def main() -> None:
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
                 "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "order": order,
-                "prefetch_table": prefetch, "us": round(us, 1),
+                "prefetch_table": prefetch, "heads_per_program": pair, "us": round(us, 1),
                 "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -7,9 +7,9 @@
 #   weights  weight updates: disk and xccl at 256/512/1024 MB buckets (0.6B, 1.7B), in place (1.7B, 8B)
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
-#   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE, the
-#            sampler's chunk and warps, the SwiGLU kernel against the compiled torch one, the split-K
-#            linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
+#   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE and
+#            HEADS_PER_PROGRAM, the sampler's chunk and warps, the SwiGLU kernel against the compiled
+#            torch one, the split-K linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
 # Writes OUT/<part>.jsonl (the scripts' JSON lines) and OUT/<part>.log.
 #   PARTS="tests A B" bash benchmarks/run_rollout_h200.sh "$OUT"
 set -uo pipefail
@@ -31,6 +31,8 @@ want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/decode_kernel.
 want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/sampler_kernel.py
 want tune && run tune "${TUNE_S:-150}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 128 \
   --warps 4 --stages 2 --splits auto --prefetch-table on off
+want tune && run tune "${TUNE_S:-150}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 32 64 \
+  --warps 4 8 --stages 2 --splits auto --heads-per-program 2 --prefetch-table on off
 want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --rows 64 256
 want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --blocks 512 1024 2048 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \

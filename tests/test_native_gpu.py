@@ -32,13 +32,14 @@ def test_triton_kernel_in_the_interpreter():
         # one split, splits of 1 to 3 pages, tiles of 1, 2 and 4 pages (partial tiles at a split's end)
         for split_pages in (None, 1, 2, 3):
             for tile in (8, 16, 32):
-                for heads_inner, prefetch in ((False, False), (True, False), (True, True)):
+                variants = ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2), (False, True, 2))
+                for heads_inner, prefetch, pair in variants:
                     out = paged_decode(
                         q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=tile, heads_inner=heads_inner,
-                        prefetch_table=prefetch,
+                        prefetch_table=prefetch, heads_per_program=pair,
                     )
                     err = (out - ref).abs().max()
-                    assert err < 1e-5, (split_pages, tile, heads_inner, prefetch, err)
+                    assert err < 1e-5, (split_pages, tile, heads_inner, prefetch, pair, err)
         # every slot no row uses (past each row's end, the sink, free blocks) holds NaN: the
         # masked loads never read them; reading them and masking the scores lets NaN through p @ v
         used = torch.zeros(kc.shape[:2], dtype=torch.bool)
@@ -49,6 +50,8 @@ def test_triton_kernel_in_the_interpreter():
         for split_pages in (None, 2):
             out = paged_decode(q, kc, vc, table, lens, 0.25, split_pages, tile_tokens=32, mask_loads=True)
             assert (out - ref).abs().max() < 1e-5, split_pages
+        paired = paged_decode(q, kc, vc, table, lens, 0.25, tile_tokens=16, mask_loads=True, heads_per_program=2)
+        assert (paired - ref).abs().max() < 1e-5
         unmasked = paged_decode(q, kc, vc, table, lens, 0.25, tile_tokens=32, mask_loads=False)
         assert unmasked.isnan().any()
         print("ok")

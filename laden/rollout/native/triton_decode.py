@@ -51,6 +51,10 @@ HEADS_INNER = True
 # Whether each iteration loads the next tile's block numbers (so the key and value addresses of a
 # tile are known an iteration early, for the pipeline) instead of its own. Not measured yet: off.
 PREFETCH_TABLE = False
+# KV heads a program attends (1 or 2): with 2, each iteration reads half as many tokens of both
+# heads (the same entries and shared memory), so a short row makes half as many programs, each
+# with twice the work to hide its start behind. Not measured yet: 1.
+HEADS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -64,14 +68,14 @@ def _paged_decode_split(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    MASK_LOADS: tl.constexpr, HEADS_INNER: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
+    MASK_LOADS: tl.constexpr, HEADS_INNER: tl.constexpr, PREFETCH_TABLE: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     if HEADS_INNER:
-        kvh = tl.program_id(0)
+        kvh = tl.program_id(0) * HEADS  # this program's first KV head
         b = tl.program_id(1)
     else:
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) * HEADS
     split = tl.program_id(2)
     length = tl.load(LENS + b)
     n_pages = tl.cdiv(length, PAGE)
@@ -79,11 +83,16 @@ def _paged_decode_split(
     if first_page >= n_pages:
         return  # this sequence needs fewer splits
     TILE: tl.constexpr = TILE_PAGES * PAGE
+    # a tile's entries: TILE tokens of each of the program's HEADS KV heads, head after head
+    offs_e = tl.arange(0, HEADS * TILE)
+    tok = offs_e % TILE
+    head_of_entry = offs_e // TILE
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, TILE)
-    g_mask = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < HEADS * GROUP
+    heads = kvh * GROUP + offs_g  # the query heads of the program's KV heads, in order
+    # each query row scores its own KV head's entries (padding rows: the last head's, never stored)
+    own = tl.minimum(offs_g // GROUP, HEADS - 1)[:, None] == head_of_entry[None, :]
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0
     )
@@ -94,15 +103,15 @@ def _paged_decode_split(
     first_tile = first_page // TILE_PAGES
     last_tile = tl.cdiv(last_page, TILE_PAGES)
     qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
-    in_page = (offs_n % PAGE) * stride_ks + kvh * stride_kh
+    in_page = (tok % PAGE) * stride_ks + (kvh + head_of_entry) * stride_kh
     table = BT + b * stride_btb
     if PREFETCH_TABLE:  # the first tile's block numbers before the loop, each next tile's one ahead
-        page = first_tile * TILE_PAGES + offs_n // PAGE
+        page = first_tile * TILE_PAGES + tok // PAGE
         blk_next = tl.load(table + page, mask=page < last_page, other=0)
     for t in range(first_tile, last_tile):
         start = t * TILE
-        page = t * TILE_PAGES + offs_n // PAGE
-        valid = ((start + offs_n) < length) & (page < last_page)
+        page = t * TILE_PAGES + tok // PAGE
+        valid = ((start + tok) < length) & (page < last_page)
         # pages past this split's end (a partial last tile) point at block 0, the sink
         if PREFETCH_TABLE:
             blk = blk_next.to(tl.int64)
@@ -112,13 +121,18 @@ def _paged_decode_split(
             blk = tl.load(table + page, mask=page < last_page, other=0).to(tl.int64)
         rows = blk * stride_kb + in_page
         if MASK_LOADS:  # tokens past the row's end are never read (zero-filled)
-            k = tl.load(K + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [TILE, D]
+            k = tl.load(
+                K + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0
+            )  # [HEADS*TILE, D]
             v = tl.load(V + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:  # read and discarded below
             k = tl.load(K + rows[:, None] + offs_d[None, :])
             v = tl.load(V + rows[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, TILE] fp32
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, HEADS*TILE] fp32
+        if HEADS == 1:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :] & own, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -217,6 +231,7 @@ def paged_decode(
     mask_loads: bool | None = None,
     heads_inner: bool | None = None,
     prefetch_table: bool | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
     int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
@@ -224,19 +239,24 @@ def paged_decode(
     `split_pages`: pages per split (None: one split for the whole table); it is rounded up to a
     whole number of tiles. `workspace`: preallocated flat fp32 buffers `(partials, lse)` of at
     least `B * splits * Hq * D` and `B * splits * Hq` elements (a CUDA graph keeps its own).
-    `mask_loads` / `heads_inner` / `prefetch_table`: see `MASK_LOADS`, `HEADS_INNER` and
-    `PREFETCH_TABLE` (None: those defaults)."""
+    `mask_loads` / `heads_inner` / `prefetch_table` / `heads_per_program`: see `MASK_LOADS`,
+    `HEADS_INNER`, `PREFETCH_TABLE` and `HEADS_PER_PROGRAM` (None: those defaults); `tile_tokens`
+    counts the tokens of one KV head an iteration reads."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
     max_pages = block_tables.shape[1]
+    heads = HEADS_PER_PROGRAM if heads_per_program is None else heads_per_program
+    if heads not in (1, 2) or hkv % heads:
+        raise ValueError(f"heads_per_program={heads} must be 1 or 2 and divide the {hkv} KV heads")
     if tile_tokens is None:
         limit = None
         if q.is_cuda:
             limit = shared_memory_limit(
                 q.device.index if q.device.index is not None else torch.cuda.current_device()
             )
-        tile_tokens = tile_tokens_for(d, q.element_size(), num_stages, page, limit)
+        # the same entries an iteration (and shared memory) as one head's tile
+        tile_tokens = max(page, tile_tokens_for(d, q.element_size(), num_stages, page, limit) // heads)
     tile_pages = max(1, tile_tokens // page)
     split = max_pages if split_pages is None else max(1, min(split_pages, max_pages))
     split = -(-split // tile_pages) * tile_pages
@@ -259,16 +279,17 @@ def paged_decode(
         heads_inner = HEADS_INNER
     if prefetch_table is None:
         prefetch_table = PREFETCH_TABLE
-    _paged_decode_split[(hkv, b, splits) if heads_inner else (b, hkv, splits)](
+    programs = hkv // heads
+    _paged_decode_split[(programs, b, splits) if heads_inner else (b, programs, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,
         scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *strides,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, D=d,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(heads * group)), PAGE=page, D=d,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1, MASK_LOADS=mask_loads,
-        HEADS_INNER=heads_inner, PREFETCH_TABLE=prefetch_table,
+        HEADS_INNER=heads_inner, PREFETCH_TABLE=prefetch_table, HEADS=heads,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
