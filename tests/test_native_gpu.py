@@ -78,6 +78,23 @@ def test_triton_kernel_equals_reference_bf16(hq, hkv, split_pages, page):
 
 
 @gpu
+@pytest.mark.parametrize(
+    "options",
+    [{"heads_per_program": 2}, {"prefetch_table": True}, {"heads_per_program": 2, "prefetch_table": True}],
+)
+@pytest.mark.parametrize("split_pages", [None, 4])
+def test_the_kernels_untried_options_equal_the_reference_bf16(options, split_pages):
+    """The options the benchmark compares (off by default until measured) compute the same attention."""
+    lengths = [1, 15, 16, 17, 500, 2000, 33]
+    q, kc, vc, table, lens = paged_case(len(lengths), 16, 8, 128, 32, lengths, torch.bfloat16, "cuda")
+    from laden.rollout.native.triton_decode import paged_decode
+
+    ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)
+    out = paged_decode(q, kc, vc, table, lens, 128**-0.5, split_pages, **options)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@gpu
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fp32_greedy_on_cuda_equals_reference(backend):
     from laden.rollout.native import NativeEngine
