@@ -7,6 +7,7 @@
 #   weights  weight updates: disk and xccl at 256/512/1024 MB buckets (0.6B, 1.7B), in place (1.7B, 8B)
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
+#   options  workload A, batch 256, native: the defaults, then each untried option (OPTIONS) alone
 #   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE and
 #            HEADS_PER_PROGRAM, the sampler's chunk and warps, the SwiGLU kernel against the compiled
 #            torch one, the split-K linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
@@ -37,5 +38,11 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --row
 want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --blocks 512 1024 2048 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
   --block-k 128 --splits 1 2 4
+# options: workload A at batch 256 (native) with the defaults, then with each untried option alone
+for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 triton_decode.PREFETCH_TABLE=True \
+    triton_linear.MAX_ROWS=256}; do
+  want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
+    --systems native ${opt:+--kernel-option $opt}
+done
 want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0
