@@ -300,7 +300,8 @@ def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
 
 
 def set_kernel_options(options: list[str]) -> dict[str, Any]:
-    """`MODULE.NAME=VALUE` (a Python literal) set on `laden.rollout.native.MODULE`; only names the
+    """`MODULE.NAME=VALUE` (a Python literal, or a bare word as a string) set on
+    `laden.rollout.native.MODULE`; only names the
     module already defines, so a typo is an error, not an option that does nothing."""
     import ast
     import importlib
@@ -319,7 +320,10 @@ def set_kernel_options(options: list[str]) -> dict[str, Any]:
             raise SystemExit(f"--kernel-option {option!r}: {e}") from e
         if not hasattr(module, name):
             raise SystemExit(f"--kernel-option {option!r}: laden.rollout.native.{module_name} has no {name}")
-        value = ast.literal_eval(text)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare word: a string (triton_sampler.METHOD=cdf)
         setattr(module, name, value)
         done[target] = value
     return done

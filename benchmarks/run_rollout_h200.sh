@@ -34,13 +34,13 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/decode_kernel.py --case
   --warps 4 --stages 2 --splits auto --prefetch-table on off
 want tune && run tune "${TUNE_S:-150}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 32 64 \
   --warps 4 8 --stages 2 --splits auto --heads-per-program 2 --prefetch-table on off
-want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --rows 64 256
+want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --rows 64 256 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --blocks 512 1024 2048 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
   --block-k 128 --splits 1 2 4
 # options: workload A at batch 256 (native) with the defaults, then with each untried option alone
 for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 triton_decode.PREFETCH_TABLE=True \
-    triton_linear.MAX_ROWS=256}; do
+    triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
   want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
     --systems native ${opt:+--kernel-option $opt}
 done

@@ -73,6 +73,25 @@ def _reference_keys(
     return logits.float() * (1.0 / temperature[:b])[:, None] - torch.log(-torch.log(u))
 
 
+def _reference_uniform(seed: int, step: int, rows: int, device) -> torch.Tensor:
+    """`METHOD = "cdf"`'s uniform of each row: the first number of Philox counter (0, row, step)."""
+    zero = torch.zeros(rows, dtype=torch.int64, device=device)
+    r = _philox(seed, zero, torch.arange(rows, device=device), zero + (step & _M32), zero + (step >> 32))[0]
+    return ((r >> 9).double() + 0.5) * 2.0**-23
+
+
+def _reference_cdf(logits: torch.Tensor, temperature: torch.Tensor, seed: int, step: int):
+    """(tokens, cumulative distribution `[B, V]` in fp64, uniforms): the first token whose
+    cumulative probability passes the row's uniform."""
+    b = logits.shape[0]
+    p = torch.softmax(logits.double() / temperature[:b, None].double(), dim=-1)
+    cdf = p.cumsum(-1)
+    u = _reference_uniform(seed, step, b, logits.device)
+    tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    last = torch.where(p > 0, torch.arange(p.shape[1], device=p.device), -1).max(-1).values
+    return torch.minimum(tokens, last), cdf, u
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -251,7 +270,7 @@ def check_mixed_batch(device: str) -> None:
 
 
 @_check
-def check_masked_never_drawn(device: str) -> None:
+def check_masked_never_drawn(device: str, method: str = "race") -> None:
     """-inf logits (bf16) are never drawn, at high temperature too: a row of one finite logit, a row
     whose first and last chunks are all -inf, a row finite only in its last, partial chunk."""
     from laden.rollout.native.triton_sampler import sample_fused
@@ -271,7 +290,7 @@ def check_masked_never_drawn(device: str) -> None:
     greedy = torch.zeros(b, dtype=torch.bool, device=device)
     seed, offset = _state(3, 0, device)
     for _ in range(2 if device == "cpu" else 50):
-        tokens, logprobs = sample_fused(logits, temperature, greedy, seed, offset, chunk=chunk)
+        tokens, logprobs = sample_fused(logits, temperature, greedy, seed, offset, chunk=chunk, method=method)
         assert torch.isfinite(_at(logits, tokens).float()).all(), tokens
         assert tokens[0].item() == 2 * chunk + 1 and abs(logprobs[0].item()) < 1e-6
         assert chunk <= tokens[1].item() < 3 * chunk and tokens[2].item() >= 3 * chunk
@@ -279,7 +298,49 @@ def check_masked_never_drawn(device: str) -> None:
 
 
 @_check
-def check_frequencies(device: str) -> None:
+def check_cdf_masked_never_drawn(device: str) -> None:
+    """As `check_masked_never_drawn`, drawn by the inverse of the cumulative distribution."""
+    check_masked_never_drawn(device, "cdf")
+
+
+@_check
+def check_cdf_equals_reference(device: str) -> None:
+    """`method="cdf"`: sampled rows draw the first token whose cumulative probability passes the
+    row's Philox uniform, token for token with an fp64 reference (or within 1e-5 of its boundary);
+    greedy rows their argmax; every logprob log_softmax(logits / T); 64-bit seed and step,
+    consecutive steps, +1 a call."""
+    from laden.rollout.native.triton_sampler import sample_fused
+
+    chunk = _chunk(device)
+    v = 3 * chunk + 17
+    b = 8 if device == "cpu" else 256
+    logits = torch.randn(b, v, generator=_gen(12)) * 2
+    logits[torch.rand(b, v, generator=_gen(13)) < 0.1] = NEG_INF
+    logits[0, :] = 0.0  # uniform: the uniform alone places the token
+    logits = logits.to(device)
+    greedy = (torch.arange(b) % 4 == 3).to(device)
+    temperature = torch.where(greedy.cpu(), 1.0, torch.tensor([0.5, 1.0, 2.0, 1.0]).repeat(b // 4)).to(device)
+    seed_value, step = 2**40 + 777, 2**32 + 5
+    seed, offset = _state(seed_value, step, device)
+    for at in (step, step + 1):
+        tokens, logprobs = sample_fused(logits, temperature, greedy, seed, offset, chunk=chunk, method="cdf")
+        assert offset.item() == at + 1
+        sampled = ~greedy
+        want, cdf, u = _reference_cdf(logits, temperature, seed_value, at)
+        rows = sampled.nonzero()[:, 0]
+        got = tokens[rows]
+        at_tok = cdf[rows].gather(1, got[:, None])[:, 0]
+        before = torch.where(got > 0, cdf[rows].gather(1, (got - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        assert ((before <= u[rows] + 1e-5) & (at_tok >= u[rows] - 1e-5)).all(), (got, want[rows])
+        assert (got == want[rows]).double().mean() >= 0.9, (got, want[rows])
+        assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+        torch.testing.assert_close(
+            logprobs, _at(_log_softmax(logits, temperature), tokens), atol=3e-5, rtol=1e-5
+        )
+
+
+@_check
+def check_frequencies(device: str, method: str = "race") -> None:
     """The kernel's own draws (CUDA only: the interpreter is too slow for enough of them) match
     softmax(logits / T): a small vocabulary, one of four chunks whose most likely token is the
     last, in the partial chunk, and a full 151,936 one, at three temperatures."""
@@ -302,11 +363,35 @@ def check_frequencies(device: str) -> None:
         logits = row.to(device).expand(b, -1).contiguous()
         for t in (0.5, 1.0, 2.0):
             temperature = torch.full((b,), t, device=device)
-            draws = [sample_fused(logits, temperature, greedy, seed, offset)[0] for _ in range(calls)]
+            draws = [
+                sample_fused(logits, temperature, greedy, seed, offset, method=method)[0]
+                for _ in range(calls)
+            ]
             _assert_frequencies(torch.cat(draws), torch.softmax(row / t, -1), hot)
 
 
-INTERPRETED = [name for name in CHECKS if name != "frequencies"]
+@_check
+def check_cdf_frequencies(device: str) -> None:
+    """As `check_frequencies`, drawn by the inverse of the cumulative distribution (CUDA only)."""
+    check_frequencies(device, "cdf")
+
+
+INTERPRETED = [name for name in CHECKS if not name.endswith("frequencies")]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_reference_cdf_matches_softmax(temperature):
+    """`method="cdf"`'s documented draw (one 23-bit Philox uniform a row, the first token whose
+    cumulative probability passes it) samples softmax(logits / T): 40,000 draws over rows and
+    steps (one past 2^32); -inf logits never."""
+    v, rows = 53, 10000
+    row = torch.randn(v, generator=_gen(14))
+    row[[3, 20, 50]] = NEG_INF
+    logits = row.expand(rows, -1)
+    t = torch.full((rows,), temperature)
+    draws = torch.cat([_reference_cdf(logits, t, 4321, step)[0] for step in (0, 1, 77, 2**32 + 1)])
+    assert not torch.isin(draws, torch.tensor([3, 20, 50])).any()
+    _assert_frequencies(draws, torch.softmax(row / temperature, -1), list(range(v)))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -50,6 +50,12 @@ import triton.language as tl
 # 4 warps is four 1024-wide tiles, eight logits a thread in each (one 16-byte load in bf16).
 CHUNK = 4096
 NUM_WARPS = 4
+# How sampled rows draw: "race" (the exponential race above: one Philox number and one logarithm a
+# logit) or "cdf" (the inverse of the row's cumulative distribution at one Philox uniform a row: the
+# first kernel then only sums exponentials, and the merge scans the chunk sums and re-reads the one
+# chunk the uniform falls in). Both draw from softmax(logits / T); the tokens differ. "cdf" is not
+# measured yet (`benchmarks/sampler_kernel.py --methods race cdf`): "race" stays the default.
+METHOD = "race"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -77,9 +83,9 @@ def _race_key(e, r, FAST: tl.constexpr):
 
 @triton.jit
 def _sample_chunks(
-    LOGITS, TEMP, GREEDY, SEED, OFFSET, PART_M, PART_S, PART_K, PART_I,
+    LOGITS, TEMP, GREEDY, SEED, OFFSET, PART_M, PART_S, PART_K, PART_I, UNIFORM,
     V, stride_l,
-    CHUNK: tl.constexpr, FAST: tl.constexpr,
+    CHUNK: tl.constexpr, FAST: tl.constexpr, CDF: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -105,7 +111,18 @@ def _sample_chunks(
     e3 = tl.exp(x3 - m_safe)
     s = tl.sum(e0 + e1 + e2 + e3, axis=0)
     greedy = tl.load(GREEDY + row)
-    if greedy:
+    if CDF:  # no race: the keys are the logits (the argmax greedy rows need); one uniform a row
+        k0, k1, k2, k3 = x0, x1, x2, x3
+        if chunk == 0:
+            step = tl.load(OFFSET)
+            zero = tl.zeros([Q], tl.uint32)
+            r, _, _, _ = tl.philox(
+                tl.load(SEED), zero, zero + row.to(tl.uint32), zero + step.to(tl.uint32),
+                zero + (step >> 32).to(tl.uint32),
+            )  # fmt: skip
+            # every lane holds the same number (counter (0, row, step)): one of them
+            tl.store(UNIFORM + row, (tl.max(r >> 9, axis=0).to(tl.float32) + 0.5) * 1.1920928955078125e-07)
+    elif greedy:
         k0, k1, k2, k3 = x0, x1, x2, x3
     else:
         step = tl.load(OFFSET)
@@ -135,7 +152,7 @@ def _sample_chunks(
     arg = tl.where(take, i3, arg)
     k_max = tl.max(best, axis=0)
     arg = tl.min(tl.where(best == k_max, arg, 2147483647), axis=0)  # the first index of the max
-    if not greedy:
+    if not greedy and not CDF:
         k_max = tl.log(k_max) + m_safe  # comparable across chunks (-inf where nothing can be drawn)
     out = row * n_chunks + chunk
     tl.store(PART_M + out, m)
@@ -171,6 +188,51 @@ def _merge_chunks(
         tl.store(OFFSET, tl.load(OFFSET) + 1)
 
 
+@triton.jit
+def _merge_cdf(
+    LOGITS, TEMP, GREEDY, OFFSET, PART_M, PART_S, PART_K, PART_I, UNIFORM, TOKENS, LOGPROBS,
+    n_chunks, V, stride_l,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """`METHOD = "cdf"`: the row's log-sum-exp from its chunks; greedy rows take the first argmax,
+    sampled rows the first token whose cumulative weight passes `U * total`: the chunk from the
+    chunks' weights `s exp(m - M)`, the token from that chunk's exponentials, re-read."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < n_chunks
+    part = row * n_chunks + offs
+    m = tl.load(PART_M + part, mask=mask, other=float("-inf"))
+    s = tl.load(PART_S + part, mask=mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = s * tl.exp(m - m_safe)  # each chunk's share of the row's total (0 for an all -inf chunk)
+    total = tl.sum(w, axis=0)
+    lse = m_safe + tl.log(total)
+    inv_t = 1.0 / tl.load(TEMP + row)
+    base = LOGITS + row.to(tl.int64) * stride_l
+    if tl.load(GREEDY + row):
+        k = tl.load(PART_K + part, mask=mask, other=float("-inf"))
+        a = tl.load(PART_I + part, mask=mask, other=2147483647)
+        token = tl.min(tl.where(k == tl.max(k, axis=0), a, 2147483647), axis=0)
+    else:
+        target = tl.load(UNIFORM + row) * total
+        cum = tl.cumsum(w, axis=0)
+        last = tl.max(tl.where(mask & (w > 0), offs, -1), axis=0)  # rounding never picks past it
+        c = tl.maximum(tl.minimum(tl.sum((mask & (cum <= target)).to(tl.int32), axis=0), last), 0)
+        before = tl.sum(tl.where(offs < c, w, 0.0), axis=0)
+        lane = tl.arange(0, CHUNK)
+        cols = c * CHUNK + lane
+        e = tl.exp(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t - m_safe)
+        within = tl.sum(((before + tl.cumsum(e, axis=0)) <= target).to(tl.int32), axis=0)
+        # (an all -inf row, total 0: its first token, as nothing can be drawn)
+        token = c * CHUNK + tl.maximum(tl.minimum(within, tl.max(tl.where(e > 0, lane, -1), axis=0)), 0)
+    scaled = tl.load(base + token).to(tl.float32) * inv_t
+    tl.store(TOKENS + row, token.to(tl.int64))
+    tl.store(LOGPROBS + row, scaled - lse)
+    if row == 0:  # every program of the first kernel has read the step
+        tl.store(OFFSET, tl.load(OFFSET) + 1)
+
+
 def sample_fused(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -180,6 +242,7 @@ def sample_fused(
     *,
     chunk: int = CHUNK,
     num_warps: int = NUM_WARPS,
+    method: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits [B, V]` (bf16, fp16 or fp32, unit stride along V) -> (`tokens [B]` int64,
     `logprobs [B]` fp32), as `sampler.sample` without top-k / top-p / min-token masking.
@@ -187,22 +250,34 @@ def sample_fused(
     `temperature [>= B]` fp32 (1 where greedy) and `greedy [>= B]` bool: only the first B rows are
     read. `seed [1]` and `offset [1]` int64 on the device: the Philox key and the step counter,
     which the call advances by one on the device. `chunk`: logits per program (a power of two, at
-    least 16; the draws depend on it)."""
+    least 16; the draws depend on it). `method`: "race" or "cdf" (None: `METHOD`)."""
     b, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("sample_fused needs logits with unit stride along the vocabulary")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, at least 16, got {chunk}")
+    method = METHOD if method is None else method
+    if method not in ("race", "cdf"):
+        raise ValueError(f"method must be 'race' or 'cdf', got {method!r}")
     n_chunks = triton.cdiv(v, chunk)
     part = torch.empty(3, b, n_chunks, device=logits.device, dtype=torch.float32)
     part_i = torch.empty(b, n_chunks, device=logits.device, dtype=torch.int32)
     tokens = torch.empty(b, device=logits.device, dtype=torch.int64)
     logprobs = torch.empty(b, device=logits.device, dtype=torch.float32)
+    cdf = method == "cdf"
+    uniform = torch.empty(b if cdf else 1, device=logits.device, dtype=torch.float32)
     _sample_chunks[(b, n_chunks)](
-        logits, temperature, greedy, seed, offset, part[0], part[1], part[2], part_i,
+        logits, temperature, greedy, seed, offset, part[0], part[1], part[2], part_i, uniform,
         v, logits.stride(0),
-        CHUNK=chunk, FAST=not _INTERPRETED, num_warps=num_warps,
+        CHUNK=chunk, FAST=not _INTERPRETED, CDF=cdf, num_warps=num_warps,
     )  # fmt: skip
+    if cdf:
+        _merge_cdf[(b,)](
+            logits, temperature, greedy, offset, part[0], part[1], part[2], part_i, uniform, tokens, logprobs,
+            n_chunks, v, logits.stride(0),
+            CHUNK=chunk, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), num_warps=4,
+        )  # fmt: skip
+        return tokens, logprobs
     _merge_chunks[(b,)](
         logits, temperature, offset, part[0], part[1], part[2], part_i, tokens, logprobs,
         n_chunks, logits.stride(0),
