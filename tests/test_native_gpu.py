@@ -64,6 +64,55 @@ def test_triton_kernel_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+FUSED_IN_THE_INTERPRETER = """
+import copy, torch
+from test_native_engine import _engine, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
+import laden.rollout.native.model as native_model
+from laden.rollout.native import triton_decode, triton_linear, triton_sampler, triton_swiglu
+
+native_model.SPLIT_K_DTYPES = (torch.float32,)  # the split-K linear in fp32 too
+model = _model("qwen3")
+prompts = _prompts(3)
+want = [reference_greedy(model, p, 4, set()) for p in prompts]
+options = [{}, {(triton_swiglu, "IN_DECODE"): True}, {(triton_decode, "HEADS_PER_PROGRAM"): 2},
+           {(triton_decode, "PREFETCH_TABLE"): True}, {(triton_sampler, "METHOD"): "cdf"}]
+for opt in options:
+    saved = {key: getattr(*key) for key in opt}
+    for (module, name), value in opt.items():
+        setattr(module, name, value)
+    engine = _engine(copy.deepcopy(model), kv_cache_tokens=512)
+    paged = engine.paged
+    paged.fused_decode, paged._num_sms, paged.decode_backend = True, 1000, "triton"  # every projection split-K
+    engine.core.fused_sampler = True
+    engine.core.sample_seed = torch.zeros(1, dtype=torch.int64)
+    engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+    got = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=4, ignore_eos=True))
+    assert [r.output_ids for r in got] == want, (opt, [r.output_ids for r in got], want)
+    sampled = engine.generate_sync(_requests(prompts, temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    for p, r in zip(prompts, sampled):
+        ref = teacher_forced_logprobs(model, p, r.output_ids, 1.0)
+        assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4), (opt, r.output_logprobs, ref)
+    assert paged.fused_decode and engine.core.fused_sampler
+    for (module, name), value in saved.items():
+        setattr(module, name, value)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter():
+    """The whole fused decode path on the CPU in fp32 under Triton's interpreter, its real kernels
+    (the split-K linear for every projection, `rope_store`, paged attention, the fused sampler), with
+    the defaults and with each option the benchmark compares: greedy tokens equal the reference
+    loop's, sampled tokens' log-probs the teacher-forced ones, and no path falls back."""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", FUSED_IN_THE_INTERPRETER], env=env, capture_output=True, text=True, timeout=600,
+        cwd="tests",
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @gpu
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (4, 4)])
 @pytest.mark.parametrize("split_pages,page", [(None, 16), (4, 16), (None, 32), (3, 32), (16, 32)])
