@@ -86,7 +86,9 @@ class _Phase:
             gpu = torch.cuda.max_memory_allocated(self.device) - self.gpu_base
             reserved = torch.cuda.max_memory_reserved(self.device)
         peak = _proc_status("VmHWM")
-        host = None if peak is None or self.host_base is None else peak - self.host_base
+        # at least 0: the kernel syncs each thread's RSS counters in batches (up to 64 pages a thread),
+        # so a phase that keeps nothing can read a few hundred KB below its base
+        host = None if peak is None or self.host_base is None else max(0, peak - self.host_base)
         self.result = Measured(self.name, gpu, reserved, host, time.perf_counter() - self.t0)
 
 
