@@ -301,8 +301,8 @@ def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
 
 def set_kernel_options(options: list[str]) -> dict[str, Any]:
     """`MODULE.NAME=VALUE` (a Python literal, or a bare word as a string) set on
-    `laden.rollout.native.MODULE`; only names the
-    module already defines, so a typo is an error, not an option that does nothing."""
+    `laden.rollout.native.MODULE`; only names the module already defines, so a typo is an error,
+    not an option that does nothing."""
     import ast
     import importlib
 
