@@ -41,10 +41,11 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --bloc
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
   --block-k 128 --splits 1 2 4
 # options: workload A at batch 256 (native) with the defaults, then with each untried option alone
-for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 triton_decode.PREFETCH_TABLE=True \
-    triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
+# (an entry's options joined by +: set together)
+for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 \
+    triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
   want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
-    --systems native ${opt:+--kernel-option $opt}
+    --systems native ${opt:+--kernel-option ${opt//+/ }}
 done
 want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0

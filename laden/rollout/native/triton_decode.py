@@ -226,8 +226,8 @@ def paged_decode(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     tile_tokens: int | None = None,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     mask_loads: bool | None = None,
     heads_inner: bool | None = None,
     prefetch_table: bool | None = None,
@@ -246,6 +246,8 @@ def paged_decode(
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
     max_pages = block_tables.shape[1]
+    num_warps = NUM_WARPS if num_warps is None else num_warps  # the module's, read now (benchmarks set them)
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     heads = HEADS_PER_PROGRAM if heads_per_program is None else heads_per_program
     if heads not in (1, 2) or hkv % heads:
         raise ValueError(f"heads_per_program={heads} must be 1 or 2 and divide the {hkv} KV heads")
