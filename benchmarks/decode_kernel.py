@@ -20,8 +20,8 @@ kernels can cost more than the kernels: the second round's figures were taken so
 
 `--mask-loads` (`auto`: the kernel's rule, masked when unsplit), `--order` (`default`:
 `HEADS_INNER`), `--prefetch-table` (`default`: `PREFETCH_TABLE`) and `--heads-per-program`
-(`default`: `HEADS_PER_PROGRAM`) compare the kernel's load modes, program orders, block-table
-loads and KV heads a program.
+(`default`: `HEADS_PER_PROGRAM`) and `--max-registers` (`default`: `MAX_REGISTERS`) compare the
+kernel's load modes, program orders, block-table loads, KV heads a program and register caps.
 
 `split` is `none` (one program per row and KV head), `auto` (`split_pages_for`, the engine's
 choice: `none` once rows x KV heads make four programs an SM, else 256-token splits) or a number
@@ -93,6 +93,10 @@ def main() -> None:
         "--heads-per-program", nargs="+", default=["default"], choices=["default", "1", "2"],
         help="KV heads a program attends (default: HEADS_PER_PROGRAM); --tiles counts one head's tokens",
     )  # fmt: skip
+    ap.add_argument(
+        "--max-registers", nargs="+", default=["default"],
+        help="registers a thread may use (Triton's maxnreg): default (MAX_REGISTERS), none, or a number",
+    )  # fmt: skip
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--eager", action="store_true", help="time calls launched from Python, not in a CUDA graph"
@@ -118,9 +122,9 @@ def main() -> None:
         best = None
         grid = itertools.product(
             args.tiles, args.warps, args.stages, args.splits, args.mask_loads, args.order, args.prefetch_table,
-            args.heads_per_program,
+            args.heads_per_program, args.max_registers,
         )  # fmt: skip
-        for tile, warps, stages, split, mask, order, prefetch, pair in grid:
+        for tile, warps, stages, split, mask, order, prefetch, pair, regs in grid:
             pages = (
                 None
                 if split == "none"
@@ -135,13 +139,14 @@ def main() -> None:
                 heads_inner=None if order == "default" else order == "heads",
                 prefetch_table=None if prefetch == "default" else prefetch == "on",
                 heads_per_program=None if pair == "default" else int(pair),
+                max_registers=None if regs == "default" else 0 if regs == "none" else int(regs),
             )  # fmt: skip
 
             try:
                 out = call()
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build (shared memory)
                 print(json.dumps({"case": case, "tile": tile, "warps": warps, "stages": stages, "split": split,
-                                  "mask_loads": mask, "order": order, "prefetch_table": prefetch, "heads_per_program": pair, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
+                                  "mask_loads": mask, "order": order, "prefetch_table": prefetch, "heads_per_program": pair, "max_registers": regs, "error": f"{type(e).__name__}: {str(e)[:120]}"}), flush=True)  # fmt: skip
                 continue
             err = float((out.float() - ref).abs().max())
             us = (
@@ -152,7 +157,8 @@ def main() -> None:
             row = {
                 "case": case, "rows": len(lengths), "tokens": sum(lengths), "tile": tile, "warps": warps,
                 "stages": stages, "split": split, "split_pages": pages, "mask_loads": mask, "order": order,
-                "prefetch_table": prefetch, "heads_per_program": pair, "us": round(us, 1),
+                "prefetch_table": prefetch, "heads_per_program": pair, "max_registers": regs,
+                "us": round(us, 1),
                 "tb_s": round(read / us / 1e6, 3), "max_err": round(err, 4), "git_commit": commit,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -8,8 +8,8 @@
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
 #   options  workload A, batch 256, native: the defaults, then each untried option (OPTIONS) alone
-#   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE and
-#            HEADS_PER_PROGRAM, the sampler's chunk and warps, the SwiGLU kernel against the compiled
+#   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE,
+#            HEADS_PER_PROGRAM and MAX_REGISTERS, the sampler's chunk and warps, the SwiGLU kernel against the compiled
 #            torch one, the split-K linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
 # Writes OUT/<part>.jsonl (the scripts' JSON lines) and OUT/<part>.log.
 #   PARTS="tests A B" bash benchmarks/run_rollout_h200.sh "$OUT"
@@ -36,6 +36,9 @@ want tune && run tune "${TUNE_S:-200}" python benchmarks/decode_kernel.py --case
   --warps 4 --stages 2 3 --splits auto --prefetch-table on off
 want tune && run tune "${TUNE_S:-200}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 32 64 \
   --warps 4 --stages 2 3 --splits auto --heads-per-program 2 --prefetch-table on off
+# (the default takes 197 registers a thread, two programs an SM; capped, three or four)
+want tune && run tune "${TUNE_S:-200}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 64 128 \
+  --warps 4 --stages 2 --splits auto --max-registers none 168 128
 want tune && run tune "${TUNE_S:-150}" python benchmarks/sampler_kernel.py --rows 64 256 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --blocks 512 1024 2048 --warps 4 8
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
@@ -43,7 +46,8 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 1
 # options: workload A at batch 256 (native) with the defaults, then with each untried option alone
 # (an entry's options joined by +: set together)
 for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 \
-    triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
+    triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_decode.MAX_REGISTERS=128 \
+    triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
   want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
     --systems native ${opt:+--kernel-option ${opt//+/ }}
 done

@@ -129,8 +129,9 @@ def test_triton_kernel_equals_reference_bf16(hq, hkv, split_pages, page):
 @gpu
 @pytest.mark.parametrize(
     "options",
-    [{"heads_per_program": 2}, {"prefetch_table": True}, {"heads_per_program": 2, "prefetch_table": True}],
-)
+    [{"heads_per_program": 2}, {"prefetch_table": True}, {"heads_per_program": 2, "prefetch_table": True},
+     {"prefetch_table": True, "num_stages": 3}, {"max_registers": 128}, {"max_registers": 128, "tile_tokens": 64}],
+)  # fmt: skip
 @pytest.mark.parametrize("split_pages", [None, 4])
 def test_the_kernels_untried_options_equal_the_reference_bf16(options, split_pages):
     """The options the benchmark compares (off by default until measured) compute the same attention."""

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not in
 H200_SMEM = 232448  # bytes a program may opt into (shared_memory_per_block_optin)
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4, num_stages: int = 2):
+def _compile(
+    fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4, num_stages: int = 2, maxnreg=None
+):
     """`fn` compiled for sm_90: `types` names each runtime argument's type ("*bf16", "i32", ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -32,9 +34,8 @@ def _compile(fn, types: dict[str, str], constexprs: dict, *, num_warps: int = 4,
         if types[name].startswith("*") or types[name] == "i32":
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.metadata.shared <= H200_SMEM, (fn.__name__, constexprs, kernel.metadata.shared)
     return kernel
 
@@ -59,6 +60,35 @@ def test_the_decode_kernel_and_its_options_compile_for_sm90(heads, prefetch, til
         DIRECT=direct, PRECISION="tf32", MASK_LOADS=direct, HEADS_INNER=True, PREFETCH_TABLE=prefetch, HEADS=heads,
     )  # fmt: skip
     _compile(_paged_decode_split, _decode_types(), constexprs, num_stages=stages)
+
+
+@pytest.mark.parametrize("maxnreg", [168, 128])
+def test_the_decode_kernel_compiles_under_a_register_cap(maxnreg):
+    """`MAX_REGISTERS`: the cap holds (the compiler spills rather than fail)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from laden.rollout.native.triton_decode import _paged_decode_split
+
+    constexprs = dict(
+        GROUP=2, BLOCK_G=16, PAGE=32, D=128, TILE_PAGES=4, SPLIT_PAGES=64, DIRECT=True, PRECISION="tf32",
+        MASK_LOADS=True, HEADS_INNER=True, PREFETCH_TABLE=False, HEADS=1,
+    )  # fmt: skip
+    kernel = _compile(_paged_decode_split, _decode_types(), constexprs, maxnreg=maxnreg)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("this Triton has no cuobjdump to read the register count")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
+    assert int(re.search(r"REG:(\d+)", usage.stdout).group(1)) <= maxnreg, usage.stdout
 
 
 @pytest.mark.parametrize("block,warps", [(512, 4), (1024, 4), (2048, 8)])

@@ -21,10 +21,13 @@ a tensor.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no registers to cap there
 
 # What the kernel runs with unless a caller says otherwise (measured on an H200 by
 # benchmarks/decode_kernel.py inside CUDA graphs, see RESULTS.md): tokens per iteration (halved
@@ -55,6 +58,11 @@ PREFETCH_TABLE = False
 # heads (the same entries and shared memory), so a short row makes half as many programs, each
 # with twice the work to hide its start behind. Not measured yet: 1.
 HEADS_PER_PROGRAM = 1
+# Registers a thread may use (Triton's `maxnreg`; None: the compiler's choice). Compiled for sm_90
+# (tests/test_triton_compile.py) the default configuration takes 197 a thread: 25,216 a program of
+# 4 warps, so two programs fit an SM's 65,536, and the SM streams the cache for two. 128 fits three
+# (with 64-token tiles, four) at the price of a few spilled bytes. Not measured yet: None.
+MAX_REGISTERS: int | None = None
 
 
 @triton.jit
@@ -232,6 +240,7 @@ def paged_decode(
     heads_inner: bool | None = None,
     prefetch_table: bool | None = None,
     heads_per_program: int | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
     int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
@@ -239,9 +248,9 @@ def paged_decode(
     `split_pages`: pages per split (None: one split for the whole table); it is rounded up to a
     whole number of tiles. `workspace`: preallocated flat fp32 buffers `(partials, lse)` of at
     least `B * splits * Hq * D` and `B * splits * Hq` elements (a CUDA graph keeps its own).
-    `mask_loads` / `heads_inner` / `prefetch_table` / `heads_per_program`: see `MASK_LOADS`,
-    `HEADS_INNER`, `PREFETCH_TABLE` and `HEADS_PER_PROGRAM` (None: those defaults); `tile_tokens`
-    counts the tokens of one KV head an iteration reads."""
+    `mask_loads` / `heads_inner` / `prefetch_table` / `heads_per_program` / `max_registers`: see
+    `MASK_LOADS`, `HEADS_INNER`, `PREFETCH_TABLE`, `HEADS_PER_PROGRAM` and `MAX_REGISTERS` (None:
+    those defaults); `tile_tokens` counts the tokens of one KV head an iteration reads."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -282,6 +291,8 @@ def paged_decode(
     if prefetch_table is None:
         prefetch_table = PREFETCH_TABLE
     programs = hkv // heads
+    registers = MAX_REGISTERS if max_registers is None else max_registers
+    launch = {} if not registers or _INTERPRETED else {"maxnreg": registers}  # 0: no cap
     _paged_decode_split[(programs, b, splits) if heads_inner else (b, programs, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,
         scale,
@@ -293,7 +304,7 @@ def paged_decode(
         TILE_PAGES=tile_pages, SPLIT_PAGES=split, DIRECT=splits == 1, MASK_LOADS=mask_loads,
         HEADS_INNER=heads_inner, PREFETCH_TABLE=prefetch_table, HEADS=heads,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(b, hq)](
