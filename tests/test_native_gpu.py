@@ -5,12 +5,11 @@ The kernel is also checked on the CPU through Triton's interpreter when Triton i
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import interpret
 from paged_case import paged_case
 from test_native_engine import EOS, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 
@@ -57,10 +56,7 @@ def test_triton_kernel_in_the_interpreter():
         print("ok")
         """
     )
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd="tests"
-    )
+    done = interpret(code)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -105,11 +101,7 @@ def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter():
     (the split-K linear for every projection, `rope_store`, paged attention, the fused sampler), with
     the defaults and with each option the benchmark compares: greedy tokens equal the reference
     loop's, sampled tokens' log-probs the teacher-forced ones, and no path falls back."""
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", FUSED_IN_THE_INTERPRETER], env=env, capture_output=True, text=True, timeout=600,
-        cwd="tests",
-    )  # fmt: skip
+    done = interpret(FUSED_IN_THE_INTERPRETER, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

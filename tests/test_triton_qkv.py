@@ -7,13 +7,11 @@ the variable is read at import)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import interpret
 
 from laden.rollout.native.attention import triton_available
 
@@ -137,10 +135,7 @@ def test_rope_store_in_the_interpreter(dtype):
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd="tests"
-    )
+    done = interpret(code, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

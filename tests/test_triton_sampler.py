@@ -14,14 +14,12 @@ kernel's own frequencies are checked as well."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 
 import pytest
 import torch
+from interpreted import interpret
 
 from laden.rollout.native.attention import triton_available
 
@@ -424,11 +422,7 @@ def interpreted() -> dict[str, str]:
         print(json.dumps(results))
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)),
-    )  # fmt: skip
+    done = interpret(code)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -5,12 +5,9 @@ subprocess: the variable is read at import); on a GPU in bf16 and fp32 (`gpu` ma
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import interpret
 
 from laden.rollout.native.attention import triton_available
 
@@ -42,8 +39,7 @@ def check(dtype, device, tol):
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_swiglu_in_the_interpreter():
     code = CASES + '\ncheck(torch.float32, "cpu", 1e-5)\nprint("ok")\n'
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = interpret(code)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

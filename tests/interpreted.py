@@ -1,0 +1,21 @@
+"""Code run under Triton's interpreter from a test. `TRITON_INTERPRET` is read when Triton is
+imported, so the code runs in a Python process of its own, from the tests directory (their
+helpers importable) with this checkout first on the import path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def interpret(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`code` run by this Python with `TRITON_INTERPRET=1`; its output captured as text."""
+    path = os.pathsep.join(p for p in (str(TESTS.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS
+    )
