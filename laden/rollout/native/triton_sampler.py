@@ -162,6 +162,39 @@ def _sample_chunks(
 
 
 @triton.jit
+def _chunk_weights(PART_M, PART_S, part, mask):
+    """A row's chunks: each one's share of the row's sum of exponentials, `s exp(m - M)` (0 for an
+    all -inf chunk), the row's max `M` (0 where every logit is -inf), their total and the row's
+    log-sum-exp."""
+    m = tl.load(PART_M + part, mask=mask, other=float("-inf"))
+    s = tl.load(PART_S + part, mask=mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = s * tl.exp(m - m_safe)
+    total = tl.sum(w, axis=0)
+    return w, m_safe, total, m_safe + tl.log(total)
+
+
+@triton.jit
+def _first_best(PART_K, PART_I, part, mask):
+    """The token of the row's largest chunk key, the first chunk's on a tie."""
+    k = tl.load(PART_K + part, mask=mask, other=float("-inf"))
+    a = tl.load(PART_I + part, mask=mask, other=2147483647)
+    return tl.min(tl.where(k == tl.max(k, axis=0), a, 2147483647), axis=0)
+
+
+@triton.jit
+def _emit(base, inv_t, lse, token, row, TOKENS, LOGPROBS, OFFSET):
+    """Store the row's token and its log-probability; row 0 advances the step, once every program
+    of the first kernel has read it."""
+    scaled = tl.load(base + token).to(tl.float32) * inv_t
+    tl.store(TOKENS + row, token.to(tl.int64))
+    tl.store(LOGPROBS + row, scaled - lse)
+    if row == 0:
+        tl.store(OFFSET, tl.load(OFFSET) + 1)
+
+
+@triton.jit
 def _merge_chunks(
     LOGITS, TEMP, OFFSET, PART_M, PART_S, PART_K, PART_I, TOKENS, LOGPROBS,
     n_chunks, stride_l,
@@ -171,21 +204,10 @@ def _merge_chunks(
     offs = tl.arange(0, BLOCK_C)
     mask = offs < n_chunks
     part = row * n_chunks + offs
-    m = tl.load(PART_M + part, mask=mask, other=float("-inf"))
-    s = tl.load(PART_S + part, mask=mask, other=0.0)
-    k = tl.load(PART_K + part, mask=mask, other=float("-inf"))
-    a = tl.load(PART_I + part, mask=mask, other=2147483647)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
-    k_max = tl.max(k, axis=0)
-    token = tl.min(tl.where(k == k_max, a, 2147483647), axis=0)  # the first chunk's on a tie
+    _, _, _, lse = _chunk_weights(PART_M, PART_S, part, mask)
+    token = _first_best(PART_K, PART_I, part, mask)
     inv_t = 1.0 / tl.load(TEMP + row)
-    scaled = tl.load(LOGITS + row.to(tl.int64) * stride_l + token).to(tl.float32) * inv_t
-    tl.store(TOKENS + row, token.to(tl.int64))
-    tl.store(LOGPROBS + row, scaled - lse)
-    if row == 0:  # every program of the first kernel has read the step
-        tl.store(OFFSET, tl.load(OFFSET) + 1)
+    _emit(LOGITS + row.to(tl.int64) * stride_l, inv_t, lse, token, row, TOKENS, LOGPROBS, OFFSET)
 
 
 @triton.jit
@@ -201,19 +223,11 @@ def _merge_cdf(
     offs = tl.arange(0, BLOCK_C)
     mask = offs < n_chunks
     part = row * n_chunks + offs
-    m = tl.load(PART_M + part, mask=mask, other=float("-inf"))
-    s = tl.load(PART_S + part, mask=mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = s * tl.exp(m - m_safe)  # each chunk's share of the row's total (0 for an all -inf chunk)
-    total = tl.sum(w, axis=0)
-    lse = m_safe + tl.log(total)
+    w, m_safe, total, lse = _chunk_weights(PART_M, PART_S, part, mask)
     inv_t = 1.0 / tl.load(TEMP + row)
     base = LOGITS + row.to(tl.int64) * stride_l
     if tl.load(GREEDY + row):
-        k = tl.load(PART_K + part, mask=mask, other=float("-inf"))
-        a = tl.load(PART_I + part, mask=mask, other=2147483647)
-        token = tl.min(tl.where(k == tl.max(k, axis=0), a, 2147483647), axis=0)
+        token = _first_best(PART_K, PART_I, part, mask)
     else:
         target = tl.load(UNIFORM + row) * total
         cum = tl.cumsum(w, axis=0)
@@ -226,11 +240,7 @@ def _merge_cdf(
         within = tl.sum(((before + tl.cumsum(e, axis=0)) <= target).to(tl.int32), axis=0)
         # (an all -inf row, total 0: its first token, as nothing can be drawn)
         token = c * CHUNK + tl.maximum(tl.minimum(within, tl.max(tl.where(e > 0, lane, -1), axis=0)), 0)
-    scaled = tl.load(base + token).to(tl.float32) * inv_t
-    tl.store(TOKENS + row, token.to(tl.int64))
-    tl.store(LOGPROBS + row, scaled - lse)
-    if row == 0:  # every program of the first kernel has read the step
-        tl.store(OFFSET, tl.load(OFFSET) + 1)
+    _emit(base, inv_t, lse, token, row, TOKENS, LOGPROBS, OFFSET)
 
 
 def sample_fused(
