@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from laden.config.loader import load_config
@@ -66,3 +68,19 @@ def test_each_engine_of_a_data_parallel_rollout_samples_with_its_own_seed(tiny_d
         states.append(engine.core.generator.get_state())
     for i, state in enumerate(states):
         assert torch.equal(state, torch.Generator().manual_seed(5 + i).get_state())
+
+
+def test_a_server_model_directory_without_a_tokenizer_gives_none(tmp_path, tiny_dir, caplog):
+    """The server engines' stop-string tokenizer: the model directory's, or None (with a warning)
+    where it has only config and weights, not an empty tokenizer built from config.json."""
+    import shutil
+
+    from laden.rollout.factory import _tokenizer_or_none
+
+    assert _tokenizer_or_none(tiny_dir) is not None
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
+    with caplog.at_level("WARNING"):
+        assert _tokenizer_or_none(bare) is None
+    assert "no tokenizer in" in caplog.text

@@ -116,12 +116,14 @@ def build_rollout_engine(
 
 def _tokenizer_or_none(path: Path) -> Any:
     """The tokenizer of the model directory a server loads (the engine decodes stop strings split by a
-    pause with it), or None where the directory has none; the server then fails on its own terms."""
-    from transformers import AutoTokenizer
+    pause with it), or None where the directory has none; the server then fails on its own terms.
+    `load_tokenizer` refuses a directory with no vocabulary files, where transformers would build an
+    empty tokenizer from config.json alone."""
+    from laden.model.hf.loading import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
+        return load_tokenizer(str(path))
+    except (ValueError, ImportError) as err:  # ImportError: a .gguf without the gguf package
         log.warning("no tokenizer in %s (%s): stop strings split by a pause will not be found", path, err)
         return None
 
