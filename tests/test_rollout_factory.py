@@ -77,10 +77,31 @@ def test_a_server_model_directory_without_a_tokenizer_gives_none(tmp_path, tiny_
 
     from laden.rollout.factory import _tokenizer_or_none
 
-    assert _tokenizer_or_none(tiny_dir) is not None
+    assert _tokenizer_or_none(tiny_dir, without="x") is not None
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
     with caplog.at_level("WARNING"):
-        assert _tokenizer_or_none(bare) is None
-    assert "no tokenizer in" in caplog.text
+        assert _tokenizer_or_none(bare, without="stop strings split by a pause will not be found") is None
+    assert "no tokenizer in" in caplog.text and "split by a pause" in caplog.text
+
+
+def test_a_native_model_directory_without_a_tokenizer_refuses_stop_strings(tmp_path, tiny_dir, caplog):
+    """The native engine built from a directory with config.json alone has no tokenizer (and says
+    so), and a request with stop strings is refused by name. transformers would have built an
+    empty tokenizer there, which decodes every token to unk, so a stop string never matched."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
+    with caplog.at_level("WARNING"):
+        engine = build_rollout_engine(_cfg(bare, "gconfig.max_new_tokens=4"), device="cpu")
+    assert engine.tokenizer is None
+    assert "no tokenizer in" in caplog.text and "stop strings are refused" in caplog.text
+    greedy = SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True)
+    (result,) = engine.generate_sync([GenerationRequest(rid="ids", input_ids=(1, 2, 3), sampling=greedy)])
+    assert len(result.output_ids) == 4  # token ids and lengths need no tokenizer
+    stop = SamplingParams(max_new_tokens=4, greedy=True, stop=("ab",))
+    with pytest.raises(ValueError, match="stop strings.*no tokenizer"):
+        engine.generate_sync([GenerationRequest(rid="s", input_ids=(1, 2, 3), sampling=stop)])

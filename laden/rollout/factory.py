@@ -90,9 +90,7 @@ def build_rollout_engine(
                 str(path), dtype=dtype, init_from_config=cfg.actor.init_from_config, seed=cfg.seed
             )
         if tokenizer is None and path is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = _tokenizer_or_none(path, without="requests with stop strings are refused")
         if tp is not None:  # on the host: the device never holds the whole model
             from laden.rollout.native.tensor_parallel import ShardLayout
 
@@ -110,21 +108,23 @@ def build_rollout_engine(
     if path is None:
         raise ValueError(f"rollout.backend={cfg.rollout.backend!r} needs a model directory: set actor.path")
     kwargs.setdefault("max_concurrent_requests", max_concurrent_rollouts(cfg))
-    kwargs.setdefault("tokenizer", tokenizer if tokenizer is not None else _tokenizer_or_none(path))
+    if tokenizer is None:
+        tokenizer = _tokenizer_or_none(path, without="stop strings split by a pause will not be found")
+    kwargs.setdefault("tokenizer", tokenizer)
     return start_server_engine(mode, model_dir=path, cfg=cfg, **kwargs)
 
 
-def _tokenizer_or_none(path: Path) -> Any:
-    """The tokenizer of the model directory a server loads (the engine decodes stop strings split by a
-    pause with it), or None where the directory has none; the server then fails on its own terms.
-    `load_tokenizer` refuses a directory with no vocabulary files, where transformers would build an
-    empty tokenizer from config.json alone."""
+def _tokenizer_or_none(path: Path, *, without: str) -> Any:
+    """The tokenizer of the model directory (or .gguf file) the engine serves, which it matches stop
+    strings with, or None (with a warning that says `without` it) where there is none. `load_tokenizer`
+    refuses a directory with no vocabulary files, where transformers would build an empty tokenizer
+    from config.json alone and stop strings would silently never match."""
     from laden.model.hf.loading import load_tokenizer
 
     try:
         return load_tokenizer(str(path))
     except (ValueError, ImportError) as err:  # ImportError: a .gguf without the gguf package
-        log.warning("no tokenizer in %s (%s): stop strings split by a pause will not be found", path, err)
+        log.warning("no tokenizer in %s (%s): %s", path, err, without)
         return None
 
 
