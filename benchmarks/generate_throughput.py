@@ -15,11 +15,12 @@ requests. Workload B (nano-vllm's benchmark): 256 requests, prompt and output le
 log-probability in both (it always does); transformers' paths return none.
 
 Each system runs a warm-up pass (CUDA graphs, Triton and cuBLAS choices, allocator growth)
-before the timed one; the timed pass is one `generate` call over all requests, synchronised at
-both ends. `--tp N` (under torchrun with N processes): the native engine tensor parallel over
-the N ranks (`native:d1tN`), the model sharded on the host before it moves to each GPU; only
-rank 0 prints. `--greedy-check`: greedy completions of `--prompts` chat prompts from a model
-directory (fp32, TF32 off) by the native engine and by `model.generate`, compared token by token.
+before the timed one, after a reset of torch.compile's caches (as in a fresh process); the timed
+pass is one `generate` call over all requests, synchronised at both ends. `--tp N` (under
+torchrun with N processes): the native engine tensor parallel over the N ranks (`native:d1tN`),
+the model sharded on the host before it moves to each GPU; only rank 0 prints.
+`--greedy-check`: greedy completions of `--prompts` chat prompts from a model directory (fp32,
+TF32 off) by the native engine and by `model.generate`, compared token by token.
 """
 
 from __future__ import annotations
@@ -382,6 +383,9 @@ def main() -> None:
     for batch in batches:
         reqs = workload(args.workload, batch, shape["vocab_size"], args.smoke)
         for system in args.systems:
+            # each result compiles as in a process of its own: the systems share no compiled frames,
+            # and a batch size run after another is not recompiled with a dynamic batch dimension
+            torch._dynamo.reset()
             started = time.perf_counter()
             model = _build(shape, device, dtype, args.tensor_parallel)
             if device.type == "cuda":
