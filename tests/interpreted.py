@@ -19,3 +19,18 @@ def interpret(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS
     )
+
+
+def interpret_ok(code: str, *, timeout: float = 300) -> None:
+    """Run `code`, which prints "ok" when every check in it passed, under the interpreter; fail
+    with its error output unless it exited 0 having printed only that."""
+    done = interpret(code, timeout=timeout)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def run_check(cases: str, *args) -> None:
+    """Run the `check(*args)` that the source `cases` defines, in this process: the GPU tests run
+    the same cases as the interpreter's."""
+    scope: dict = {}
+    exec(cases, scope)  # noqa: S102 - test source of this directory
+    scope["check"](*args)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from interpreted import interpret
+from interpreted import interpret, interpret_ok
 from paged_case import paged_case
 from test_native_engine import EOS, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 
@@ -56,8 +56,7 @@ def test_triton_kernel_in_the_interpreter():
         print("ok")
         """
     )
-    done = interpret(code)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    interpret_ok(code)
 
 
 FUSED_IN_THE_INTERPRETER = """

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import interpret
+from interpreted import interpret_ok, run_check
 
 from laden.rollout.native.attention import triton_available
 
@@ -50,17 +50,14 @@ def test_linear_in_the_interpreter():
         print("ok")
         """
     )
-    done = interpret(code)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    interpret_ok(code)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_linear_on_cuda(dtype):
-    scope: dict = {}
-    exec(CASES, scope)  # noqa: S102 - the same cases as the interpreter's
-    scope["check"](dtype, "cuda", 5e-2 if dtype == torch.bfloat16 else 1e-4)
+    run_check(CASES, dtype, "cuda", 5e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import interpret
+from interpreted import interpret_ok, run_check
 
 from laden.rollout.native.attention import triton_available
 
@@ -39,14 +39,11 @@ def check(dtype, device, tol):
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_swiglu_in_the_interpreter():
     code = CASES + '\ncheck(torch.float32, "cpu", 1e-5)\nprint("ok")\n'
-    done = interpret(code)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    interpret_ok(code)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_swiglu_on_cuda(dtype):
-    scope: dict = {}
-    exec(CASES, scope)  # noqa: S102 - the same cases as the interpreter's
-    scope["check"](dtype, "cuda", 2e-2 if dtype == torch.bfloat16 else 1e-5)
+    run_check(CASES, dtype, "cuda", 2e-2 if dtype == torch.bfloat16 else 1e-5)
