@@ -21,6 +21,7 @@ Decode has three implementations, chosen once per engine (`decode_backend`):
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Literal
 
 import torch
@@ -36,6 +37,11 @@ _VARLEN_PARAMS = (
     frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
 )
 PAGED_VARLEN = "block_table" in _VARLEN_PARAMS and "seqused_k" in _VARLEN_PARAMS
+
+
+# Triton's interpreter (`TRITON_INTERPRET=1`, read when Triton is imported): the kernels run on the
+# CPU, with no fast-math intrinsics and no register caps.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_available() -> bool:

@@ -21,13 +21,12 @@ a tensor.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no registers to cap there
+from laden.rollout.native.attention import TRITON_INTERPRETED
 
 # What the kernel runs with unless a caller says otherwise (measured on an H200 by
 # benchmarks/decode_kernel.py inside CUDA graphs, see RESULTS.md): tokens per iteration (halved
@@ -292,7 +291,7 @@ def paged_decode(
         prefetch_table = PREFETCH_TABLE
     programs = hkv // heads
     registers = MAX_REGISTERS if max_registers is None else max_registers
-    launch = {} if not registers or _INTERPRETED else {"maxnreg": registers}  # 0: no cap
+    launch = {} if not registers or TRITON_INTERPRETED else {"maxnreg": registers}  # 0: no cap
     _paged_decode_split[(programs, b, splits) if heads_inner else (b, programs, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,
         scale,

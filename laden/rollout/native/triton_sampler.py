@@ -40,11 +40,11 @@ No host value is read and the grid depends only on B and V: the call is CUDA gra
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from laden.rollout.native.attention import TRITON_INTERPRETED
 
 # Logits per program of the first kernel (a power of two, at least 16) and its warps: 4096 over
 # 4 warps is four 1024-wide tiles, eight logits a thread in each (one 16-byte load in bf16).
@@ -56,7 +56,6 @@ NUM_WARPS = 4
 # chunk the uniform falls in). Both draw from softmax(logits / T); the tokens differ. "cdf" is not
 # measured yet (`benchmarks/sampler_kernel.py --methods race cdf`): "race" stays the default.
 METHOD = "race"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -279,7 +278,7 @@ def sample_fused(
     _sample_chunks[(b, n_chunks)](
         logits, temperature, greedy, seed, offset, part[0], part[1], part[2], part_i, uniform,
         v, logits.stride(0),
-        CHUNK=chunk, FAST=not _INTERPRETED, CDF=cdf, num_warps=num_warps,
+        CHUNK=chunk, FAST=not TRITON_INTERPRETED, CDF=cdf, num_warps=num_warps,
     )  # fmt: skip
     if cdf:
         _merge_cdf[(b,)](
