@@ -7,7 +7,11 @@
 #   weights  weight updates: disk and xccl at 256/512/1024 MB buckets (0.6B, 1.7B), in place (1.7B, 8B)
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
-#   options  workload A, batch 256, native: the defaults, then each untried option (OPTIONS) alone
+#   options  workload A, batch 256, native: the defaults, then each untried option (OPTIONS) alone, then
+#            the winners together when time is left (COMBINE_BEFORE_S); the pick (benchmarks/pick_options.py,
+#            the fastest run when 1% above the defaults) goes to OUT/options.picked and .bench/picked_options,
+#            which the device keeps between calls (ignored by git) for A_OPTIONS=picked
+# A_OPTIONS  kernel options for native in part A: MODULE.NAME=VALUE words, or `picked` (.bench/picked_options)
 #   tune     the untried kernel options, each kernel alone: the decode kernel's PREFETCH_TABLE,
 #            HEADS_PER_PROGRAM and MAX_REGISTERS, the sampler's chunk and warps, the SwiGLU kernel against the compiled
 #            torch one, the split-K linear against cuBLAS above its 128 rows (triton_linear.MAX_ROWS)
@@ -21,8 +25,14 @@ source benchmarks/parts_lib.sh
 want tests && gpu_tests "${TESTS_S:-480}"
 # batch 256 (the target's) first; the three systems take about 415 to 500 s on a fresh machine (transformers
 # compiles its static-cache step for each batch size)
+a_options=${A_OPTIONS:-}
+if want A && [[ $a_options == picked ]]; then
+  [[ -f .bench/picked_options ]] || { echo "!! A_OPTIONS=picked: no .bench/picked_options (run PARTS=options first on this machine)" >&2; exit 2; }
+  a_options=$(cat .bench/picked_options)
+  echo "[A] native's kernel options from the options part: ${a_options:-the defaults}" >&2
+fi
 want A && run A "${A_S:-560}" python benchmarks/generate_throughput.py --workload A --batch 256 64 \
-  --systems ${A_SYSTEMS:-native hf_static hf_cb}
+  --systems ${A_SYSTEMS:-native hf_static hf_cb} ${a_options:+--kernel-option $a_options}
 want B && run B "${B_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native ${B_ARGS:-}
 want greedy && run greedy "${GREEDY_S:-240}" python benchmarks/generate_throughput.py --greedy-check "${SMOL_DIR:?}" --prompts 20
 want weights && run weights "${WEIGHTS_S:-400}" python benchmarks/weight_update.py
@@ -45,11 +55,25 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 1
   --block-k 128 --splits 1 2 4
 # options: workload A at batch 256 (native) with the defaults, then with each untried option alone
 # (an entry's options joined by +: set together)
+options_t0=$SECONDS
 for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 \
     triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_decode.MAX_REGISTERS=128 \
     triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
   want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
     --systems native ${opt:+--kernel-option ${opt//+/ }}
 done
+if want options; then
+  together=$(python benchmarks/pick_options.py "$out/options.jsonl" --union)
+  if [[ -n $together ]] && (( SECONDS - options_t0 < ${COMBINE_BEFORE_S:-440} )); then
+    run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
+      --systems native --kernel-option $together
+  fi
+  mkdir -p .bench
+  if python benchmarks/pick_options.py "$out/options.jsonl" >"$out/options.picked"; then
+    cp "$out/options.picked" .bench/picked_options
+  else
+    rm -f .bench/picked_options
+  fi
+fi
 want profile && run profile "${PROFILE_S:-240}" python benchmarks/generate_throughput.py --workload B --systems native --profile --profile-top 40
 exit 0

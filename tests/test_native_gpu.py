@@ -71,6 +71,7 @@ prompts = _prompts(3)
 want = [reference_greedy(model, p, 4, set()) for p in prompts]
 options = [{}, {(triton_swiglu, "IN_DECODE"): True}, {(triton_decode, "HEADS_PER_PROGRAM"): 2},
            {(triton_decode, "PREFETCH_TABLE"): True}, {(triton_sampler, "METHOD"): "cdf"}]
+options.append({key: value for opt in options for key, value in opt.items()})  # all of them together
 for opt in options:
     saved = {key: getattr(*key) for key in opt}
     for (module, name), value in opt.items():
@@ -98,8 +99,9 @@ print("ok")
 def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter():
     """The whole fused decode path on the CPU in fp32 under Triton's interpreter, its real kernels
     (the split-K linear for every projection, `rope_store`, paged attention, the fused sampler), with
-    the defaults and with each option the benchmark compares: greedy tokens equal the reference
-    loop's, sampled tokens' log-probs the teacher-forced ones, and no path falls back."""
+    the defaults, with each option the benchmark compares and with all of them together (the
+    benchmark's pick may join them): greedy tokens equal the reference loop's, sampled tokens'
+    log-probs the teacher-forced ones, and no path falls back."""
     done = interpret(FUSED_IN_THE_INTERPRETER, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
@@ -204,6 +206,24 @@ def test_cuda_graphs_equal_eager_bf16():
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05)
 
 
+def _wide_bf16_model(kind):
+    """Two layers at the Qwen3-0.6B widths in bf16 on the GPU, seeded; initializer_range gives
+    peaked distributions, whose log-probs tell a wrong path apart."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    torch.manual_seed(0)
+    widths = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512,
+                  initializer_range=0.08)  # fmt: skip
+    cfg = Qwen3Config(head_dim=128, **widths) if kind == "qwen3" else Qwen2Config(**widths)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).cuda().eval()
+
+
+def _uneven_prompts(batch):
+    return [tuple(range(5 + i, 5 + i + 3 + 11 * (i % 7))) for i in range(batch)]
+
+
 @gpu
 @pytest.mark.parametrize("batch", [7, 160])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
@@ -212,19 +232,10 @@ def test_fused_decode_bf16_returns_the_models_logprobs(kind, batch):
     at 7 rows, cuBLAS ones with the residual summed in the next RMSNorm at 160) at the Qwen3-0.6B
     widths, two layers: the log-probs of the greedy tokens against the model's own forward, as for
     the compiled layers' run."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
     from laden.rollout.native import NativeEngine
 
-    torch.manual_seed(0)
-    # initializer_range: peaked distributions, whose log-probs tell a wrong path apart
-    widths = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
-                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512,
-                  initializer_range=0.08)  # fmt: skip
-    cfg = Qwen3Config(head_dim=128, **widths) if kind == "qwen3" else Qwen2Config(**widths)
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).cuda().eval()
-    prompts = [tuple(range(5 + i, 5 + i + 3 + 11 * (i % 7))) for i in range(batch)]
+    model = _wide_bf16_model(kind)
+    prompts = _uneven_prompts(batch)
     reqs = _requests(prompts, greedy=True, max_new_tokens=24, ignore_eos=True)
     runs = {}
     for fused in (True, False):
@@ -241,3 +252,42 @@ def test_fused_decode_bf16_returns_the_models_logprobs(kind, batch):
             torch.testing.assert_close(
                 torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05, msg=str(fused)
             )
+
+
+# The benchmark's kernel options (benchmarks/run_rollout_h200.sh's `options` part), each as it
+# runs there, and all of them together (the part's pick may join several)
+KERNEL_OPTIONS = {
+    "swiglu": {"triton_swiglu.IN_DECODE": True},
+    "heads2": {"triton_decode.HEADS_PER_PROGRAM": 2},
+    "prefetch3": {"triton_decode.PREFETCH_TABLE": True, "triton_decode.NUM_STAGES": 3},
+    "maxreg128": {"triton_decode.MAX_REGISTERS": 128},
+    "rows256": {"triton_linear.MAX_ROWS": 256},
+    "cdf": {"triton_sampler.METHOD": "cdf"},
+}
+KERNEL_OPTIONS["all"] = {k: v for opt in KERNEL_OPTIONS.values() for k, v in opt.items()}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(KERNEL_OPTIONS))
+def test_kernel_options_bf16_return_the_models_logprobs(name, monkeypatch):
+    """Each option compiled for the GPU (stages, register caps, split-K above 128 rows), 160 rows
+    at the Qwen3-0.6B widths: greedy and sampled tokens' log-probs against the model's forward."""
+    import importlib
+
+    from laden.rollout.native import NativeEngine
+
+    for target, value in KERNEL_OPTIONS[name].items():
+        module, _, attr = target.rpartition(".")
+        monkeypatch.setattr(importlib.import_module(f"laden.rollout.native.{module}"), attr, value)
+    model = _wide_bf16_model("qwen3")
+    prompts = _uneven_prompts(160)
+    engine = NativeEngine(model, max_concurrent=161, max_model_len=128, kv_cache_tokens=32768)
+    greedy = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=24, ignore_eos=True))
+    sampled = engine.generate_sync(_requests(prompts, temperature=1.0, max_new_tokens=24, ignore_eos=True))
+    assert engine.paged.fused_decode and engine.core.fused_sampler  # no kernel fell back
+    engine.shutdown()
+    for results in (greedy, sampled):
+        for p, r in list(zip(prompts, results))[::8]:
+            ref = teacher_forced_logprobs(model, p, r.output_ids, 1.0).cpu()
+            torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05, msg=name)
+    assert any(g.output_ids != s.output_ids for g, s in zip(greedy, sampled))  # the sampled run sampled

@@ -105,3 +105,37 @@ def test_a_native_model_directory_without_a_tokenizer_refuses_stop_strings(tmp_p
     stop = SamplingParams(max_new_tokens=4, greedy=True, stop=("ab",))
     with pytest.raises(ValueError, match="stop strings.*no tokenizer"):
         engine.generate_sync([GenerationRequest(rid="s", input_ids=(1, 2, 3), sampling=stop)])
+
+
+def test_a_native_engine_on_a_gguf_file_takes_the_files_tokenizer(tmp_path):
+    """`actor.path` at a .gguf file: the model and the tokenizer both come from the file (transformers'
+    GGUF tokenizer), so the engine ends sequences at the file's EOS and matches stop strings."""
+    from test_loading import GGUF_EOS, _write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, tokenizer=True)
+    cfg = load_config(None, [f"actor.path={path}", "actor.dtype=float32", "gconfig.max_new_tokens=16"])
+    engine = build_rollout_engine(cfg, device="cpu")
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None and tokenizer.eos_token == GGUF_EOS
+    assert engine.core.eos_token_ids == (tokenizer.eos_token_id,)
+    prompt = tuple(tokenizer.encode("abcd hi efg"))
+    assert len(prompt) == 5  # the file's merges: abcd, Ġ, hi, Ġ, efg
+
+    def generate(**sampling):
+        params = SamplingParams(max_new_tokens=16, greedy=True, **sampling)
+        return engine.generate_sync([GenerationRequest(rid="r", input_ids=prompt, sampling=params)])[0]
+
+    free = generate()
+    text = tokenizer.decode(free.output_ids)
+    # the first two-character string of the greedy text, from its 3rd character on, not seen before
+    # it and whole (the random model's bytes are not all UTF-8: a stop string never holds U+FFFD)
+    start = next(
+        i
+        for i in range(2, len(text) - 1)
+        if text[i : i + 2] not in text[: i + 1] and "\ufffd" not in text[i : i + 2]
+    )
+    stop = text[start : start + 2]
+    cut = generate(stop=(stop,))
+    assert cut.stop_reason == "stop" and cut.output_ids == free.output_ids[: len(cut.output_ids)]
+    assert tokenizer.decode(cut.output_ids).endswith(stop) and len(cut.output_ids) < len(free.output_ids)
