@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         "--union", action="store_true", help="every winning option together, for a run to measure"
     )
     args = ap.parse_args(argv)
-    runs = results(args.results.read_text().splitlines(), args.workload, args.batch)
+    lines = args.results.read_text().splitlines() if args.results.is_file() else []  # no run finished
+    runs = results(lines, args.workload, args.batch)
     try:
         options, notes = (union if args.union else pick)(runs, args.min_gain)
     except ValueError as e:

@@ -8,7 +8,7 @@
 #   kernels  the decode step's kernels alone: projections (cuBLAS vs split-K), the paged decode kernel
 #   profile  workload B under the profiler (the top 40 kernels)
 #   options  workload A, batch 256, native: the defaults, then each untried option (OPTIONS) alone, then
-#            the winners together when time is left (COMBINE_BEFORE_S); the pick (benchmarks/pick_options.py,
+#            the winners together when time is left (OPTIONS_BUDGET_S); the pick (benchmarks/pick_options.py,
 #            the fastest run when 1% above the defaults) goes to OUT/options.picked and .bench/picked_options,
 #            which the device keeps between calls (ignored by git) for A_OPTIONS=picked
 # A_OPTIONS  kernel options for native in part A: MODULE.NAME=VALUE words, or `picked` (.bench/picked_options)
@@ -54,20 +54,30 @@ want tune && run tune "${TUNE_S:-150}" python benchmarks/swiglu_kernel.py --bloc
 want tune && run tune "${TUNE_S:-150}" python benchmarks/skinny_gemm.py --rows 128 192 256 --block-n 32 64 \
   --block-k 128 --splits 1 2 4
 # options: workload A at batch 256 (native) with the defaults, then with each untried option alone
-# (an entry's options joined by +: set together)
+# (an entry's options joined by +: set together), then the winners together. A run starts only while
+# the part's time so far plus its longest run fits OPTIONS_BUDGET_S, so the pick is written inside
+# one device call (600 s at most).
 options_t0=$SECONDS
-for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 \
-    triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_decode.MAX_REGISTERS=128 \
-    triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
-  want options && run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
-    --systems native ${opt:+--kernel-option ${opt//+/ }}
-done
-if want options; then
-  together=$(python benchmarks/pick_options.py "$out/options.jsonl" --union)
-  if [[ -n $together ]] && (( SECONDS - options_t0 < ${COMBINE_BEFORE_S:-440} )); then
-    run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
-      --systems native --kernel-option $together
+longest=0
+options_run() {  # options_run LABEL [MODULE.NAME=VALUE ...]: one run of the part, if it fits the budget
+  local label=$1 t=$SECONDS
+  shift
+  if (( SECONDS - options_t0 + longest > ${OPTIONS_BUDGET_S:-560} )); then
+    echo "[options] $label skipped: $((SECONDS - options_t0)) s used, runs take up to $longest s" >&2
+    return
   fi
+  run options "${OPTIONS_S:-150}" python benchmarks/generate_throughput.py --workload A --batch 256 \
+    --systems native ${1:+--kernel-option "$@"}
+  (( SECONDS - t > longest )) && longest=$((SECONDS - t))
+}
+if want options; then
+  for opt in "" ${OPTIONS:-triton_swiglu.IN_DECODE=True triton_decode.HEADS_PER_PROGRAM=2 \
+      triton_decode.PREFETCH_TABLE=True+triton_decode.NUM_STAGES=3 triton_decode.MAX_REGISTERS=128 \
+      triton_linear.MAX_ROWS=256 triton_sampler.METHOD=cdf}; do
+    options_run "${opt:-the defaults}" ${opt//+/ }
+  done
+  together=$(python benchmarks/pick_options.py "$out/options.jsonl" --union)
+  [[ -n $together ]] && options_run "together: $together" $together
   mkdir -p .bench
   if python benchmarks/pick_options.py "$out/options.jsonl" >"$out/options.picked"; then
     cp "$out/options.picked" .bench/picked_options

@@ -147,8 +147,15 @@ def test_the_driver_measures_the_winners_together_and_hands_the_pick_to_part_a(t
     records = [json.loads(line) for line in (tmp_path / "out2" / "A.jsonl").read_text().splitlines()]
     assert [r["system"] for r in records] == ["native", "hf_static"]
     assert records[0]["output_tokens_per_s"] == 105.0
+    # no time left in the part's budget: no run starts, and the earlier pick is not left behind
+    skipped = driver("out3", PARTS="options", OPTIONS=options, OPTIONS_BUDGET_S="-1")
+    assert skipped.returncode == 0 and "the defaults skipped" in skipped.stderr
+    assert "no successful run with the defaults" in skipped.stderr and "Traceback" not in skipped.stderr
+    assert len((tree / "calls.txt").read_text().splitlines()) == 6  # no new run
+    assert not (tree / ".bench" / "picked_options").exists()
     # no run with the defaults succeeded: no pick is left for part A to take silently
+    (tree / ".bench" / "picked_options").write_text(picked)
     (tree / "benchmarks" / "generate_throughput.py").write_text("import sys; sys.exit(1)\n")
-    done = driver("out3", PARTS="options", OPTIONS=options)
+    done = driver("out4", PARTS="options", OPTIONS=options)
     assert done.returncode == 0 and not (tree / ".bench" / "picked_options").exists()
     assert "no successful run with the defaults" in done.stderr
