@@ -159,3 +159,18 @@ def test_the_driver_measures_the_winners_together_and_hands_the_pick_to_part_a(t
     done = driver("out4", PARTS="options", OPTIONS=options)
     assert done.returncode == 0 and not (tree / ".bench" / "picked_options").exists()
     assert "no successful run with the defaults" in done.stderr
+
+
+def test_the_gpu_tests_cover_each_option_the_driver_measures():
+    """The `options` part's default entries are the option sets `test_native_gpu` compiles and checks."""
+    import re
+
+    from test_native_gpu import KERNEL_OPTIONS
+
+    driver = (BENCH / "run_rollout_h200.sh").read_text()
+    default = re.search(r"\$\{OPTIONS:-([^}]*)\}", driver)
+    assert default is not None
+    entries = default.group(1).replace("\\\n", " ").split()
+    measured = [dict(word.split("=") for word in entry.split("+")) for entry in entries]
+    tested = [{k: str(v) for k, v in opt.items()} for name, opt in KERNEL_OPTIONS.items() if name != "all"]
+    assert measured == tested
