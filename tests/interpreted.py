@@ -28,6 +28,12 @@ def interpret_ok(code: str, *, timeout: float = 300) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def interpret_check(cases: str, *args) -> None:
+    """Run the `check(*args)` that the source `cases` defines under the interpreter (`args` written
+    by their repr: dtypes, device names, tolerances), failing with its error output."""
+    interpret_ok(f"{cases}\ncheck({', '.join(map(repr, args))})\nprint('ok')\n")
+
+
 def run_check(cases: str, *args) -> None:
     """Run the `check(*args)` that the source `cases` defines, in this process: the GPU tests run
     the same cases as the interpreter's."""

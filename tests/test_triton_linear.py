@@ -5,12 +5,10 @@ subprocess: the variable is read at import); on a GPU in bf16 (`gpu` marker)."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import interpret_ok, run_check
+from interpreted import interpret_check, run_check
 
 from laden.rollout.native.attention import triton_available
 
@@ -44,13 +42,7 @@ def check(dtype, device, tol):
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_linear_in_the_interpreter():
-    code = CASES + textwrap.dedent(
-        """
-        check(torch.float32, "cpu", 1e-4)
-        print("ok")
-        """
-    )
-    interpret_ok(code)
+    interpret_check(CASES, torch.float32, "cpu", 1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

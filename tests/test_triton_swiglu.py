@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import interpret_ok, run_check
+from interpreted import interpret_check, run_check
 
 from laden.rollout.native.attention import triton_available
 
@@ -38,8 +38,7 @@ def check(dtype, device, tol):
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 def test_swiglu_in_the_interpreter():
-    code = CASES + '\ncheck(torch.float32, "cpu", 1e-5)\nprint("ok")\n'
-    interpret_ok(code)
+    interpret_check(CASES, torch.float32, "cpu", 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
