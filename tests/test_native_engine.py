@@ -334,6 +334,17 @@ def test_sampling_settings():
     assert stopped.output_ids == [first] and stopped.stop_reason == "stop"
 
 
+def fresh_stop_string(text: str) -> str:
+    """A stop string for greedy `text`: its first two characters from the 3rd on that were not seen
+    before them, and whole (bytes that are not UTF-8 decode to U+FFFD, which no stop string holds)."""
+    start = next(
+        i
+        for i in range(2, len(text) - 1)
+        if text[i : i + 2] not in text[: i + 1] and "\ufffd" not in text[i : i + 2]
+    )
+    return text[start : start + 2]
+
+
 @pytest.mark.parametrize("chain", [False, True], ids=["serial", "chained"])
 def test_stop_strings(tiny_dir, tiny_tokenizer, chain):
     cfg = tiny_qwen3_config(vocab_size=len(tiny_tokenizer) + 8 - len(tiny_tokenizer) % 8)
@@ -342,10 +353,7 @@ def test_stop_strings(tiny_dir, tiny_tokenizer, chain):
     prompt = tuple(tiny_tokenizer.encode("abc"))
     engine = _engine(model, tokenizer=tiny_tokenizer, chain_windows=chain)
     free = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=12, ignore_eos=True))[0]
-    text = tiny_tokenizer.decode(free.output_ids)
-    # the first two-character string of the greedy text, from its 3rd character on, not seen before it
-    start = next(i for i in range(2, len(text) - 1) if text[i : i + 2] not in text[: i + 1])
-    stop = text[start : start + 2]
+    stop = fresh_stop_string(tiny_tokenizer.decode(free.output_ids))
     cut = engine.generate_sync(_requests([prompt], greedy=True, max_new_tokens=12, stop=(stop,)))[0]
     assert cut.stop_reason == "stop"
     assert cut.output_ids == free.output_ids[: len(cut.output_ids)]

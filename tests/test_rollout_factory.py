@@ -70,31 +70,32 @@ def test_each_engine_of_a_data_parallel_rollout_samples_with_its_own_seed(tiny_d
         assert torch.equal(state, torch.Generator().manual_seed(5 + i).get_state())
 
 
-def test_a_server_model_directory_without_a_tokenizer_gives_none(tmp_path, tiny_dir, caplog):
-    """The server engines' stop-string tokenizer: the model directory's, or None (with a warning)
-    where it has only config and weights, not an empty tokenizer built from config.json."""
+@pytest.fixture
+def bare(tmp_path, tiny_dir):
+    """A model directory with config.json alone: no tokenizer files."""
     import shutil
 
+    path = tmp_path / "bare"
+    path.mkdir()
+    shutil.copy(Path(tiny_dir) / "config.json", path / "config.json")
+    return path
+
+
+def test_a_server_model_directory_without_a_tokenizer_gives_none(bare, tiny_dir, caplog):
+    """The server engines' stop-string tokenizer: the model directory's, or None (with a warning)
+    where it has only config and weights, not an empty tokenizer built from config.json."""
     from laden.rollout.factory import _tokenizer_or_none
 
     assert _tokenizer_or_none(tiny_dir, without="x") is not None
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
     with caplog.at_level("WARNING"):
         assert _tokenizer_or_none(bare, without="stop strings split by a pause will not be found") is None
     assert "no tokenizer in" in caplog.text and "split by a pause" in caplog.text
 
 
-def test_a_native_model_directory_without_a_tokenizer_refuses_stop_strings(tmp_path, tiny_dir, caplog):
+def test_a_native_model_directory_without_a_tokenizer_refuses_stop_strings(bare, caplog):
     """The native engine built from a directory with config.json alone has no tokenizer (and says
     so), and a request with stop strings is refused by name. transformers would have built an
     empty tokenizer there, which decodes every token to unk, so a stop string never matched."""
-    import shutil
-
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
     with caplog.at_level("WARNING"):
         engine = build_rollout_engine(_cfg(bare, "gconfig.max_new_tokens=4"), device="cpu")
     assert engine.tokenizer is None
@@ -111,6 +112,7 @@ def test_a_native_engine_on_a_gguf_file_takes_the_files_tokenizer(tmp_path):
     """`actor.path` at a .gguf file: the model and the tokenizer both come from the file (transformers'
     GGUF tokenizer), so the engine ends sequences at the file's EOS and matches stop strings."""
     from test_loading import GGUF_EOS, _write_tiny_gguf
+    from test_native_engine import fresh_stop_string
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(path, tokenizer=True)
@@ -127,15 +129,7 @@ def test_a_native_engine_on_a_gguf_file_takes_the_files_tokenizer(tmp_path):
         return engine.generate_sync([GenerationRequest(rid="r", input_ids=prompt, sampling=params)])[0]
 
     free = generate()
-    text = tokenizer.decode(free.output_ids)
-    # the first two-character string of the greedy text, from its 3rd character on, not seen before
-    # it and whole (the random model's bytes are not all UTF-8: a stop string never holds U+FFFD)
-    start = next(
-        i
-        for i in range(2, len(text) - 1)
-        if text[i : i + 2] not in text[: i + 1] and "\ufffd" not in text[i : i + 2]
-    )
-    stop = text[start : start + 2]
+    stop = fresh_stop_string(tokenizer.decode(free.output_ids))  # the random model's bytes: not all UTF-8
     cut = generate(stop=(stop,))
     assert cut.stop_reason == "stop" and cut.output_ids == free.output_ids[: len(cut.output_ids)]
     assert tokenizer.decode(cut.output_ids).endswith(stop) and len(cut.output_ids) < len(free.output_ids)

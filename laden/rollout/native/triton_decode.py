@@ -285,10 +285,8 @@ def paged_decode(
         strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     if mask_loads is None:
         mask_loads = MASK_LOADS if MASK_LOADS is not None else splits == 1
-    if heads_inner is None:
-        heads_inner = HEADS_INNER
-    if prefetch_table is None:
-        prefetch_table = PREFETCH_TABLE
+    heads_inner = HEADS_INNER if heads_inner is None else heads_inner
+    prefetch_table = PREFETCH_TABLE if prefetch_table is None else prefetch_table
     programs = hkv // heads
     registers = MAX_REGISTERS if max_registers is None else max_registers
     launch = {} if not registers or TRITON_INTERPRETED else {"maxnreg": registers}  # 0: no cap
