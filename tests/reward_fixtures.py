@@ -2,8 +2,9 @@
 
 `scripted_reward` does what the completion says: "crash" raises, "hang" sleeps far past any
 test timeout, "hang_with_child" starts a `sleep` subprocess (its pid goes to the `pid_file`
-field) and hangs, "exit" kills its own worker process, "nan" and "none" return bad values;
-anything else scores 1.0 when it equals `answer`, else 0.0.
+field) and hangs, "exit" kills its own worker process, "nan", "none", "str" ("1.0") and "bool"
+(True) return values that are not rewards, "np32" returns `numpy.float32(0.5)`; anything else
+scores 1.0 when it equals `answer`, else 0.0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def scripted_reward(prompt, completion, prompt_ids, completion_ids, answer=None,
         return float("nan")
     if completion == "none":
         return None
+    if completion == "str":
+        return "1.0"
+    if completion == "bool":
+        return True
+    if completion == "np32":
+        import numpy
+
+        return numpy.float32(0.5)
     return float(completion == answer)
 
 

@@ -1,7 +1,9 @@
-"""Rewards: loading by import path, the math-verify and reasoning-gym built-ins, `RewardPool`.
+"""Rewards: loading by import path, the math-verify and reasoning-gym built-ins, `RewardPool`,
+the four calling conventions (`laden.rl.reward_styles`), weighted functions and start-up checks.
 
-The pool tests spawn real worker processes (about a second each to start); the misbehaving
-rewards live in `reward_fixtures.py` so that workers can import them.
+The pool tests spawn real worker processes (up to a second or so each to start), so pools are
+shared through module-scoped fixtures; the rewards live in `reward_fixtures*.py` modules so that
+workers can import them (`reward_fixtures_styles.py`: one function per style).
 """
 
 from __future__ import annotations
@@ -9,16 +11,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 
 import pytest
 
+from laden.rl.reward_styles import STYLE_SIGNATURES, RewardCallError, detect_style, load_rewards
 from laden.rl.rewards import (
+    RAW_PROMPT_KEY,
     RewardError,
     RewardPool,
+    RewardSetupError,
+    RewardSpec,
     RewardTimeoutError,
+    letter_reward,
     load_reward_fn,
     math_reward,
+    missing_fields,
     reasoning_gym_reward,
 )
 
@@ -250,8 +259,278 @@ def test_close_ends_workers_and_fails_unscored_calls():
 
 def test_pool_settings_are_checked_all_at_once():
     with pytest.raises(ValueError) as info:
-        RewardPool(SCRIPTED, num_workers=0, timeout_s=0, on_error="ignore", error_value=float("nan"))  # type: ignore[arg-type]
-    for field in ("num_workers=0", "timeout_s=0", "on_error='ignore'", "error_value=nan"):
+        RewardPool(
+            SCRIPTED,
+            num_workers=0,
+            timeout_s=0,
+            on_error="ignore",  # type: ignore[arg-type]
+            error_value=float("nan"),
+            import_timeout_s=0,
+        )
+    for field in (
+        "num_workers=0",
+        "timeout_s=0",
+        "on_error='ignore'",
+        "error_value=nan",
+        "import_timeout_s=0",
+    ):
         assert field in str(info.value)
-    with pytest.raises(ValueError, match="no module named"):
-        RewardPool("no_such_module_xyz:score")
+    with pytest.raises(ValueError) as info:
+        RewardSpec(fn="scripted_reward", weight=float("inf"), style="openai")  # type: ignore[arg-type]
+    for field in ("not an import path", "weight=inf", "style='openai'"):
+        assert field in str(info.value)
+    with pytest.raises(ValueError, match="non-empty list of RewardSpec"):
+        RewardPool([])
+
+
+def _outcomes(pool, calls):
+    """`pool.score_outcome` of every call, concurrently."""
+
+    async def score_all():
+        return await asyncio.gather(*(pool.score_outcome(**call) for call in calls))
+
+    return asyncio.run(score_all())
+
+
+def _same(parts, expected):
+    """Equal dicts of floats, NaN equal to NaN."""
+    return parts.keys() == expected.keys() and all(
+        (math.isnan(v) and math.isnan(expected[k])) or v == pytest.approx(expected[k])
+        for k, v in parts.items()
+    )
+
+
+@pytest.fixture(scope="module")
+def scripted_pool():
+    with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, on_error="raise", error_value=-1.0) as pool:
+        yield pool
+
+
+def test_strings_and_bools_are_failures_and_numpy_scalars_convert(scripted_pool):
+    errors_before = scripted_pool.stats.errors
+    text, flag, np32 = _outcomes(scripted_pool, [_call("str"), _call("bool"), _call("np32")])
+    assert (text.value, flag.value, np32.value) == (-1.0, -1.0, 0.5)
+    assert "returned '1.0': a string is not a reward" in text.error
+    assert "returned True: a bool is not a reward" in flag.error
+    assert np32.error is None and np32.parts == {"scripted_reward": 0.5}
+    assert scripted_pool.stats.errors == errors_before + 2
+    with pytest.raises(RewardError, match="returned '1.0'"):
+        scripted_pool.score_many([_call("str")])  # `score` raises (on_error="raise"); `score_outcome` never
+
+
+def test_score_outcome_carries_the_error_text_of_a_raising_reward(scripted_pool):
+    (outcome,) = _outcomes(scripted_pool, [_call("crash")])
+    assert "ValueError: scripted crash" in outcome.error and "Traceback" in outcome.error
+    assert outcome.value == -1.0 and math.isnan(outcome.parts["scripted_reward"])
+
+
+# --- reward styles -------------------------------------------------------------------------
+
+STYLE_FUNCTIONS = {
+    "laden_style": "laden",
+    "areal_style": "areal",
+    "trl_text_style": "trl",
+    "trl_chat_style": "trl",
+    "verl_style": "verl",
+    "verl_dict_style": "verl",
+}
+"""The functions of `reward_fixtures_styles` and the style `auto` must detect for each."""
+
+
+@pytest.fixture(scope="module")
+def styles_pool():
+    specs = [RewardSpec(fn=f"reward_fixtures_styles:{name}") for name in STYLE_FUNCTIONS]
+    with RewardPool(specs, num_workers=2, timeout_s=30) as pool:
+        yield pool
+
+
+def _style_call(completion, answer, prompt_kind):
+    """A row with every style's fields; the raw prompt absent, a string, or chat turns."""
+    call = _call(completion, answer, data_source="arith", reward_model={"ground_truth": answer})
+    call["extra_info"] = {"split": "train"}
+    if prompt_kind != "absent":
+        call[RAW_PROMPT_KEY] = [{"role": "user", "content": "p"}] if prompt_kind == "chat" else "p"
+    return call
+
+
+def test_every_style_scores_the_same_rows_as_the_reference(styles_pool):
+    info = styles_pool.wait_ready()
+    assert info.names == list(STYLE_FUNCTIONS) and info.styles == list(STYLE_FUNCTIONS.values())
+    rows = [
+        (c, a, kind) for c, a in [("7", "7"), ("12", "21"), ("", "3")] for kind in ("absent", "text", "chat")
+    ]
+    outcomes = _outcomes(styles_pool, [_style_call(*row) for row in rows])
+    for (completion, answer, kind), outcome in zip(rows, outcomes):
+        reference = float(completion == answer) + 0.1 * len(completion)
+        expected = dict.fromkeys(STYLE_FUNCTIONS, reference)
+        expected["trl_text_style" if kind == "chat" else "trl_chat_style"] = math.nan  # TRL's None
+        assert outcome.error is None, outcome.error
+        assert _same(outcome.parts, expected), (completion, answer, kind, outcome.parts)
+        assert outcome.value == pytest.approx(5 * reference)  # the NaN part is left out of the sum
+
+
+def test_required_fields_come_from_the_signatures(styles_pool):
+    info = styles_pool.wait_ready()  # computed in the worker: this process never imports the functions
+    verl = [("data_source",), ("ground_truth", "reward_model.ground_truth", "answer")]
+    assert info.required_fields == {
+        "laden_style": [("answer",)],
+        "areal_style": [],
+        "trl_text_style": [("answer",)],
+        "trl_chat_style": [],
+        "verl_style": verl,
+        "verl_dict_style": verl,
+    }
+    assert missing_fields(info, {"prompt": "p", "answer": "1", "data_source": "d"}) == []
+    assert missing_fields(info, {"answer": "1", "reward_model": {"ground_truth": "1"}}) == ["data_source"]
+    assert missing_fields(info, {"data_source": "d", "answer": None, "reward_model": {"style": "rule"}}) == [
+        "answer",
+        "ground_truth|reward_model.ground_truth|answer",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fn", "required"),
+    [
+        (math_reward, [("answer",)]),
+        (letter_reward, [("letter",)]),
+        (reasoning_gym_reward, []),
+        ("reward_fixtures_styles:kwargs_only", []),
+    ],
+)
+def test_required_fields_of_the_builtins_and_a_kwargs_only_function(fn, required):
+    spec = fn if isinstance(fn, str) else f"laden.rl.rewards:{fn.__name__}"
+    info = load_rewards([RewardSpec(fn=spec)]).info()
+    assert info.styles == ["laden"] and list(info.required_fields.values()) == [required]
+
+
+@pytest.mark.parametrize(
+    ("name", "style"), [*STYLE_FUNCTIONS.items(), ("kwargs_only", "laden"), ("takes_one_completion", "laden")]
+)
+def test_auto_detection_reads_the_parameter_names(name, style):
+    assert detect_style(load_reward_fn(f"reward_fixtures_styles:{name}")) == style
+
+
+@pytest.mark.parametrize(
+    ("name", "style", "message"),
+    [
+        (
+            "laden_style",
+            "trl",
+            r"cannot take a trl-style call \(as set\): missing a required argument: 'prompt'",
+        ),
+        ("trl_text_style", "laden", "cannot take a laden-style call .*'prompts'"),
+        ("areal_style", "verl", "cannot take a verl-style call"),
+        ("verl_style", "trl", "cannot take a trl-style call"),
+        (
+            "takes_one_completion",
+            "auto",
+            r"cannot take a laden-style call \(detected from its parameter names\)",
+        ),
+    ],
+)
+def test_a_style_the_signature_cannot_take_is_an_error_naming_the_style(name, style, message):
+    with pytest.raises(RewardSetupError, match=message) as info:
+        load_rewards([RewardSpec(fn=f"reward_fixtures_styles:{name}", style=style)])
+    expected = "laden" if style == "auto" else style
+    assert f"a {expected} reward is {STYLE_SIGNATURES[expected]}" in str(info.value)
+
+
+def test_a_signature_that_fits_no_style_names_the_four_forms():
+    with pytest.raises(
+        RewardSetupError, match=r"fits_no_style\(x, y\) fits none of the four reward forms"
+    ) as info:
+        load_rewards([RewardSpec(fn="reward_fixtures_styles:fits_no_style")])
+    for style, signature in STYLE_SIGNATURES.items():
+        assert f"{style}: {signature}" in str(info.value)
+
+
+def test_a_forced_style_the_signature_can_take_is_used():
+    # AReaL calls positionally, so a laden-style function works as an AReaL one.
+    reward = load_rewards([RewardSpec(fn="reward_fixtures_styles:laden_style", style="areal")])
+    assert reward.info().styles == ["areal"]
+    assert reward.score(_call("ab", "ab")) == (pytest.approx(1.2), {"laden_style": pytest.approx(1.2)})
+
+
+def test_verl_ground_truth_is_the_field_then_reward_model_then_answer():
+    reward = load_rewards([RewardSpec(fn="reward_fixtures_styles:verl_dict_style")])
+
+    def score(**fields):
+        return reward.score(_call("x", data_source="arith", **fields))[0]
+
+    assert score(ground_truth="x", reward_model={"ground_truth": "y"}, answer="y") == pytest.approx(1.1)
+    assert score(ground_truth="y", reward_model={"ground_truth": "x"}, answer="x") == pytest.approx(0.1)
+    assert score(reward_model={"ground_truth": "x"}, answer="y") == pytest.approx(1.1)
+    assert score(answer="x") == pytest.approx(1.1)
+    with pytest.raises(RewardCallError, match="needs the data field data_source"):
+        reward.score(_call("x", answer="x"))
+
+
+# --- several reward functions ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weighted_pool():
+    specs = [
+        RewardSpec(fn="reward_fixtures_styles:trl_optional", weight=2.0),
+        RewardSpec(fn="reward_fixtures_styles:trl_length", weight=-0.5),
+        RewardSpec(fn="reward_fixtures_styles:trl_length", weight=0.25, style="trl"),
+    ]
+    with RewardPool(specs, num_workers=1, timeout_s=30, error_value=-3.0) as pool:
+        yield pool
+
+
+def test_weighted_functions_sum_and_a_none_is_left_out(weighted_pool):
+    assert weighted_pool.wait_ready().names == ["trl_optional", "trl_length", "trl_length_2"]
+    cases = [("7", "7", [5, 6]), ("7", "8", [5]), ("7", None, [5, 6, 7])]
+    outcomes = _outcomes(weighted_pool, [_call(c, a, completion_ids=ids) for c, a, ids in cases])
+    for (completion, answer, ids), outcome in zip(cases, outcomes):
+        exact = math.nan if answer is None else float(completion == answer)
+        parts = {"trl_optional": exact, "trl_length": float(len(ids)), "trl_length_2": float(len(ids))}
+        weighted = [w * p for w, p in zip((2.0, -0.5, 0.25), parts.values()) if not math.isnan(p)]
+        assert outcome.error is None and _same(outcome.parts, parts)
+        assert outcome.value == pytest.approx(sum(weighted))
+
+
+def test_every_function_returning_none_is_a_failure(weighted_pool):
+    errors_before = weighted_pool.stats.errors
+    (outcome,) = _outcomes(weighted_pool, [_call("7", None, completion_ids=[])])
+    assert "every reward function returned None" in outcome.error and outcome.value == -3.0
+    assert all(math.isnan(v) for v in outcome.parts.values())
+    assert weighted_pool.stats.errors == errors_before + 1
+
+
+# --- start-up ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "reward_fixtures_missing:score",
+            r"imports the missing module 'not_installed_dep_xyz'; install it \(pip install not_installed_dep_xyz",
+        ),
+        ("no_such_module_xyz:score", "no module named 'no_such_module_xyz'"),
+        ("reward_fixtures_styles:fits_no_style", "fits none of the four reward forms"),
+    ],
+)
+def test_wait_ready_reports_a_reward_that_cannot_load(spec, message):
+    pool = RewardPool(spec, num_workers=1)
+    with pytest.raises(RewardSetupError, match=message) as info:
+        pool.wait_ready()
+    assert isinstance(info.value, ValueError)  # the CLI prints it as one line
+    with pytest.raises(RuntimeError, match=message):  # the pool is broken, not scoring zeros
+        _outcomes(pool, [_call("a")])
+
+
+@pytest.mark.parametrize(("import_timeout_s", "wait_s"), [(2.0, None), (120.0, 2.0)])
+def test_an_import_that_hangs_is_reported_and_its_workers_killed(import_timeout_s, wait_s):
+    pool = RewardPool("reward_fixtures_hang:score", num_workers=2, import_timeout_s=import_timeout_s)
+    start = time.monotonic()
+    with pytest.raises(
+        RewardSetupError,
+        match=r"importing 'reward_fixtures_hang' has not finished after 2 s: does the module block at import "
+        r"\(a server, input\(\), a lock\)\?",
+    ):
+        pool.wait_ready(wait_s)
+    assert time.monotonic() - start < 2.0 + 20  # the hang bound: start-up plus the import timeout
+    assert not any(w.process.is_alive() for w in pool._dispatcher._workers)

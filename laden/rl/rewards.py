@@ -1,8 +1,11 @@
-"""Rewards for RL: load a reward function by import path, two built-ins, and a process pool.
+"""Rewards for RL: the built-in reward functions, and `RewardPool`, which scores in worker processes.
 
-A run names its reward as `reward_fn: "package.module:function"`. The function is called
-with keyword arguments `prompt`, `completion` (text), `prompt_ids`, `completion_ids` (token
-ids) and every other field of the data row (`answer`, `metadata`, ...), and returns a float.
+A run names its reward as `reward_fn: "package.module:function"`, or several with weights
+(`RewardSpec`s; the completion's reward is the weighted sum). laden's own convention calls the
+function with keyword arguments `prompt`, `completion` (text), `prompt_ids`, `completion_ids`
+(token ids) and every other field of the data row (`answer`, `metadata`, ...), and takes a float
+back; functions written for AReaL, TRL or verl are called in their own convention, detected from
+their signature (`laden.rl.reward_styles`, which also holds `load_reward_fn`).
 
 Built-ins:
 - `math_reward`: 1.0 when the completion's final answer equals the row's `answer`, decided
@@ -10,12 +13,17 @@ Built-ins:
 - `reasoning_gym_reward`: the reasoning-gym task's own `score_answer` on the text inside the
   completion's last `<answer>...</answer>` tag.
 
-`RewardPool` runs a reward function in worker processes, so a slow, crashing or hanging
+`RewardPool` runs the reward functions in worker processes, so a slow, crashing or hanging
 reward cannot stall or kill the trainer. Design decisions and what they cost:
 - Workers are `spawn`ed, never forked: forking a process that runs torch's thread pools (or
-  CUDA) can deadlock the child. A fresh worker costs an interpreter start plus its imports:
-  measured 1.4 s and 230 MB resident per worker on a CPU box, nearly all of it the torch
-  that `import laden.rl` pulls in, paid at start-up and again for every replacement.
+  CUDA) can deadlock the child. A fresh worker costs an interpreter start plus its imports
+  (this module imports only the standard library; the reward module's imports are the rest),
+  paid at start-up and again for every replacement.
+- The trainer never imports the reward module; the workers do, and each reports "ready" with
+  what it found (`RewardInfo`: names, styles, the data fields the signatures require).
+  `wait_ready()` turns an import that fails, one still running after `import_timeout_s` (a
+  module that starts a server or waits on `input()`; its worker is killed) and a signature that
+  fits no style into one `RewardSetupError` at start-up, instead of a run that scores zeros.
 - Each worker owns a private pipe, and a dispatcher thread in the trainer hands a call to one
   idle worker at a time. A call that runs past `timeout_s` gets its worker killed (its whole
   process group, so subprocesses the reward started die with it) and replaced; nothing else
@@ -24,17 +32,22 @@ reward cannot stall or kill the trainer. Design decisions and what they cost:
   `ProcessPoolExecutor` cannot kill one worker; it breaks whole instead.
 - `timeout_s` counts from the moment a worker takes the call, not time spent queued, and a
   worker takes calls only once it has imported the reward, so start-up never times out a call.
-- A failed call (exception, timeout, worker death, a non-finite or non-numeric result) is
-  counted in `stats`, logged once per kind with its error text, and scored `error_value`
-  (`on_error="zero"`) or raised to the caller as `RewardError` (`on_error="raise"`).
+- A failed call (exception, timeout, worker death, a result that is not a finite number: a
+  `str` such as "1.0" and a `bool` are failures, never coerced; numpy and torch scalars
+  convert) is counted in `stats`, logged once per kind with its error text, and scored
+  `error_value` (`on_error="zero"`) or raised to the caller as `RewardError`
+  (`on_error="raise"`). `score_outcome` returns it as a `RewardOutcome` with the error text
+  and each function's part instead, whatever `on_error` says.
 - Arguments are pickled in the caller's thread, so an unpicklable field fails right there.
 - A worker leads its own process group and exits when the trainer dies, so a hung reward
   never outlives a killed trainer.
 
-This module imports only the standard library; `math-verify` and `reasoning-gym` load on
-first use (`pip install 'laden[rl]'`). POSIX only (the dispatcher waits on file descriptors,
-workers use process groups). Past 600 lines: the pool (two thirds of the file) stays beside
-the loader its workers call; it is the part to split out if this module grows.
+This module imports only the standard library; `math-verify` and `reasoning-gym` load in the
+workers, at start-up when a built-in needs them (`pip install 'laden[rl]'`). POSIX only (the
+dispatcher waits on file descriptors, workers use process groups). Past 600 lines (about 830):
+the pool and its worker loop are two thirds of the file and one protocol (the messages "loading",
+"ready", "ok", "error", "fatal"); how rewards are called lives in `reward_styles`. The pool is the
+part to move to a module of its own if this one grows.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -56,101 +70,51 @@ import signal
 import threading
 import time
 import traceback
-import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-logger = logging.getLogger(__name__)
-
-RewardFn = Callable[..., float]
-"""`fn(prompt, completion, prompt_ids, completion_ids, **data_fields) -> float`."""
-
-_SIGNATURE_HINT = (
-    "a reward function takes (prompt, completion, prompt_ids, completion_ids, **data_fields) "
-    "and returns a float"
+from laden.rl.reward_styles import (
+    RAW_PROMPT_KEY,
+    STYLE_SIGNATURES,
+    CompositeReward,
+    RewardCallError,
+    RewardFn,
+    RewardInfo,
+    RewardSetupError,
+    RewardSpec,
+    RewardStyle,
+    as_specs,
+    describe,
+    load_reward_fn,
+    load_rewards,
+    metric_names,
+    missing_fields,
 )
 
+__all__ = [
+    "RAW_PROMPT_KEY",
+    "STYLE_SIGNATURES",
+    "RewardError",
+    "RewardFn",
+    "RewardInfo",
+    "RewardOutcome",
+    "RewardPool",
+    "RewardPoolStats",
+    "RewardSetupError",
+    "RewardSpec",
+    "RewardStyle",
+    "RewardTimeoutError",
+    "letter_reward",
+    "load_reward_fn",
+    "math_reward",
+    "missing_fields",
+    "reasoning_gym_reward",
+]
 
-# --- loading a reward function by name --------------------------------------------------
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import the reward function named by `spec`: "pkg.module:func" or "pkg.module.func".
-
-    After a colon, a dotted name (`"pkg.module:Scorer.score"`) walks attributes. Raises
-    `ValueError` naming what is missing (module, attribute, or a non-callable object).
-    """
-    module_name, attr_path = _split_spec(spec)
-    module = _import_module(module_name, spec)
-    obj: Any = module
-    for depth, attr in enumerate(attr_path.split(".")):
-        if not hasattr(obj, attr):
-            owner = ".".join([module_name, *attr_path.split(".")[:depth]])
-            raise ValueError(
-                f"reward_fn {spec!r}: {owner!r} has no attribute {attr!r}{_known_names(obj)}; "
-                "fix the name after the colon"
-            )
-        obj = getattr(obj, attr)
-    if not callable(obj):
-        raise ValueError(
-            f"reward_fn {spec!r} names a {type(obj).__name__}, not a callable; {_SIGNATURE_HINT}"
-        )
-    return obj
-
-
-def _split_spec(spec: str) -> tuple[str, str]:
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward_fn={spec!r} must be a non-empty string like 'my_pkg.rewards:score'")
-    if ":" in spec:
-        module_name, _, attr_path = spec.strip().partition(":")
-    else:
-        module_name, _, attr_path = spec.strip().rpartition(".")
-    if not module_name or not attr_path or "" in attr_path.split("."):
-        raise ValueError(
-            f"reward_fn={spec!r} is not an import path; write 'package.module:function' "
-            "(or 'package.module.function')"
-        )
-    return module_name, attr_path
-
-
-def _import_module(module_name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        parts = module_name.split(".")
-        if exc.name in {".".join(parts[: i + 1]) for i in range(len(parts))}:
-            raise ValueError(
-                f"reward_fn {spec!r}: no module named {exc.name!r}; check the spelling and that "
-                f"its folder is on PYTHONPATH (the working directory is {os.getcwd()})"
-            ) from exc
-        raise ValueError(
-            f"reward_fn {spec!r}: importing {module_name!r} failed because it imports the missing "
-            f"module {exc.name!r}; install it"
-        ) from exc
-    except Exception as exc:
-        raise ValueError(
-            f"reward_fn {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _known_names(obj: Any) -> str:
-    """ " (it has: f, g)": the public callables `obj` defines, to spot a misspelled name."""
-    namespace = getattr(obj, "__dict__", {})
-    home = obj.__name__ if isinstance(obj, types.ModuleType) else None
-    names = sorted(
-        name
-        for name, value in namespace.items()
-        if not name.startswith("_")
-        and callable(value)
-        and (home is None or getattr(value, "__module__", home) == home)  # not what it imports
-    )
-    if not names:
-        return ""
-    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-    return f" (it has: {shown})"
+logger = logging.getLogger(__name__)
 
 
 # --- built-in rewards --------------------------------------------------------------------
@@ -306,13 +270,26 @@ class RewardTimeoutError(RewardError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RewardOutcome:
+    """One call's result: the weighted total, each function's part, and what went wrong."""
+
+    value: float
+    """The weighted total; `error_value` when the call failed."""
+    parts: dict[str, float]
+    """Each function's reward by name (NaN where it returned None or the call failed)."""
+    error: str | None = None
+    """The failure text (the traceback, or the timeout / worker-death message); None when scored."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RewardPoolStats:
     """Counts since the pool started (a snapshot)."""
 
     calls: int = 0
     """Calls finished: scored, failed or timed out."""
     errors: int = 0
-    """Calls that raised, returned a non-finite or non-numeric value, or killed their worker."""
+    """Calls that raised, returned anything but a finite number (a str or a bool included), returned
+    None from every function, or killed their worker."""
     timeouts: int = 0
     """Calls that ran past `timeout_s`."""
     worker_restarts: int = 0
@@ -320,50 +297,81 @@ class RewardPoolStats:
 
 
 OnError = Literal["zero", "raise"]
-_WORKER_START_TIMEOUT_S = 300.0  # an interpreter start plus the reward module's imports
+FailureKind = Literal["error", "timeout", "crash"]
 _MAX_FAILED_STARTS = 3  # consecutive worker start failures before the pool gives up
 
 
 class RewardPool:
     """Scores rewards in `num_workers` spawned processes, each call bounded by `timeout_s`.
 
+    `reward` is an import path (one function, style auto, weight 1) or a list of `RewardSpec`.
     `await pool.score(**kwargs)` and `pool.score_many([kwargs, ...])` return floats; a failed
     call scores `error_value` (`on_error="zero"`) or raises `RewardError` (`on_error="raise"`)
-    and is counted in `pool.stats`. Use as a context manager or call `close()`.
+    and is counted in `pool.stats`. `await pool.score_outcome(**kwargs)` returns a
+    `RewardOutcome` (the total, each function's part, the error text) and never raises for a
+    failed call. `pool.wait_ready()` reports, at start-up, a reward that cannot load. Use as a
+    context manager or call `close()`.
 
-    `fn_spec` must be importable in a fresh interpreter (workers are spawned with the
+    The reward modules must be importable in a fresh interpreter (workers are spawned with the
     trainer's `sys.path` and working directory), and a script that makes a pool needs the
     `if __name__ == "__main__":` guard, since spawned workers import the main module.
     """
 
     def __init__(
         self,
-        fn_spec: str,
+        reward: str | Sequence[RewardSpec],
         *,
         num_workers: int = 4,
         timeout_s: float = 30.0,
         on_error: OnError = "zero",
         error_value: float = 0.0,
+        import_timeout_s: float = 120.0,
     ) -> None:
-        _check_pool_args(num_workers, timeout_s, on_error, error_value)
-        load_reward_fn(fn_spec)  # fail here, with the import error, not later in a worker
-        self.fn_spec = fn_spec
-        self._dispatcher = _Dispatcher(fn_spec, num_workers, float(timeout_s), on_error, float(error_value))
+        _check_pool_args(num_workers, timeout_s, on_error, error_value, import_timeout_s)
+        self.specs = as_specs(reward)  # checks the import paths' form; importing is the workers' job
+        self.names = metric_names(self.specs)  # what `RewardOutcome.parts` is keyed by, in spec order
+        self.import_timeout_s = float(import_timeout_s)
+        self._dispatcher = _Dispatcher(
+            self.specs, self.names, num_workers=num_workers, timeout_s=float(timeout_s),
+            import_timeout_s=self.import_timeout_s, on_error=on_error, error_value=float(error_value),
+        )  # fmt: skip
         self._finalizer = weakref.finalize(self, self._dispatcher.close)
 
-    def submit(self, **kwargs: Any) -> concurrent.futures.Future[float]:
-        """Queue one call `fn(**kwargs)`; the future resolves to its reward."""
+    def wait_ready(self, timeout_s: float | None = None) -> RewardInfo:
+        """Block until a worker has loaded the reward(s), and return what it found.
+
+        Raises `RewardSetupError` (a `ValueError`) naming the reward and why: its import failed
+        (with the package to install for a missing module), has not finished after `timeout_s`
+        (default `import_timeout_s`; the hung worker is killed), or its signature fits no style.
+        The pool is closed when this raises.
+        """
+        ready = self._dispatcher.ready
         try:
-            payload = pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise ValueError(
-                f"reward arguments must be picklable to reach the worker processes: {exc}"
-            ) from exc
-        return self._dispatcher.submit(payload)
+            if timeout_s is None:
+                return ready.result()  # the dispatcher enforces import_timeout_s
+            try:
+                return ready.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._dispatcher.abandon_start(timeout_s)
+                return ready.result()
+        except BaseException:
+            self.close()  # joins the dispatcher: the workers are gone when this raises
+            raise
+
+    def submit(self, **kwargs: Any) -> concurrent.futures.Future[float]:
+        """Queue one call; the future resolves to its reward (or `RewardError`, see `on_error`)."""
+        return self._submit(kwargs, outcome=False)
 
     async def score(self, **kwargs: Any) -> float:
-        """The reward of `fn(**kwargs)`, awaited without blocking the event loop."""
+        """The reward of one call, awaited without blocking the event loop."""
         return await asyncio.wrap_future(self.submit(**kwargs))
+
+    async def score_outcome(self, **kwargs: Any) -> RewardOutcome:
+        """The outcome of one call; a failed call sets `error` (value `error_value`), never raises.
+
+        Raises `RuntimeError` only when the pool is broken (its reward cannot load) or closed, and
+        `ValueError` for arguments that cannot be pickled."""
+        return await asyncio.wrap_future(self._submit(kwargs, outcome=True))
 
     def score_many(self, calls: Iterable[Mapping[str, Any]]) -> list[float]:
         """Rewards for many calls, in order; runs them on all workers and blocks until done."""
@@ -386,8 +394,19 @@ class RewardPool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _submit(self, kwargs: dict[str, Any], *, outcome: bool) -> concurrent.futures.Future[Any]:
+        try:
+            payload = pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise ValueError(
+                f"reward arguments must be picklable to reach the worker processes: {exc}"
+            ) from exc
+        return self._dispatcher.submit(payload, outcome)
 
-def _check_pool_args(num_workers: int, timeout_s: float, on_error: str, error_value: float) -> None:
+
+def _check_pool_args(
+    num_workers: int, timeout_s: float, on_error: str, error_value: float, import_timeout_s: float
+) -> None:
     problems = []
     if not isinstance(num_workers, int) or num_workers < 1:
         problems.append(f"num_workers={num_workers!r} must be an integer >= 1")
@@ -399,25 +418,38 @@ def _check_pool_args(num_workers: int, timeout_s: float, on_error: str, error_va
         )
     if not math.isfinite(error_value):
         problems.append(f"error_value={error_value!r} must be a finite float")
+    if not import_timeout_s > 0:
+        problems.append(f"import_timeout_s={import_timeout_s!r} must be > 0 seconds")
     if problems:
         raise ValueError("invalid RewardPool settings: " + "; ".join(problems))
+
+
+@dataclass(slots=True)
+class _Call:
+    """A queued call: its pickled arguments, and whether its future takes the whole outcome."""
+
+    future: concurrent.futures.Future[Any]
+    payload: bytes
+    outcome: bool
 
 
 class _Worker:
     """One spawned process, its end of a private pipe, and the call it is running."""
 
-    __slots__ = ("process", "conn", "state", "future", "deadline")
+    __slots__ = ("process", "conn", "state", "call", "deadline", "module")
 
-    def __init__(self, context: Any, fn_spec: str) -> None:
+    def __init__(self, context: Any, specs: Sequence[RewardSpec], start_timeout_s: float) -> None:
         self.conn, child_conn = context.Pipe(duplex=True)
+        plain_specs = [dataclasses.asdict(spec) for spec in specs]  # plain dicts pickle on every Python
         self.process = context.Process(
-            target=_worker_main, args=(child_conn, fn_spec), name="laden-reward", daemon=False
+            target=_worker_main, args=(child_conn, plain_specs), name="laden-reward", daemon=False
         )
         self.process.start()
         child_conn.close()
-        self.state: Literal["starting", "idle", "busy"] = "starting"
-        self.future: concurrent.futures.Future[float] | None = None
-        self.deadline = time.monotonic() + _WORKER_START_TIMEOUT_S
+        self.state: Literal["starting", "loading", "idle", "busy"] = "starting"
+        self.call: _Call | None = None
+        self.deadline = time.monotonic() + start_timeout_s
+        self.module: str | None = None  # the reward module it is importing (state "loading")
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (the reward's own subprocesses too)."""
@@ -450,37 +482,55 @@ class _Dispatcher:
     """
 
     def __init__(
-        self, fn_spec: str, num_workers: int, timeout_s: float, on_error: OnError, error_value: float
+        self,
+        specs: Sequence[RewardSpec],
+        names: list[str],
+        *,
+        num_workers: int,
+        timeout_s: float,
+        import_timeout_s: float,
+        on_error: OnError,
+        error_value: float,
     ):
-        self.fn_spec, self.timeout_s = fn_spec, timeout_s
+        self.specs, self.names, self.label = specs, names, describe(specs)
+        self.timeout_s, self.import_timeout_s = timeout_s, import_timeout_s
         self.on_error, self.error_value = on_error, error_value
+        # The first ready worker's `RewardInfo`, or why none will be ready.
+        self.ready: concurrent.futures.Future[RewardInfo] = concurrent.futures.Future()
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
-        self._pending: deque[tuple[concurrent.futures.Future[float], bytes]] = deque()
+        self._pending: deque[_Call] = deque()
         self._stats = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
         self._logged: set[str] = set()
         self._closing = False
         self._broken: str | None = None
+        self._abandon_after_s: float | None = None
         self._failed_starts = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._workers = [_Worker(self._context, fn_spec) for _ in range(num_workers)]
+        self._workers = [self._new_worker() for _ in range(num_workers)]
         self._thread = threading.Thread(target=self._run, name="laden-reward-dispatch", daemon=True)
         self._thread.start()
 
     # Called from any thread.
 
-    def submit(self, payload: bytes) -> concurrent.futures.Future[float]:
-        future: concurrent.futures.Future[float] = concurrent.futures.Future()
+    def submit(self, payload: bytes, outcome: bool) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._broken is not None:
                 raise RuntimeError(self._broken)
             if self._closing:
                 raise RuntimeError("this RewardPool is closed; create a new one")
-            self._pending.append((future, payload))
+            self._pending.append(_Call(future, payload, outcome))
         self._wake()
         return future
+
+    def abandon_start(self, after_s: float) -> None:
+        """`wait_ready` gave up after `after_s`: break the pool unless a worker is ready by now."""
+        with self._lock:
+            self._abandon_after_s = after_s
+        self._wake()
 
     def snapshot(self) -> RewardPoolStats:
         with self._lock:
@@ -501,6 +551,9 @@ class _Dispatcher:
                 os.write(self._wake_w, b"\0")
 
     # The dispatcher thread.
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._context, self.specs, self.import_timeout_s)
 
     def _run(self) -> None:
         try:
@@ -537,88 +590,118 @@ class _Dispatcher:
         for worker in self._workers:
             if worker.state != "idle":
                 continue
-            future, payload = self._next_call()
-            if future is None:
+            call = self._next_call()
+            if call is None:
                 return
-            worker.state, worker.future = "busy", future
+            worker.state, worker.call = "busy", call
             worker.deadline = time.monotonic() + self.timeout_s
             with contextlib.suppress(OSError):  # it died: `_receive` sees it and fails the call
-                worker.conn.send_bytes(payload)
+                worker.conn.send_bytes(call.payload)
 
-    def _next_call(self) -> tuple[concurrent.futures.Future[float] | None, bytes]:
+    def _next_call(self) -> _Call | None:
         with self._lock:
             while self._pending:
-                future, payload = self._pending.popleft()
-                if future.set_running_or_notify_cancel():
-                    return future, payload
-        return None, b""
+                call = self._pending.popleft()
+                if call.future.set_running_or_notify_cancel():
+                    return call
+        return None
 
     def _receive(self, worker: _Worker) -> None:
-        try:
-            kind, value = worker.conn.recv() if worker.conn.poll() else ("exit", None)
-        except (EOFError, OSError):
-            kind, value = "exit", None
-        if kind == "ready":
+        message: tuple[str, Any] = ("exit", None)
+        with contextlib.suppress(EOFError, OSError):
+            if worker.conn.poll():
+                message = worker.conn.recv()
+        kind, value = message
+        if kind == "loading":
+            if worker.state == "starting":  # the import's own bound starts now
+                worker.deadline = time.monotonic() + self.import_timeout_s
+            worker.state, worker.module = "loading", value
+        elif kind == "ready":
             worker.state, self._failed_starts = "idle", 0
+            _resolve(self.ready, value=RewardInfo(**value))
         elif kind == "ok":
-            self._finish(worker, value)
+            total, parts = value
+            self._finish(worker, RewardOutcome(value=total, parts=parts))
         elif kind == "error":
-            self._fail(worker, "error", f"reward function {self.fn_spec!r} failed:\n{value}")
+            self._fail(worker, "error", value)
         elif kind == "fatal":
-            self._break(f"reward workers cannot load {self.fn_spec!r}:\n{value}")
+            self._break(value, setup=True)
         elif not worker.process.is_alive():
             self._on_exit(worker)
 
     def _on_exit(self, worker: _Worker) -> None:
         code = worker.process.exitcode
-        if worker.state == "starting":
+        if worker.state in ("starting", "loading"):
             self._failed_starts += 1
             if self._failed_starts >= _MAX_FAILED_STARTS:
-                self._break(f"reward workers for {self.fn_spec!r} keep dying at start-up (exit code {code})")
+                where = f" while importing {worker.module!r}" if worker.module else ""
+                self._break(
+                    f"reward workers for {self.label} keep dying at start-up{where} (exit code {code})",
+                    setup=True,
+                )
                 return
         elif worker.state == "busy":
-            message = f"the reward worker for {self.fn_spec!r} died (exit code {code})"
+            message = f"the reward worker for {self.label} died (exit code {code})"
             self._fail(worker, "crash", message, replace=True)
             return
         self._replace(worker)
 
     def _expire(self, now: float) -> None:
+        if self._abandon_after_s is not None and not self.ready.done():
+            self._break(self._start_timeout_message(self._abandon_after_s), setup=True)
+            return
         for worker in list(self._workers):
             if worker.state == "busy" and now >= worker.deadline:
                 message = (
-                    f"reward function {self.fn_spec!r} ran past timeout_s={self.timeout_s}; its worker "
+                    f"reward function {self.label} ran past timeout_s={self.timeout_s}; its worker "
                     "was killed and replaced (raise timeout_s if the reward is legitimately this slow)"
                 )
                 self._fail(worker, "timeout", message, replace=True)
-            elif worker.state == "starting" and now >= worker.deadline:
-                self._break(
-                    f"a reward worker took over {_WORKER_START_TIMEOUT_S:.0f} s to import {self.fn_spec!r}"
-                )
+            elif worker.state in ("starting", "loading") and now >= worker.deadline:
+                self._break(self._start_timeout_message(self.import_timeout_s), setup=True)
+                return
 
-    def _finish(self, worker: _Worker, value: Any) -> None:
-        future, worker.future, worker.state = worker.future, None, "idle"
-        with self._lock:
-            self._stats["calls"] += 1
-        assert future is not None, "a worker answered a call it was not given"
-        _resolve(future, value=value)
+    def _start_timeout_message(self, after_s: float) -> str:
+        module = next((w.module for w in self._workers if w.state == "loading"), None)
+        if module is None:
+            return (
+                f"a reward worker for {self.label} has not started after {after_s:g} s (a Python interpreter "
+                "start and `import laden.rl.rewards`); the machine may be overloaded: raise import_timeout_s"
+            )
+        return (
+            f"reward {self.label}: importing {module!r} has not finished after {after_s:g} s: does the module "
+            "block at import (a server, input(), a lock)? Move that work into the reward function or under "
+            "`if __name__ == '__main__':`, or raise import_timeout_s (reward_import_timeout_s) if the import "
+            "is legitimately this slow; the worker was killed"
+        )
 
-    def _fail(self, worker: _Worker, kind: str, message: str, *, replace: bool = False) -> None:
+    def _finish(self, worker: _Worker, outcome: RewardOutcome) -> None:
+        call, worker.call, worker.state = worker.call, None, "idle"
+        self._settle(call, outcome, None)
+
+    def _fail(self, worker: _Worker, kind: FailureKind, message: str, *, replace: bool = False) -> None:
         """Count and log a failed call, replace its worker if asked, then resolve the call
         (in that order, so a caller who sees the outcome also sees it in `stats`)."""
-        future, worker.future, worker.state = worker.future, None, "idle"
+        call, worker.call, worker.state = worker.call, None, "idle"
         if replace:
             self._replace(worker)
+        self._log_once(kind, message)
+        parts = dict.fromkeys(self.names, math.nan)
+        self._settle(call, RewardOutcome(value=self.error_value, parts=parts, error=message), kind)
+
+    def _settle(self, call: _Call | None, outcome: RewardOutcome, kind: FailureKind | None) -> None:
         with self._lock:
             self._stats["calls"] += 1
-            self._stats["timeouts" if kind == "timeout" else "errors"] += 1
-        self._log_once(kind, message)
-        if future is None:
-            return
-        if self.on_error == "raise":
+            if kind is not None:
+                self._stats["timeouts" if kind == "timeout" else "errors"] += 1
+        assert call is not None, "a worker answered a call it was not given"
+        if call.outcome:
+            _resolve(call.future, value=outcome)
+        elif kind is not None and self.on_error == "raise":
             error_type = RewardTimeoutError if kind == "timeout" else RewardError
-            _resolve(future, error=error_type(message))
+            _resolve(call.future, error=error_type(outcome.error))
         else:
-            _resolve(future, value=self.error_value)
+            _resolve(call.future, value=outcome.value)
 
     def _log_once(self, kind: str, message: str) -> None:
         if kind in self._logged:
@@ -633,24 +716,26 @@ class _Dispatcher:
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        index = self._workers.index(worker)
-        self._workers[index] = _Worker(self._context, self.fn_spec)
+        self._workers[self._workers.index(worker)] = self._new_worker()
         with self._lock:
             self._stats["worker_restarts"] += 1
 
-    def _break(self, message: str) -> None:
+    def _break(self, message: str, *, setup: bool = False) -> None:
+        """Stop the pool for good; a start-up failure is `wait_ready`'s `RewardSetupError`."""
         logger.error("%s", message)
         with self._lock:
             self._broken, self._closing = message, True
+        _resolve(self.ready, error=RewardSetupError(message) if setup else RuntimeError(message))
 
     def _shutdown(self) -> None:
         with self._lock:
             pending, self._pending = list(self._pending), deque()
             self._closing = True
             reason = self._broken or "the RewardPool was closed before this reward was scored"
-        futures = [f for f, _ in pending] + [w.future for w in self._workers if w.future is not None]
-        for future in futures:
-            _resolve(future, error=RuntimeError(reason))
+        calls = pending + [w.call for w in self._workers if w.call is not None]
+        for call in calls:
+            _resolve(call.future, error=RuntimeError(reason))
+        _resolve(self.ready, error=RuntimeError(reason))
         for worker in self._workers:
             worker.stop()
         with self._lock:
@@ -660,7 +745,7 @@ class _Dispatcher:
 
 
 def _resolve(
-    future: concurrent.futures.Future[float], *, value: float = 0.0, error: BaseException | None = None
+    future: concurrent.futures.Future[Any], *, value: Any = None, error: BaseException | None = None
 ) -> None:
     """Set a future's outcome unless it is already done (cancelled by its caller, say)."""
     with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -673,19 +758,17 @@ def _resolve(
 # --- the worker process ------------------------------------------------------------------
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, fn_spec: str) -> None:
-    """Load the reward, say "ready", then answer calls until told to stop or the pipe closes."""
+def _worker_main(conn: multiprocessing.connection.Connection, plain_specs: list[dict[str, Any]]) -> None:
+    """Load the rewards, say "ready", then answer calls until told to stop or the pipe closes."""
     with contextlib.suppress(OSError):  # else a timeout kills only the worker itself
         os.setpgid(0, 0)  # its own process group: a timeout kills the reward's subprocesses too
     parent = multiprocessing.parent_process()
     if parent is not None:  # a hung reward must not outlive a trainer that was killed
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
-    try:
-        fn = load_reward_fn(fn_spec)
-    except Exception:
-        conn.send(("fatal", traceback.format_exc()))
+    reward = _load_in_worker(conn, [RewardSpec(**spec) for spec in plain_specs])
+    if reward is None:
         return
-    conn.send(("ready", None))
+    conn.send(("ready", dataclasses.asdict(reward.info())))
     while True:
         try:
             kwargs = pickle.loads(conn.recv_bytes())
@@ -694,9 +777,47 @@ def _worker_main(conn: multiprocessing.connection.Connection, fn_spec: str) -> N
         if kwargs is None:
             return
         try:
-            conn.send(("ok", _as_reward(fn(**kwargs))))
+            conn.send(("ok", reward.score(kwargs)))
+        except RewardCallError as exc:
+            conn.send(("error", str(exc)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+def _load_in_worker(
+    conn: multiprocessing.connection.Connection, specs: list[RewardSpec]
+) -> CompositeReward | None:
+    """The loaded rewards, or None after telling the trainer why they cannot load ("fatal")."""
+    try:
+        reward = load_rewards(specs, on_import=lambda module: conn.send(("loading", module)))
+        for fn in reward.functions:
+            _import_needs(fn)
+        return reward
+    except RewardSetupError as exc:
+        conn.send(("fatal", str(exc)))
+    except BaseException as exc:  # SystemExit from a module that exits at import, too
+        conn.send(
+            ("fatal", f"loading the reward {describe(specs)} failed: {exc!r}\n{traceback.format_exc()}")
+        )
+    return None
+
+
+def _import_needs(fn: Callable[..., Any]) -> None:
+    """Import what a built-in needs now, so that a missing package stops the run at start-up."""
+    needs = _BUILTIN_NEEDS.get(fn)
+    if needs is None:
+        return
+    try:
+        _require(*needs, fn.__name__)
+    except ModuleNotFoundError as exc:
+        raise RewardSetupError(f"reward_fn 'laden.rl.rewards:{fn.__name__}': {exc}") from None
+
+
+_BUILTIN_NEEDS: dict[Callable[..., Any], tuple[str, str]] = {
+    math_reward: ("math_verify", "math-verify"),
+    reasoning_gym_reward: ("reasoning_gym", "reasoning-gym"),
+}
+"""The optional package (module, distribution) each built-in imports."""
 
 
 def _exit_with(parent_sentinel: int) -> None:
@@ -705,16 +826,6 @@ def _exit_with(parent_sentinel: int) -> None:
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(1)
-
-
-def _as_reward(value: Any) -> float:
-    try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"the reward function returned {value!r}; {_SIGNATURE_HINT}") from None
-    if not math.isfinite(reward):
-        raise ValueError(f"the reward function returned {reward}; rewards must be finite")
-    return reward
 
 
 def letter_reward(
