@@ -142,6 +142,9 @@ def test_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     straight_rows = [json.loads(x) for x in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == [r["loss"] for r in straight_rows]
+    elapsed = [r["elapsed_s"] for r in rows]  # the rerun counts on from step 3's
+    assert all(0 < a < b for a, b in zip(elapsed, elapsed[1:])), elapsed
+    assert (resumed.run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_export_loads_with_transformers(tmp_path):
@@ -220,11 +223,19 @@ def test_validation_loss_is_logged(tmp_path):
         "valid_dataset.max_length=64",
         "checkpoint.save_freq_steps=null",
         "checkpoint.export_hf=false",
+        "evaluator.freq_steps=2",
+        "evaluator.freq_epochs=null",
+        "log_freq_steps=3",
     )
     result = run_sft(cfg, progress=False)
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "eval_loss" in rows[-1] and 0 < rows[-1]["eval_loss"] < 10
     assert (result.run_dir / "valid_data_stats.json").exists()
+    # the evaluator's schedule: before training (step 0), every 2 steps and at the end, each logged
+    last = result.num_steps
+    assert [r["step"] for r in rows if "eval_loss" in r] == sorted({0, *range(2, last + 1, 2), last})
+    assert rows[0] == {"step": 0, "eval_loss": rows[0]["eval_loss"], "elapsed_s": 0.0}
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
 
 
 def _torchrun_sft(tmp_path, trial: str, nproc: int, *extra: str):

@@ -6,7 +6,9 @@ under the roundpipe engine), handed to the engine with the global loss-token cou
 model loading and patching, the engine, data-parallel sharding and the OOM retry are the
 runtime's; the run directory (one owner, one history, resume policy) is `laden.engine.rundir`'s;
 the checkpoint layout is `laden.engine.checkpoint`'s. The loop syncs with the device once per
-logged step, to read the metrics.
+logged step, to read the metrics. Each logged step is a row of `metrics.jsonl` (with `elapsed_s`, the
+training loop's seconds, summed over resumes); `curves.png` (`laden.plots`) is redrawn from it at
+every checkpoint and at the end, on rank 0, and a figure that cannot be drawn never fails the run.
 
 Nothing is lost on failure: checkpoints are atomic, a final one is written at the end (so a
 rerun of a finished run says so and trains nothing), an interrupted single-process run
@@ -65,6 +67,8 @@ from laden.engine.runtime import (
 from laden.memory.oom import TrainingOOMError
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
+from laden.plots import CHECKPOINT_INTERVAL_S, write_curves
+from laden.schedule import evaluation_due
 
 log = logging.getLogger("laden.sft")
 
@@ -231,6 +235,8 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
         loop.save(total_steps)
     if cfg.checkpoint.export_hf:
         engine.export_hf(run.path / "hf", tokenizer=tokenizer)
+    if rt.is_main:
+        _write_curves(run)
     rt.barrier()
     return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
 
@@ -252,7 +258,7 @@ def _resume(cfg, rt: Runtime, run: RunDirectory, engine, batches, history: Histo
     if history.checkpoint is None or cfg.checkpoint.resume == "never":
         for line in changes:  # only "starting over" can be said without a checkpoint
             log.warning("%s", line)
-        run.keep_metrics_through(0)
+        run.keep_metrics_through(-1)  # the evaluation before training (step 0) runs again too
         return 0
     step = history.checkpoint_step
     trainer_state = load_checkpoint(
@@ -286,9 +292,21 @@ class _Loop:
         bar = tqdm(total=self.total_steps, initial=start_step, disable=not (progress and rt.is_main), desc="sft",
                    unit="step")  # fmt: skip
         window_tokens, window_start = 0, time.perf_counter()
+        # `elapsed_s`: seconds of training loop up to each logged step's end, counted on across resumes
+        # (the time between a failure and its rerun is not training time), as in `laden.rl.trainer`;
+        # validation and checkpoints are counted in (leaving them out would take a device sync each).
+        last = self.run.last_logged() if rt.is_main and start_step > 0 else None
+        t_start = time.perf_counter() - float((last or {}).get("elapsed_s", 0.0))
         metrics = self.run.metrics_path.open("a") if rt.is_main else None
         done = saved = start_step
         data_state = self.batches.state_dict()  # the data position after the last completed step
+        last_eval_s = float((last or {}).get("elapsed_s", 0.0))
+        if start_step == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
+            loss = float(evaluate(cfg, rt, self.engine, self.valid))  # where the run starts from
+            if metrics is not None:
+                metrics.write(json.dumps({"step": 0, "eval_loss": loss, "elapsed_s": 0.0}) + "\n")
+                metrics.flush()
+            t_start = time.perf_counter()
         try:
             for step in range(start_step, self.total_steps):
                 indices = next(self.batches)
@@ -298,12 +316,14 @@ class _Loop:
                 data_state = self.batches.state_dict()
                 window_tokens += num_tokens
                 done = step + 1
-                if self.valid is not None and (
-                    done % self.batches.steps_per_epoch == 0 or done == self.total_steps
+                if self.valid is not None and self._eval_due(
+                    done, time.perf_counter() - t_start - last_eval_s
                 ):
                     out["eval_loss"] = evaluate(cfg, rt, self.engine, self.valid)
-                if done % cfg.log_freq_steps == 0 or done == self.total_steps:
+                    last_eval_s = time.perf_counter() - t_start
+                if done % cfg.log_freq_steps == 0 or done == self.total_steps or "eval_loss" in out:
                     record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt)
+                    record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
                     window_tokens, window_start = 0, time.perf_counter()
                     if metrics is not None:
                         metrics.write(json.dumps(record) + "\n")
@@ -334,6 +354,14 @@ class _Loop:
                 metrics.close()
         return first_loss, last_loss
 
+    def _eval_due(self, step: int, seconds_since_last: float) -> bool:
+        """`evaluator`'s rule after `step`, rank 0's answer on every rank (`freq_secs` reads each one's clock)."""
+        due = evaluation_due(
+            self.cfg.evaluator, step=step, total_steps=self.total_steps,
+            steps_per_epoch=self.batches.steps_per_epoch, seconds_since_last=seconds_since_last,
+        )  # fmt: skip
+        return bool(self.rt.gather_floats(float(due))[0]) if self.rt.world_size > 1 else due
+
     def save(self, step: int, *, data_state: dict[str, Any] | None = None) -> None:
         """Checkpoint `step`; `data_state`: the data position after it (default: the iterator's now)."""
         cfg, rt = self.cfg, self.rt
@@ -343,6 +371,16 @@ class _Loop:
             meta=meta, config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=rt.rank,
             barrier=rt.barrier,
         )  # fmt: skip
+        if rt.is_main:
+            _write_curves(self.run, min_interval_s=CHECKPOINT_INTERVAL_S)
+
+
+def _write_curves(run: RunDirectory, *, min_interval_s: float = 0.0) -> None:
+    """`curves.png` in the run directory (`laden.plots`); a figure that cannot be drawn never fails the run."""
+    try:
+        write_curves(run.path, "sft", min_interval_s=min_interval_s)
+    except Exception as exc:  # the curves are a view of metrics.jsonl, which is kept whatever happens here
+        log.warning("curves.png was not written: %s: %s", type(exc).__name__, exc)
 
 
 def _log_record(out, step, num_mbs, num_tokens, window_tokens, window_start, rt: Runtime) -> dict[str, Any]:
