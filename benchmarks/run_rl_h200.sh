@@ -33,12 +33,12 @@ if want smol; then
     cat .big/smol.gguf.part* >/tmp/smol.gguf && ls -la /tmp/smol.gguf >&2
     run prepare 120 python examples/prepare_smollm2.py "$smol" --gguf /tmp/smol.gguf
   fi
-  run smol 60 python examples/eval_arith.py "$smol" runs/arith/test.jsonl
+  run smol 60 python -m laden.cli eval --config examples/rl_smollm2_arith.yaml --model "$smol"
   run smol "${SMOL_S:-420}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml --label smollm2-arith \
     -- total_train_steps=${SMOL_STEPS:-200} checkpoint.resume=never ${SMOL_ARGS:-}
-  run smol 60 python examples/eval_arith.py runs/rl-smollm2-arith/run0/hf runs/arith/test.jsonl
+  run smol 60 python -m laden.cli eval --config examples/rl_smollm2_arith.yaml --model runs/rl-smollm2-arith/run0/hf
   cp runs/rl-smollm2-arith/run0/metrics.jsonl "$out/smol_metrics.jsonl" 2>/dev/null
-  cp runs/rl-smollm2-arith/run0/reward_curve.png "$out/smol_reward_curve.png" 2>/dev/null
+  cp runs/rl-smollm2-arith/run0/curves.png "$out/smol_curves.png" 2>/dev/null
 fi
 want big8b && run big8b "${BIG_S:-540}" python benchmarks/rl_gpu.py --config examples/rl_8b_roundpipe_24g.yaml \
   --shape qwen3-8b --tokenizer $tok --gpu-mem-cap-gib 24 --label qwen3-8b-roundpipe-24g -- \

@@ -62,14 +62,14 @@ if want rl; then
   if [[ ! -f $smol/config.json ]]; then
     cat .big/smol.gguf.part* >/tmp/smol.gguf && run prepare 120 python examples/prepare_smollm2.py "$smol" --gguf /tmp/smol.gguf
   fi
-  run rl 60 python examples/eval_arith.py "$smol" runs/arith/test.jsonl
+  run rl 60 python -m laden.cli eval --config examples/rl_smollm2_arith.yaml --model "$smol"
   acc=()
   for k in 0 4; do
     run rl "${RL_S:-900}" python benchmarks/rl_gpu.py --config examples/rl_smollm2_arith.yaml --label "smollm2-arith-x2-k$k" \
       -- cluster.n_gpus_per_node=2 actor.backend=fsdp:d1 rollout.max_head_offpolicyness=$k trial_name=x2-k$k \
       total_train_steps=${RL_STEPS:-200} checkpoint.resume=never
-    run rl 60 python examples/eval_arith.py runs/rl-smollm2-arith/x2-k$k/hf runs/arith/test.jsonl
-    a=$(grep -h '"accuracy"' "$out/rl.jsonl" | tail -n 1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['accuracy'])")
+    run rl 60 python -m laden.cli eval --config examples/rl_smollm2_arith.yaml --model runs/rl-smollm2-arith/x2-k$k/hf
+    a=$(grep -h '"eval/accuracy"' "$out/rl.jsonl" | tail -n 1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['eval/accuracy'])")
     acc+=("k$k=$a")
   done
   run rl 30 python benchmarks/rl_compare.py runs/rl-smollm2-arith/x2-k0 runs/rl-smollm2-arith/x2-k4 --labels k0 k4 \

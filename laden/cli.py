@@ -1,4 +1,4 @@
-"""`laden sft | rl | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | eval | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -20,6 +20,8 @@ EXIT_USAGE = 2
 """Exit status for invalid input (config, data, model directory)."""
 EXIT_OS_ERROR = 1
 """Exit status when the run directory cannot be written."""
+EXIT_FAILED = 1
+"""Exit status of a run that stopped for a reason it reports (its rewards failed, say)."""
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
 
@@ -35,10 +37,12 @@ def _embedded_default() -> tuple[str, list[str]]:
 
 
 def _embedded_rl_default() -> tuple[str, list[str]]:
-    """The job `laden rl` runs with no --config: the tiny Qwen3 learning to answer with one letter."""
+    """The job `laden rl` (and `laden eval`) runs with no --config: the tiny Qwen3 learning to answer with one
+    letter, evaluated on held-out prompts."""
     return str(ASSETS / "rl_tiny.yaml"), [
         f"actor.path={ASSETS / 'tiny'}",
         f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
+        f"valid_dataset.path={ASSETS / 'rl_tiny_valid.jsonl'}",
     ]
 
 
@@ -104,8 +108,23 @@ def cmd_rl(args: argparse.Namespace) -> int:
     else:
         first = sum(result.rewards[:5]) / max(1, len(result.rewards[:5]))
         last = sum(result.rewards[-5:]) / max(1, len(result.rewards[-5:]))
-        _done(f"{result.num_steps} steps, mean reward {first:.3f} (first 5) -> {last:.3f} (last 5); "
-              f"run directory {result.run_dir}")  # fmt: skip
+        line = f"{result.num_steps} steps, mean reward {first:.3f} (first 5) -> {last:.3f} (last 5)"
+        if result.held_out:
+            (s0, a0), (s1, a1) = result.held_out[0], result.held_out[-1]
+            line += f", held-out accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"
+        if result.reward_errors:
+            line += f"; {result.reward_errors} of {result.completions} rewards failed (scored 0; see error text in the log)"
+        _done(f"{line}; run directory {result.run_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from laden.rl.eval_job import run_eval
+
+    record = run_eval(_load(args, "rl"), model_dir=args.model, checkpoint=args.checkpoint)
+    print(json.dumps(record))
     return 0
 
 
@@ -247,6 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--no-progress", action="store_true", help="no progress bar")
     rl.set_defaults(func=cmd_rl)
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a model or checkpoint on valid_dataset, as laden rl measures it (one JSON line)",
+    )
+    with_config(evaluate)
+    group = evaluate.add_mutually_exclusive_group()
+    group.add_argument("--model", default=None, help="a Hugging Face model directory (default: actor.path)")
+    group.add_argument("--checkpoint", default=None, help="a run's checkpoint, RUN_DIR/checkpoints/step_N")
+    evaluate.set_defaults(func=cmd_eval)
+
     config = sub.add_parser("config", help="show the resolved config, or the field reference")
     config.add_argument("action", choices=["show", "docs"])
     config.add_argument("--job", choices=["sft", "rl", "any"], default="any", help="which rules to check")
@@ -297,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     from laden.config import ConfigError
+    from laden.errors import RunFailedError
 
     try:
         return args.func(args)
+    except RunFailedError as exc:
+        print(f"laden: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except ConfigError as exc:
         print(f"laden: invalid configuration\n{exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,11 +14,11 @@ ASSETS = resources.files("laden") / "assets"
 
 
 def tiny_rl_config(tmp_path, *overrides):
-    """The embedded tiny RL job (`laden/assets/rl_tiny.yaml`) writing under `tmp_path`."""
+    """The embedded tiny RL job (`laden/assets/rl_tiny.yaml`, with its held-out prompts) writing under `tmp_path`."""
     return load_config(
         str(ASSETS / "rl_tiny.yaml"),
         [f"actor.path={ASSETS / 'tiny'}", f"train_dataset.path={ASSETS / 'rl_tiny.jsonl'}",
-         f"cluster.fileroot={tmp_path}", *overrides],
+         f"valid_dataset.path={ASSETS / 'rl_tiny_valid.jsonl'}", f"cluster.fileroot={tmp_path}", *overrides],
         job="rl",
     )  # fmt: skip
 

@@ -378,8 +378,13 @@ def test_docs_contain_every_field():
 
 def test_every_top_level_section_documented_and_typed():
     hints = typing.get_type_hints(LadenConfig)
-    names = {name for name, _ in sections() if name and "." not in name}
-    assert names == {k for k, tp in hints.items() if dataclasses.is_dataclass(_strip_optional(tp))}
+    names = {name.removesuffix("[]") for name, _ in sections() if name and "." not in name}
+    assert names == {
+        k
+        for k, tp in hints.items()
+        if dataclasses.is_dataclass(_strip_optional(tp))
+        or dataclasses.is_dataclass(typing.get_args(tp)[0] if typing.get_origin(tp) is list else None)
+    }
 
 
 def _strip_optional(tp):

@@ -73,7 +73,29 @@ def test_on_two_real_runs_at_offpolicyness_0_and_2(tmp_path):
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r.get("label") for r in records] == ["k0", "k2", None]
     assert all(r["steps"] == 6 and r["seconds_to_target"] is not None for r in records[:2])  # the same reward
-    assert records[1]["final_accuracy"] == 0.5 and "speedup_k2" in records[2]
+    # both runs evaluated on held-out prompts: that is their final accuracy, and the time to the same one
+    assert records[1]["final_accuracy_source"] == "eval/accuracy" and "speedup_k2" in records[2]
+    assert (
+        all(r["seconds_to_accuracy"] is not None for r in records[:2]) and "speedup_accuracy_k2" in records[2]
+    )
+
+
+def test_time_to_the_same_held_out_accuracy():
+    slow = _rows([0.1, 0.2, 0.3, 0.4], [10, 20, 30, 40])
+    fast = _rows([0.1, 0.2, 0.3, 0.4], [5, 10, 15, 20])
+    slow += [{"step": 0, "elapsed_s": 0, "eval/accuracy": 0.1}, {"step": 2, "elapsed_s": 20, "eval/accuracy": 0.3},
+             {"step": 4, "elapsed_s": 40, "eval/accuracy": 0.5}]  # fmt: skip
+    fast += [{"step": 0, "elapsed_s": 0, "eval/accuracy": 0.1}, {"step": 2, "elapsed_s": 10, "eval/accuracy": 0.5},
+             {"step": 4, "elapsed_s": 20, "eval/accuracy": 0.6}]  # fmt: skip
+    records = rl_compare.compare({"slow": slow, "fast": fast}, window=1)
+    # the best accuracy the weaker run reaches (0.5): slow at 40 s, fast at 10 s
+    assert [r["seconds_to_accuracy"] for r in records[:2]] == [40, 10] and records[0][
+        "target_accuracy"
+    ] == 0.5
+    assert records[-1]["speedup_accuracy_fast"] == 4.0 and records[-1]["accuracy_gap_fast"] == pytest.approx(
+        0.1
+    )
+    assert records[0]["steps"] == 4  # the training rows only
 
 
 def test_rows_without_elapsed_seconds_are_refused(tmp_path):

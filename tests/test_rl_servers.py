@@ -44,7 +44,10 @@ def test_vllm_rollout_gets_every_version_from_disk(tmp_path, monkeypatch):
         reloads = [b["kwargs"]["weights_path"] for b in fake.bodies("/collective_rpc")]
         tags = [b["new_version"] for b in fake.bodies("/update_weight_version")]
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/accuracy" in rows[
+        0
+    ]  # held out, through the servers
+    rows = rows[1:]
     assert all(r["completions"] == 32 and r["stale_dropped"] == 0 and r["max_staleness"] == 0 for r in rows)
     # the first weights (the trainer's initialisation), then one version per step, each its own directory
     root = Path(reloads[0]).parent

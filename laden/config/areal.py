@@ -277,9 +277,10 @@ _GROUPS: tuple[_Group, ...] = (
            "critic.mb_spec.max_tokens_per_mb tokens (at least critic.mb_spec.n_mbs), without grouping or rounding",
            _rl),
     _Group("critic.optimizer.*", "laden does not scale the loss (it has no fp16 loss scaler)", _rl),
-    _Group("eval_gconfig", "laden rl does not evaluate yet", _rl),
-    _Group("evaluator", "laden sft computes the loss on valid_dataset at the end of every epoch and of training; "
-           "laden rl does not evaluate yet", lambda run: run.evaluator),
+    _Group("eval_gconfig.*", "laden's evaluation reads eval_gconfig.n_samples, max_new_tokens, min_new_tokens, "
+           "temperature, top_p, top_k, greedy, stop, stop_token_ids and ignore_eos only", _rl),
+    _Group("evaluator.experiment_name evaluator.trial_name evaluator.fileroot", "laden writes the evaluation's "
+           "metrics (eval/...) into the run's own metrics.jsonl", lambda run: run.evaluator),
     _Group("recover", "laden resumes from its own checkpoints (checkpoint.resume: auto), written with the optimizer "
            "and data position every checkpoint.save_freq_steps steps and at the end; after a failure, rerun the "
            "command", lambda run: run.recover),
@@ -508,9 +509,7 @@ def _run_of(data: dict[str, Any], job: str) -> _Run:
     rollout = str(_get(data, "rollout.backend", "native")).partition(":")[0]
     kl = _get(data, "actor.kl_ctl", 0)
     recover = _get(data, "recover.mode", "disabled") in ("on", "auto", "fault", "resume")
-    timer = tuple(_get(data, f"evaluator.{k}", None) for k in ("freq_epochs", "freq_steps", "freq_secs"))
-    every_epoch = timer == (1, None, None) and not _get(data, "evaluator.eval_before_train", False)
-    evaluator = rl or (_get(data, "valid_dataset", None) is not None and not every_epoch)
+    evaluator = _get(data, "valid_dataset", None) is not None
     return _Run(rl=rl, rollout=rollout, kl=isinstance(kl, (int, float)) and kl > 0, recover=recover,
                 evaluator=evaluator)  # fmt: skip
 

@@ -16,7 +16,7 @@ import inspect
 import typing
 
 from laden.config import schema
-from laden.config.loader import section_type, yaml_scalar
+from laden.config.loader import list_section_type, section_type, yaml_scalar
 from laden.config.schema import LadenConfig
 
 
@@ -73,9 +73,13 @@ def sections() -> list[tuple[str, type]]:
     def walk(cls: type, name: str) -> None:
         out.append((name, cls))
         for f in dataclasses.fields(cls):
-            sub = section_type(typing.get_type_hints(cls)[f.name])
+            hint = typing.get_type_hints(cls)[f.name]
+            sub = section_type(hint)
             if sub is not None:
                 walk(sub, f"{name}.{f.name}" if name else f.name)
+            item = list_section_type(hint)
+            if item is not None:  # a list of sections: one table for its items (`reward_fns[]`)
+                walk(item, f"{name}.{f.name}[]" if name else f"{f.name}[]")
 
     walk(LadenConfig, "")
     return out

@@ -141,7 +141,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             value = config_to_dict(value)
         elif isinstance(value, list):
-            value = list(value)
+            value = [config_to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
         out[f.name] = value
     return out
 
@@ -379,6 +379,14 @@ def section_type(tp: Any) -> type | None:
     return None
 
 
+def list_section_type(tp: Any) -> type | None:
+    """The dataclass type of a list-of-sections annotation (`list[X]`), else None."""
+    if typing.get_origin(tp) is not list:
+        return None
+    (item,) = typing.get_args(tp)
+    return item if isinstance(item, type) and dataclasses.is_dataclass(item) else None
+
+
 def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
@@ -420,6 +428,15 @@ def _coerce(value: Any, tp: Any, dotted: str, errors: list[str], default: Any) -
         errors.append(
             f"{dotted}={_show(value)}: this is a section, not a value; give a mapping of its keys, "
             f"e.g. {dotted}.{next(iter(_hints(section)))}=..."
+        )
+        return False, None
+    item_section = list_section_type(tp)
+    if item_section is not None:  # a list of sections (`reward_fns`): each item built and checked
+        if isinstance(value, (list, tuple)) and all(isinstance(v, Mapping) for v in value):
+            return True, [_build(item_section, v, f"{dotted}[{i}].", errors) for i, v in enumerate(value)]
+        errors.append(
+            f"{dotted}={_show(value)}: expected a list of mappings, each with the keys "
+            f"{', '.join(_hints(item_section))}"
         )
         return False, None
     choices = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]

@@ -72,6 +72,36 @@ class GenerationConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvaluatorConfig:
+    """When a run evaluates on `valid_dataset` (AReaL's `evaluator`): `laden rl` generates for every
+    held-out prompt with `eval_gconfig` and scores it with the reward; `laden sft` computes the loss."""
+
+    freq_steps: int | None = None
+    """Evaluate every this many steps; None = not by steps."""
+    freq_epochs: int | None = 1
+    """Evaluate at the end of every this many epochs; None = not by epochs."""
+    freq_secs: float | None = None
+    """Evaluate when this many seconds of training passed since the last evaluation; None = not by time."""
+    eval_before_train: bool = True
+    """Evaluate once before the first step (the `step: 0` row of metrics.jsonl), so a run shows where it
+    started; AReaL's default is false. Every run also evaluates after its last step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardFnConfig:
+    """One reward function of several (`reward_fns`), TRL's `reward_funcs` with `reward_weights`."""
+
+    fn: str = ""
+    """Import path `module:function` of the reward function."""
+    weight: float = 1.0
+    """Its weight in the completion's reward (the weighted sum over the functions)."""
+    style: Literal["auto", "laden", "areal", "trl", "verl"] = "auto"
+    """How it is called (see `reward_fn_style`); `auto` reads its signature."""
+    name: str | None = None
+    """Its name in metrics.jsonl (`reward/<name>`); None = the function's own name."""
+
+
+@dataclass(kw_only=True, slots=True)
 class MicroBatchSpec:
     """How a batch is split into micro-batches for forward/backward."""
 
@@ -441,12 +471,33 @@ class LadenConfig:
     """Seconds one reward call may run before its worker process is killed and replaced; the call scores as a failure."""
     reward_workers: int = 2
     """Processes that score rewards in parallel, outside the training process."""
+    reward_fn_style: Literal["auto", "laden", "areal", "trl", "verl"] = "auto"
+    """How `reward_fn` is called: `laden` (prompt, completion, prompt_ids, completion_ids, **fields), `areal`
+    (the same four positionally, AReaL's), `trl` (TRL's batched `(prompts, completions, completion_ids, **kwargs)
+    -> list`), `verl` (`compute_score(data_source, solution_str, ground_truth, extra_info)`); `auto` reads the
+    function's parameter names."""
+    reward_fns: list[RewardFnConfig] = field(default_factory=list)
+    """Several reward functions, each `{fn, weight, style, name}`: a completion's reward is the weighted sum,
+    and each is logged as `reward/<name>`; replaces `reward_fn` when set."""
+    reward_error_tolerance: float = 0.5
+    """The largest share of a step's completions whose reward may fail (raise, time out, return a non-number)
+    before the run stops, after a checkpoint of the step before, with the first error."""
+    reward_import_timeout_s: float = 120.0
+    """Seconds the reward workers may take to import the reward module at start-up before the run stops,
+    reporting a module that blocks at import."""
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Training data."""
     valid_dataset: DatasetConfig | None = None
-    """Optional validation data; None = no validation."""
+    """Held-out data, evaluated as `evaluator` says: `laden rl` generates for its prompts with `eval_gconfig` and
+    reports `eval/accuracy`; `laden sft` reports `eval_loss`. None = no evaluation."""
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """When to evaluate on `valid_dataset`."""
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     """Rollout sampling settings."""
+    eval_gconfig: GenerationConfig | None = None
+    """Sampling for `laden rl`'s evaluation; None = greedy, one completion per prompt, `gconfig`'s
+    `max_new_tokens` and stops (AReaL's None is a copy of `gconfig`). `n_samples: k` with a temperature
+    reports `eval/pass@k` too."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The trained model and its engine."""
     critic: CriticConfig | None = None

@@ -44,7 +44,17 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     *((f"actor.{name}", frozenset({"rl"}), _RL_LOSS) for name in _RL_ACTOR_FIELDS),
     *(
         (name, frozenset({"rl"}), _RL_REWARDS)
-        for name in ("reward_fn", "workflow", "reward_timeout_s", "reward_workers")
+        for name in (
+            "reward_fn",
+            "workflow",
+            "reward_timeout_s",
+            "reward_workers",
+            "reward_fn_style",
+            "reward_fns",
+            "reward_error_tolerance",
+            "reward_import_timeout_s",
+            "eval_gconfig",
+        )
     ),
     ("critic", frozenset({"rl"}), "`laden rl` (PPO's value model)"),
 )

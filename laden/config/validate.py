@@ -62,6 +62,11 @@ _RANGES: dict[str, str] = {
     "log_freq_steps": "pos",
     "reward_timeout_s": "gt0",
     "reward_workers": "pos",
+    "reward_error_tolerance": "unit",
+    "reward_import_timeout_s": "gt0",
+    "evaluator.freq_steps": "pos",
+    "evaluator.freq_epochs": "pos",
+    "evaluator.freq_secs": "gt0",
     "train_dataset.max_length": "pos",
     "train_dataset.batch_size": "pos",
     "valid_dataset.max_length": "pos",
@@ -119,6 +124,7 @@ _RANGES: dict[str, str] = {
     "checkpoint.save_freq_steps": "pos",
     "checkpoint.keep_last": "pos",
 }
+_RANGES |= {"eval_" + d: kind for d, kind in _RANGES.items() if d.startswith("gconfig.")}
 """Range rule per numeric field; None values (optional fields left unset) are skipped."""
 _RANGES |= {"critic.ppo_n_minibatches": "pos", "critic.eps_clip": "gt0"} | {
     "critic" + dotted.removeprefix("actor"): kind
@@ -151,6 +157,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _model_errors(cfg, rl=rl)
     _warn_optimizer(cfg)
     _warn_lora(cfg)
+    _warn_rewards(cfg)
     _warn_ignored_sections(cfg)
     _warn_ppo(cfg, rl=rl)
     return errors
@@ -225,18 +232,20 @@ def _job_errors(cfg: LadenConfig, job: str) -> list[str]:
 
 
 def _generation_errors(cfg: LadenConfig) -> list[str]:
-    g = cfg.gconfig
     errors = []
-    if g.min_new_tokens > g.max_new_tokens:
-        errors.append(
-            f"gconfig.min_new_tokens={g.min_new_tokens} is larger than gconfig.max_new_tokens="
-            f"{g.max_new_tokens}; set it to at most {g.max_new_tokens}"
-        )
-    if g.temperature == 0 and not g.greedy:
-        errors.append(
-            "gconfig.temperature=0.0 cannot be sampled from; set gconfig.greedy: true for greedy "
-            "decoding or a temperature > 0"
-        )
+    for name, g in (("gconfig", cfg.gconfig), ("eval_gconfig", cfg.eval_gconfig)):
+        if g is None:
+            continue
+        if g.min_new_tokens > g.max_new_tokens:
+            errors.append(
+                f"{name}.min_new_tokens={g.min_new_tokens} is larger than {name}.max_new_tokens="
+                f"{g.max_new_tokens}; set it to at most {g.max_new_tokens}"
+            )
+        if g.temperature == 0 and not g.greedy:
+            errors.append(
+                f"{name}.temperature=0.0 cannot be sampled from; set {name}.greedy: true for greedy "
+                "decoding or a temperature > 0"
+            )
     return errors
 
 
@@ -336,6 +345,16 @@ def _import_path_errors(cfg: LadenConfig) -> list[str]:
             errors.append(
                 f"{dotted}={value!r} is not an import path; write `module:name`, e.g. {dotted}={example}"
             )
+    for i, spec in enumerate(cfg.reward_fns):
+        if not (_IMPORT_PATH.fullmatch(spec.fn) and ("." in spec.fn or ":" in spec.fn)):
+            errors.append(
+                f"reward_fns[{i}].fn={spec.fn!r} is not an import path; write `module:name`, e.g. "
+                "laden.rl.rewards:math_reward"
+            )
+        if not math.isfinite(spec.weight):
+            errors.append(
+                f"reward_fns[{i}].weight={spec.weight!r} must be a finite number; set it to e.g. 1.0"
+            )
     return errors
 
 
@@ -362,6 +381,18 @@ def _lora_errors(cfg: LadenConfig) -> list[str]:
             "actor.use_lora: false"
         )
     return errors
+
+
+def _warn_rewards(cfg: LadenConfig) -> None:
+    default = LadenConfig()
+    changed = [f for f in ("reward_fn", "reward_fn_style") if getattr(cfg, f) != getattr(default, f)]
+    if cfg.reward_fns and changed:
+        warnings.warn(
+            f"{', '.join(f'{f}={getattr(cfg, f)!r}' for f in changed)} ignored: reward_fns is set and names every "
+            "reward function with its own style; add it to reward_fns, or remove reward_fns",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_lora(cfg: LadenConfig) -> None:

@@ -38,12 +38,20 @@ def _local_copy_fix(name: str) -> str:
 class Records(list[dict[str, Any]]):
     """The records of one source, a plain list that remembers where they were read from (for errors)."""
 
-    __slots__ = ("source",)
+    __slots__ = ("source", "lines")
 
-    def __init__(self, records: list[dict[str, Any]], *, source: str) -> None:
+    def __init__(self, records: list[dict[str, Any]], *, source: str, lines: list[int] | None = None) -> None:
         super().__init__(records)
         self.source = source
         """The dataset path as given (a file, a directory or `hf:<name>`)."""
+        self.lines = lines
+        """The line of each record in a .jsonl file (blank lines skipped), else None."""
+
+    def where(self, index: int) -> str:
+        """Where record `index` was read: `path:line` for a .jsonl file, else `path row N` (from 1)."""
+        if self.lines is not None and index < len(self.lines):
+            return f"{self.source}:{self.lines[index]}"
+        return f"{self.source} row {index + 1}"
 
 
 def load_records(path: str, *, split: str = "train") -> Records:
@@ -51,7 +59,8 @@ def load_records(path: str, *, split: str = "train") -> Records:
 
     Raises ValueError for a source with no records, naming it.
     """
-    records = Records(_read_source(path, split=split), source=path)
+    lines: list[int] = []
+    records = Records(_read_source(path, split=split, lines=lines), source=path, lines=lines or None)
     if not records:
         raise ValueError(
             f"dataset path {path!r} has no records ({_empty_reason(path)}); a dataset needs at least one "
@@ -66,7 +75,8 @@ def _empty_reason(path: str) -> str:
     return "the file is empty or holds only blank lines"
 
 
-def _read_source(path: str, *, split: str) -> list[dict[str, Any]]:
+def _read_source(path: str, *, split: str, lines: list[int]) -> list[dict[str, Any]]:
+    """The records of `path`; a .jsonl file appends each record's line number to `lines`."""
     if path.startswith(HF_PREFIX):
         return _load_hub(path[len(HF_PREFIX) :], split=split)
     file = Path(path).expanduser()
@@ -76,7 +86,7 @@ def _read_source(path: str, *, split: str) -> list[dict[str, Any]]:
         return _load_saved_dataset(file, split=split)
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
-        return _load_jsonl(file)
+        return _load_jsonl(file, lines)
     if suffix == ".json":
         return _load_json(file)
     if suffix == ".parquet":
@@ -86,7 +96,7 @@ def _read_source(path: str, *, split: str) -> list[dict[str, Any]]:
     )
 
 
-def _load_jsonl(file: Path) -> list[dict[str, Any]]:
+def _load_jsonl(file: Path, lines: list[int]) -> list[dict[str, Any]]:
     records = []
     offset = 0  # byte offset of the current line in the file
     # Read as bytes and decode per line, so a bad byte is reported with its line and offset.
@@ -105,6 +115,7 @@ def _load_jsonl(file: Path) -> list[dict[str, Any]]:
                     f"{file}:{line_no}: expected a JSON object per line, got {type(record).__name__}"
                 )
             records.append(record)
+            lines.append(line_no)
     return records
 
 

@@ -162,6 +162,14 @@ class _Reader:
             local.copy_(value.reshape(local.shape))
 
 
+def checkpoint_tensors(path: Path, stem: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor a checkpoint directory stores under `stem` (`model`: the trained
+    weights under their Hugging Face names), read one at a time."""
+    reader = _Reader(path, stem)
+    for key, handle in reader.where.items():
+        yield key, handle.get_tensor(key)
+
+
 def _local_and_offsets(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's part of `t` and where it starts in the full tensor (all zeros for a plain tensor)."""
     if not hasattr(t, "to_local"):

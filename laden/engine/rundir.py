@@ -59,6 +59,9 @@ _MAY_CHANGE = (
     "critic.optimizer.beta1", "critic.optimizer.beta2", "critic.optimizer.eps", "critic.optimizer.momentum",
     "critic.optimizer.lr_scheduler_type", "critic.optimizer.warmup_steps_proportion", "critic.optimizer.min_lr_ratio",
     "critic.optimizer.gradient_clipping",
+    # a reward fixed after a failure (its import path, style or settings), and when to evaluate
+    "reward_fn", "reward_fns", "reward_fn_style", "reward_timeout_s", "reward_workers", "reward_error_tolerance",
+    "reward_import_timeout_s", "evaluator.", "eval_gconfig",
 )  # fmt: skip
 
 

@@ -17,7 +17,15 @@ _LAZY = {
         "laden.rl.advantages",
     ),
     **dict.fromkeys(("PPOObjective", "PPOSettings", "kl_estimate"), "laden.rl.objectives"),
-    **dict.fromkeys(("RewardPool", "load_reward_fn", "math_reward", "reasoning_gym_reward"), "laden.rl.rewards"),
+    **dict.fromkeys(
+        (
+            "RewardInfo", "RewardOutcome", "RewardPool", "RewardSetupError", "RewardSpec", "load_reward_fn",
+            "math_reward", "missing_fields", "reasoning_gym_reward",
+        ),
+        "laden.rl.rewards",
+    ),
+    **dict.fromkeys(("EvalResult", "eval_metrics", "eval_sampling", "evaluate"), "laden.rl.evaluate"),
+    **dict.fromkeys(("run_eval",), "laden.rl.eval_job"),
 }  # fmt: skip
 
 __all__ = sorted(_LAZY)

@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from laden.rl.rewards import RAW_PROMPT_KEY
 from laden.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 
 PROMPT_KEYS = ("messages", "prompt")
@@ -169,7 +170,7 @@ def render_prompt(
 def reward_fields(data: Mapping[str, Any], prompt_key: str) -> dict[str, Any]:
     """The row's fields a reward gets as keyword arguments: all but the prompt fields."""
     fields = {k: v for k, v in data.items() if k != prompt_key and k not in PROMPT_KEYS}
-    clashes = [k for k in _REWARD_ARGS if k in fields]
+    clashes = [k for k in (*_REWARD_ARGS, RAW_PROMPT_KEY) if k in fields]
     if clashes:
         raise ValueError(
             f"data field(s) {clashes} clash with the reward's own arguments {_REWARD_ARGS}; rename them in the dataset"
@@ -206,10 +207,23 @@ class _RequestIds:
         return f"{self._prefix}-{next(self._count)}"
 
 
-async def _score(reward: Reward, in_thread: bool, kwargs: dict[str, Any]) -> float:
+Scored = tuple[float, dict[str, Any]]
+"""A completion's reward and what the trajectory's `info` keeps of its scoring: `reward_parts` (each
+function's reward, by name) and `reward_error` (the failure's text, when the reward failed)."""
+
+
+async def _score(reward: Reward, in_thread: bool, kwargs: dict[str, Any]) -> Scored:
     """One reward, awaited: through the pool's workers, in a thread, or on the loop."""
     if isinstance(reward, RewardScorer):
-        return float(await reward.score(**kwargs))
+        outcome = getattr(reward, "score_outcome", None)
+        if outcome is None:
+            return float(await reward.score(**kwargs)), {}
+        result = await outcome(**kwargs)
+        info: dict[str, Any] = {"reward_parts": dict(result.parts)}
+        if result.error is not None:
+            info["reward_error"] = result.error
+        return float(result.value), info
+    kwargs.pop(RAW_PROMPT_KEY, None)
     value = await asyncio.to_thread(reward, **kwargs) if in_thread else reward(**kwargs)
     if inspect.isawaitable(value):
         value = await value
@@ -219,14 +233,14 @@ async def _score(reward: Reward, in_thread: bool, kwargs: dict[str, Any]) -> flo
         raise TypeError(f"the reward function returned {value!r}; it must return a float") from None
     if not math.isfinite(number):
         raise ValueError(f"the reward function returned {number}; rewards must be finite")
-    return number
+    return number, {}
 
 
 async def _generate_and_score(
-    engine: RolloutEngine, request: GenerationRequest, score: Callable[[GenerationResult], Awaitable[float]]
-) -> list[tuple[GenerationResult, float]]:
+    engine: RolloutEngine, request: GenerationRequest, score: Callable[[GenerationResult], Awaitable[Scored]]
+) -> list[tuple[GenerationResult, Scored]]:
     """Every completion of `request` with its reward, by sample index; each is scored as it arrives."""
-    pending: list[tuple[GenerationResult, asyncio.Future[float]]] = []
+    pending: list[tuple[GenerationResult, asyncio.Future[Scored]]] = []
     try:
         async for result in engine.generate([request]):
             pending.append((result, asyncio.ensure_future(score(result))))
@@ -308,19 +322,20 @@ class RLVRWorkflow:
         )
         completions: dict[int, str] = {}
 
-        async def score(result: GenerationResult) -> float:
+        async def score(result: GenerationResult) -> Scored:
             text = completions[result.sample_index] = self._decode(result.output_ids)
             kwargs = dict(fields, prompt=prompt.text, completion=text)
             kwargs.update(prompt_ids=list(prompt.ids), completion_ids=list(result.output_ids))
+            kwargs[RAW_PROMPT_KEY] = data[prompt.key]
             return await _score(self.reward, self.reward_in_thread, kwargs)
 
         scored = await _generate_and_score(engine, request, score)
-        if self.dynamic_sampling and len({reward for _, reward in scored}) == 1:
+        if self.dynamic_sampling and len({reward for _, (reward, _) in scored}) == 1:
             return None
         return [
             _trajectory(r, reward, request.rid, r.sample_index, prompt=prompt.text,
-                        completion=completions[r.sample_index], data=dict(fields))
-            for r, reward in scored
+                        completion=completions[r.sample_index], data=dict(fields), **scoring)
+            for r, (reward, scoring) in scored
         ]  # fmt: skip
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -383,9 +398,10 @@ class MultiTurnWorkflow:
         request = GenerationRequest(
             rid=group_id, input_ids=prompt.ids, sampling=self.sampling, n_samples=self.n_samples
         )
-        first_turns = await _generate_and_score(engine, request, self._scorer(fields))
+        scorer = self._scorer(fields, data[prompt.key])
+        first_turns = await _generate_and_score(engine, request, scorer)
         trajectories = await asyncio.gather(
-            *(self._converse(engine, group_id, r, reward, fields) for r, reward in first_turns)
+            *(self._converse(engine, group_id, r, scored, scorer, fields) for r, scored in first_turns)
         )
         if self.dynamic_sampling and len({t.reward for t in trajectories}) == 1:
             return None
@@ -396,31 +412,36 @@ class MultiTurnWorkflow:
         engine: RolloutEngine,
         group_id: str,
         result: GenerationResult,
-        reward: float,
+        scored: Scored,
+        scorer: Callable[[GenerationResult], Awaitable[Scored]],
         fields: dict[str, Any],
     ) -> Trajectory:
         """Continue one conversation from its scored first answer until it is right or out of turns."""
-        sample_index, turn_rewards = result.sample_index, [reward]
+        (reward, scoring), sample_index = scored, result.sample_index
+        turn_rewards = [reward]
         limit = getattr(engine, "max_model_len", None)  # the engine's context, where it says
         while reward < 1.0 and len(turn_rewards) < self.max_turns and result.stop_reason != "abort":
             next_ids = (*result.input_ids, *result.output_ids, *self._feedback_ids(result.output_ids))
             if limit is not None and len(next_ids) + 1 >= limit:
                 break  # another turn would not fit the context: the conversation ends with this answer
             request = GenerationRequest(rid=self._ids.next(), input_ids=next_ids, sampling=self.sampling)
-            ((result, reward),) = await _generate_and_score(engine, request, self._scorer(fields))
+            ((result, (reward, scoring)),) = await _generate_and_score(engine, request, scorer)
             turn_rewards.append(reward)
         discounted = reward * self.turn_discount ** (len(turn_rewards) - 1)
         # `sample_index` is the first turn's: later turns are requests of their own (index 0)
         return _trajectory(
             result, discounted, group_id, sample_index, prompt=self._decode(result.input_ids, False),
-            completion=self._decode(result.output_ids), data=dict(fields), turn_rewards=turn_rewards,
+            completion=self._decode(result.output_ids), data=dict(fields), turn_rewards=turn_rewards, **scoring,
         )  # fmt: skip
 
-    def _scorer(self, fields: dict[str, Any]) -> Callable[[GenerationResult], Awaitable[float]]:
-        async def score(result: GenerationResult) -> float:
+    def _scorer(
+        self, fields: dict[str, Any], raw_prompt: Any
+    ) -> Callable[[GenerationResult], Awaitable[Scored]]:
+        async def score(result: GenerationResult) -> Scored:
             kwargs = dict(fields, prompt=self._decode(result.input_ids, False))
             kwargs.update(completion=self._decode(result.output_ids), prompt_ids=list(result.input_ids))
             kwargs.update(completion_ids=list(result.output_ids))
+            kwargs[RAW_PROMPT_KEY] = raw_prompt
             return await _score(self.reward, self.reward_in_thread, kwargs)
 
         return score

@@ -1,0 +1,185 @@
+"""`laden eval`: the held-out evaluation of `laden rl` (`laden.rl.evaluate`) outside a run.
+
+The policy is `actor.path`, another model directory (`model_dir`, e.g. a run's `hf/` export), or a
+checkpoint of a run (`checkpoint`, `RUN_DIR/checkpoints/step_N`: its weights over `actor.path`'s model);
+the data is `valid_dataset`, the reward and workflow the config's, the sampling `eval_gconfig`'s (greedy
+by default), the engine a native one on this machine's GPU (else the CPU), as in the run. So the
+accuracy a run logs at a step equals this command's on that step's checkpoint. The overlap of the
+held-out prompts with `train_dataset` is reported beside the metrics. One process (no torchrun).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("laden.rl")
+
+
+def run_eval(cfg: Any, *, model_dir: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
+    """The evaluation's JSON record (see the module docstring); `ValueError` for unusable input."""
+    if model_dir is not None and checkpoint is not None:
+        raise ValueError("laden eval: give --model or --checkpoint, not both")
+    if cfg.valid_dataset is None or not cfg.valid_dataset.path:
+        raise ValueError(
+            "laden eval needs held-out data: set valid_dataset.path (in the config, or as the override "
+            "valid_dataset.path=FILE)"
+        )
+    if model_dir is not None:
+        _require_dir(model_dir, "--model", "a Hugging Face model directory (config.json and weights)")
+        cfg = replace(cfg, actor=replace(cfg.actor, path=model_dir, init_from_config=False))
+    return asyncio.run(_evaluate(cfg, checkpoint))
+
+
+async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
+    from laden.data import load_records
+    from laden.data.overlap import prompt_overlap
+    from laden.model.hf.loading import load_tokenizer
+    from laden.rl.evaluate import eval_sampling, evaluate
+    from laden.rl.reward_setup import start_rewards
+    from laden.rl.workflow import load_workflow, render_prompt
+
+    tokenizer = load_tokenizer(cfg.actor.path)
+    records = load_records(cfg.valid_dataset.path, split=cfg.valid_dataset.split)
+    train = _train_records(cfg)
+    overlap = prompt_overlap(train, records) if train is not None else None
+    if overlap is not None and overlap.num_shared:
+        log.warning("valid_dataset %s: %s", cfg.valid_dataset.path, overlap.summary())
+    limit = cfg.train_dataset.max_length
+    rows = [r for r in records if _prompt_tokens(render_prompt, r, tokenizer) <= limit]
+    if not rows:
+        raise ValueError(
+            f"valid_dataset.path={cfg.valid_dataset.path!r}: every prompt is longer than train_dataset.max_length="
+            f"{limit} tokens (the engine's context is that plus gconfig.max_new_tokens); raise it"
+        )
+    pool, _ = await start_rewards(cfg, [records], tokenizer)
+    try:
+        import torch
+
+        from laden.rollout.factory import native_engine_from_weights
+
+        model, version = _policy(cfg, checkpoint)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        native = replace(cfg, rollout=replace(cfg.rollout, backend="native:d1"))
+        # built as `laden rl` builds its engine: a skeleton filled with the weights, tagged with their step
+        engine: Any = native_engine_from_weights(
+            native, model.named_parameters(), device=device, tokenizer=tokenizer, version=version
+        )
+        del model
+        sampling, n = eval_sampling(cfg.gconfig, cfg.eval_gconfig)
+        workflow = load_workflow(
+            cfg.workflow, tokenizer=tokenizer, sampling=sampling, n_samples=n, reward=pool
+        )
+        try:
+            result = await evaluate(engine, rows, workflow)
+        finally:
+            await engine.close()
+    finally:
+        pool.close()
+    out: dict[str, Any] = {
+        "model": checkpoint or cfg.actor.path,
+        "version": version,
+        "data": cfg.valid_dataset.path,
+        "skipped_longer_than_max_length": len(records) - len(rows),
+        "shared_with_train": None if overlap is None else overlap.num_shared,
+        **{name: round(value, 6) for name, value in result.metrics.items()},
+    }
+    if result.metrics["eval/reward_errors"] > cfg.reward_error_tolerance * len(result.samples):
+        from laden.errors import RunFailedError
+
+        raise RunFailedError(
+            f"laden eval: {int(result.metrics['eval/reward_errors'])} of {len(result.samples)} rewards failed, more "
+            f"than reward_error_tolerance={cfg.reward_error_tolerance:g}; the first error:\n{result.first_error}\n"
+            f"{json.dumps(out)}"
+        )
+    return out
+
+
+def _prompt_tokens(render: Any, row: dict[str, Any], tokenizer: Any) -> int:
+    try:
+        return len(render(row, tokenizer).ids)
+    except (ValueError, KeyError, TypeError):
+        return 0  # a custom workflow's rows: kept, as `laden rl` keeps them
+
+
+def _train_records(cfg: Any) -> Any:
+    """The training prompts for the overlap check, or None when there are none to read."""
+    from laden.data import load_records
+
+    path = cfg.train_dataset.path
+    if not path or (not path.startswith("hf:") and not Path(path).expanduser().exists()):
+        log.warning(
+            "train_dataset.path=%r cannot be read: the overlap with the training prompts is not checked", path
+        )
+        return None
+    return load_records(path, split=cfg.train_dataset.split)
+
+
+def _policy(cfg: Any, checkpoint: str | None) -> tuple[Any, int]:
+    """The model to evaluate, in `actor.dtype` on the CPU, and its weight version (a checkpoint's step)."""
+    from laden.model.dtypes import torch_dtype
+    from laden.model.hf.loading import load_causal_lm
+
+    model = load_causal_lm(
+        cfg.actor.path,
+        dtype=torch_dtype(cfg.actor.dtype),
+        init_from_config=cfg.actor.init_from_config,
+        seed=cfg.seed,
+    )
+    if checkpoint is None:
+        return model, 0
+    return model, _load_checkpoint_weights(model, Path(checkpoint))
+
+
+def _load_checkpoint_weights(model: Any, path: Path) -> int:
+    """Copy a checkpoint's trained weights into `model`; its step. A LoRA checkpoint holds adapters only."""
+    import torch
+
+    from laden.engine.checkpoint import checkpoint_tensors
+
+    _require_dir(str(path), "--checkpoint", "a run's checkpoints/step_N directory")
+    step = _checkpoint_step(path)
+    params = dict(model.named_parameters())
+    found = set()
+    with torch.no_grad():
+        for name, tensor in checkpoint_tensors(path):
+            if name not in params:
+                hint = (
+                    " (a LoRA run's checkpoint holds its adapters: evaluate the run's hf/ export with --model)"
+                    if "lora_" in name else ""
+                )  # fmt: skip
+                raise ValueError(
+                    f"checkpoint {path}: weight {name!r} is not a parameter of {model.name_or_path}{hint}"
+                )
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"checkpoint {path}: weight {name!r} is {tuple(tensor.shape)} there but {tuple(params[name].shape)} "
+                    f"in actor.path's model; evaluate it with the config of the run that wrote it"
+                )
+            params[name].copy_(tensor)
+            found.add(name)
+    missing = sorted(set(params) - found)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} has no weight for {len(missing)} parameter(s) of the model (e.g. {missing[0]!r}); "
+            "evaluate it with the config of the run that wrote it"
+        )
+    return step
+
+
+def _checkpoint_step(path: Path) -> int:
+    name = path.name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        raise ValueError(
+            f"--checkpoint {str(path)!r} is not a checkpoint directory; give RUN_DIR/checkpoints/step_N"
+        )
+    return int(name[5:])
+
+
+def _require_dir(path: str, option: str, what: str) -> None:
+    if not Path(path).is_dir():
+        raise ValueError(f"{option} {path!r} is not a directory; give {what}")
