@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target", type=float, default=None, help="reward to reach (default: the highest all reach)"
     )
     p.add_argument("--accuracy", nargs="*", default=[], help="LABEL=VALUE held-out final accuracies")
+    p.add_argument("--plot", type=Path, default=None, help="draw reward and held-out accuracy against seconds (PNG)")
     args = p.parse_args(argv)
     if args.window < 1:
         p.error(f"--window {args.window}: must be at least 1")
@@ -137,6 +138,32 @@ def main(argv: list[str] | None = None) -> None:
     runs = {label: load(path) for label, path in zip(labels, args.runs)}
     for record in compare(runs, window=args.window, target=args.target, accuracy=accuracy):
         print(json.dumps(record), flush=True)
+    if args.plot is not None:
+        plot(runs, args.plot, window=args.window)
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path, *, window: int) -> None:
+    """Training reward (moving mean) and held-out accuracy of every run against `elapsed_s`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    reward_ax, acc_ax = fig.subplots(1, 2)
+    for label, rows in runs.items():
+        train = [r for r in rows if "reward_mean" in r]
+        reward_ax.plot([r["elapsed_s"] for r in train], smoothed([float(r["reward_mean"]) for r in train], window),
+                       label=label)  # fmt: skip
+        evals = [r for r in rows if "eval/accuracy" in r]
+        acc_ax.plot([r["elapsed_s"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=label)
+    reward_ax.set(xlabel="training seconds", ylabel=f"training reward (mean of {window} steps)")
+    acc_ax.set(xlabel="training seconds", ylabel="held-out accuracy")
+    for ax in (reward_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -276,7 +276,10 @@ def test_gguf_model_loads_and_exports(tmp_path):
     original = _write_tiny_gguf(tmp_path / "tiny.gguf")
     model = load_causal_lm(str(tmp_path / "tiny.gguf"), dtype=torch.float32, attn_impl="sdpa")
     _assert_same_state(model, original, torch.float32)
+    assert getattr(model.config, "quantization_config", None) is not None  # transformers' GGUF marker
     out = export_hf(model, tmp_path / "export", dtype=torch.bfloat16)
+    # dequantized tensors: the export is a plain model (trainers refuse one that says it is quantized)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
     loaded = _from_pretrained(out, attn_implementation="sdpa")
     _assert_same_state(loaded, original, torch.bfloat16)
     reference = _from_pretrained(

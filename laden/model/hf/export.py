@@ -202,6 +202,8 @@ def export_hf(
         shards.finish()
         config = copy.deepcopy(model.config)
         config.dtype = dtype
+        if hasattr(config, "quantization_config"):  # the tensors written are plain `dtype` ones (a GGUF
+            del config.quantization_config  # file is dequantized on load): readers must not look for quantized ones
         config.save_pretrained(tmp)
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
