@@ -26,6 +26,7 @@ GROUPS = (  # (group, run-name prefix), first match wins
     ("laden_sync", "laden_sync"),
     ("laden_async", "laden_async"),
     ("roundpipe", "rp_"),
+    ("deepspeed", "ds_"),
 )
 RATIOS = (  # (name, numerator group, denominator group, statistic)
     ("new_over_old", "new", "old", "mean"),
@@ -36,6 +37,7 @@ RATIOS = (  # (name, numerator group, denominator group, statistic)
     ("laden_async_over_plain", "laden_async", "plain", "best"),
     ("laden_sync_over_roundpipe", "laden_sync", "roundpipe", "best"),
     ("laden_async_over_roundpipe", "laden_async", "roundpipe", "best"),
+    ("laden_sync_over_deepspeed", "laden_sync", "deepspeed", "best"),
 )
 REGRESSION_TOLERANCE = 0.03  # issue [5]: within 3% of the commit before it
 

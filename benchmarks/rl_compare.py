@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         "--target", type=float, default=None, help="reward to reach (default: the highest all reach)"
     )
     p.add_argument("--accuracy", nargs="*", default=[], help="LABEL=VALUE held-out final accuracies")
-    p.add_argument("--plot", type=Path, default=None, help="draw reward and held-out accuracy against seconds (PNG)")
+    p.add_argument(
+        "--plot", type=Path, default=None, help="draw reward and held-out accuracy against seconds (PNG)"
+    )
     args = p.parse_args(argv)
     if args.window < 1:
         p.error(f"--window {args.window}: must be at least 1")
@@ -155,7 +157,9 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, *, window: int) -> N
         reward_ax.plot([r["elapsed_s"] for r in train], smoothed([float(r["reward_mean"]) for r in train], window),
                        label=label)  # fmt: skip
         evals = [r for r in rows if "eval/accuracy" in r]
-        acc_ax.plot([r["elapsed_s"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=label)
+        acc_ax.plot(
+            [r["elapsed_s"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=label
+        )
     reward_ax.set(xlabel="training seconds", ylabel=f"training reward (mean of {window} steps)")
     acc_ax.set(xlabel="training seconds", ylabel="held-out accuracy")
     for ax in (reward_ax, acc_ax):

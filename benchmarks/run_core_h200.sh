@@ -4,6 +4,7 @@
 #   PARTS=old_new  bash benchmarks/run_core_h200.sh "$OUT"   # (a) no regression: 9c79c2e against this tree
 #   PARTS=resident bash benchmarks/run_core_h200.sh "$OUT"   # (b) fsdp:d1 and plain PyTorch, uncapped GPU
 #   PARTS=capped   bash benchmarks/run_core_h200.sh "$OUT"   # (c) RoundPipe sweep + laden's two modes (carry .rp)
+#   PARTS=deepspeed bash benchmarks/run_core_h200.sh "$OUT"  # (d) DeepSpeed ZeRO-Offload sweep + laden's exact step (carry .ds)
 # Parts combine (PARTS="old_new resident" REF_REPEATS=1 fits one command, about 480 s); without .git on the
 # machine, archive the old tree first (`git archive 9c79c2e | tar -x -C .old`, an ignored folder, carried)
 # and pass OLD_DIR=.old; CAPPED_LADEN=0 leaves the laden runs out of `capped` (when `resident` had them); SMOKE=1 runs the same
@@ -50,10 +51,10 @@
 # recorded as skipped (most important runs first), so a slow machine loses the last sweep points, not the
 # result file.
 set -uo pipefail
-out=${1:?usage: PARTS="old_new|resident|capped ..." bash benchmarks/run_core_h200.sh OUTDIR}
+out=${1:?usage: PARTS="old_new|resident|capped|deepspeed ..." bash benchmarks/run_core_h200.sh OUTDIR}
 parts=" ${PARTS:?set PARTS to one or more of: old_new resident capped} "
 for part in $parts; do
-  [[ " old_new resident capped " == *" $part "* ]] || { echo "unknown part $part (old_new resident capped)" >&2; exit 2; }
+  [[ " old_new resident capped deepspeed " == *" $part "* ]] || { echo "unknown part $part (old_new resident capped deepspeed)" >&2; exit 2; }
 done
 want() { [[ $parts == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -170,9 +171,35 @@ if want capped; then
   done
 fi
 
+# (d) DeepSpeed ZeRO-Offload under the same 24 GiB cap (benchmarks/deepspeed_offload.py), beside laden's exact
+# synchronous step (DS_LADEN=0 leaves it out when another part's command had it): its CPU Adam built first,
+# alone (DeepSpeed's op builder, nvcc and ninja), then DS_POINTS, "stage:micro-batch:checkpointing" (default:
+# stage 3 (parameters and optimizer offloaded) and stage 2 (optimizer offloaded) at micro-batches 1, 2, 4
+# with checkpointing, then 1 without). Wheels in .ds/: deepspeed (a pure-Python wheel: DS_BUILD_OPS=0 pip
+# wheel --no-deps deepspeed), hjson, pydantic, pydantic-core, annotated-types, typing-inspection.
+if want deepspeed; then
+  results=$out/deepspeed.jsonl
+  : >"$results"
+  ds_env=(env PYTHONPATH=$PWD:/tmp/dssite TORCH_EXTENSIONS_DIR=/tmp/ds_torch_ext)
+  timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/dssite .ds/*.whl >>"$out/runs.log" 2>&1 || echo "!! DeepSpeed wheels did not install (.ds/ carried?)" >&2
+  if [[ $smoke != 1 ]]; then
+    timeout -k 5 240 "${ds_env[@]}" python3 -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
+      >>"$out/runs.log" 2>&1 || echo "!! DeepSpeed's CPU Adam did not build (runs.log has the error)" >&2
+  fi
+  [[ ${DS_LADEN:-1} == 1 ]] && run laden_sync 130 "${laden_sync[@]}" "${ref[@]}"
+  for p in ${DS_POINTS:-3:1:on 3:2:on 3:4:on 2:1:on 2:2:on 2:4:on 3:1:off 2:1:off}; do
+    IFS=: read -r stage mb gc <<<"$p"
+    gcflag=--gradient-checkpointing
+    [[ $gc == off ]] && gcflag=--no-gradient-checkpointing
+    run "ds_z${stage}_mb${mb}_gc${gc}" 150 "${ds_env[@]}" python3 benchmarks/deepspeed_offload.py --model "$model" \
+      --seq-len "$seq" --num-seqs 16 "${steps[@]}" --stage "$stage" --micro-batch "$mb" $gcflag
+  done
+fi
+
 echo "== done in ${SECONDS}s" >&2
 files=()
-for part in old_new resident capped; do
+for part in old_new resident capped deepspeed; do
   want "$part" && files+=("$out/$part.jsonl")
 done
 python3 benchmarks/core_summary.py "${files[@]}" >"$out/summary.json"
