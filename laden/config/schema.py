@@ -43,6 +43,9 @@ class DatasetConfig:
     """Column holding chat messages; used instead of prompt/completion when present."""
     answer_key: str = "answer"
     """Column holding the reference answer passed to the reward function (RL)."""
+    on_bad_row: Literal["stop", "skip"] = "stop"
+    """A row that cannot be used (not an object, no prompt, a field of the wrong type), found when the data is
+    read at start-up: `stop` names its file and line and stops; `skip` leaves it out, counted in the data stats."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -421,6 +424,12 @@ class CheckpointConfig:
     """`auto`: resume from the newest checkpoint in the run directory; `never`: start fresh."""
     export_hf: bool = True
     """Export a Hugging Face model directory at the end of training."""
+    save_every_minutes: float | None = 30.0
+    """Also write a checkpoint when this many minutes passed since the last one (a kill loses at most that
+    much); None = only every `save_freq_steps` and at the end."""
+    on_damage: Literal["previous", "stop"] = "previous"
+    """A newest checkpoint whose files fail their checksums or cannot be read: `previous` resumes from the
+    newest intact one (saying which file was damaged), `stop` stops and names the file."""
 
 
 AUTO_KNOBS = (
@@ -482,6 +491,11 @@ class LadenConfig:
     reward_error_tolerance: float = 0.5
     """The largest share of a step's completions whose reward may fail (raise, time out, return a non-number)
     before the run stops, after a checkpoint of the step before, with the first error."""
+    reward_worker_max_calls: int | None = 10000
+    """A reward worker process is replaced after this many calls (a reward that leaks memory is bounded);
+    None = never."""
+    reward_worker_max_rss_gb: float | None = 4.0
+    """A reward worker whose resident memory passes this many GiB after a call is replaced; None = no bound."""
     reward_import_timeout_s: float = 120.0
     """Seconds the reward workers may take to import the reward module at start-up before the run stops,
     reporting a module that blocks at import."""

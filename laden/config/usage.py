@@ -53,6 +53,8 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
             "reward_fns",
             "reward_error_tolerance",
             "reward_import_timeout_s",
+            "reward_worker_max_calls",
+            "reward_worker_max_rss_gb",
             "eval_gconfig",
         )
     ),

@@ -61,7 +61,7 @@ _MAY_CHANGE = (
     "critic.optimizer.gradient_clipping",
     # a reward fixed after a failure (its import path, style or settings), and when to evaluate
     "reward_fn", "reward_fns", "reward_fn_style", "reward_timeout_s", "reward_workers", "reward_error_tolerance",
-    "reward_import_timeout_s", "evaluator.", "eval_gconfig",
+    "reward_import_timeout_s", "evaluator.", "eval_gconfig", "reward_worker_max_calls", "reward_worker_max_rss_gb",
 )  # fmt: skip
 
 
