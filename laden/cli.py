@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except RunFailedError as exc:
+    except RunFailedError as exc:  # `RunInterrupted` (a signal, after a checkpoint) carries 128 + the signal
         print(f"laden: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return getattr(exc, "exit_status", EXIT_FAILED)
     except ConfigError as exc:
         print(f"laden: invalid configuration\n{exc}", file=sys.stderr)
         return EXIT_USAGE

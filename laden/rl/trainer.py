@@ -76,6 +76,7 @@ from tqdm.auto import tqdm
 from laden.config import AllocationMode, LadenConfig, dump_config, format_config, run_dir
 from laden.config.usage import fields_without_effect
 from laden.data import GlobalBatchIterator, PackedBatch, load_records, longest_first
+from laden.engine import signals
 from laden.engine.checkpoint import (
     checkpoint_meta,
     keep_new_hyperparameters,
@@ -95,6 +96,7 @@ from laden.engine.runtime import (
     seed_everything,
     start_runtime,
 )
+from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.errors import RunFailedError
 from laden.memory.oom import PhaseOOMError, is_oom, release_cached_memory
 from laden.model.dtypes import torch_dtype
@@ -145,6 +147,34 @@ class _Counters:
 
 class RewardFailureError(RunFailedError):
     """More than `reward_error_tolerance` of a step's rewards failed; the message has the first error."""
+
+
+def encode_batch(groups: list[list[Any]], gen_s: float) -> dict[str, Any]:
+    """A generated batch (groups of `Trajectory`s) as JSON data, for a checkpoint (nothing is pickled)."""
+    from dataclasses import asdict
+
+    return {"gen_s": gen_s, "groups": [[_jsonable(asdict(t)) for t in g] for g in groups]}
+
+
+def decode_batch(data: dict[str, Any]) -> tuple[list[list[Any]], None, float, None]:
+    """`encode_batch`'s batch back as the producer's queue item."""
+    from laden.rl.workflow import Trajectory
+
+    groups = [[Trajectory(**{**t, "prompt_ids": tuple(t["prompt_ids"])}) for t in g] for g in data["groups"]]
+    return groups, None, float(data["gen_s"]), None
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with tuples, numpy and torch scalars and arrays as JSON types (a row's fields may hold them)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def _part_means(trajs: Sequence[Any]) -> dict[str, float]:
@@ -247,6 +277,8 @@ class _Run:
         self._rollout_rng: Any = None  # this rank's `sampling_state` from a checkpoint
         self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
         self._step_now = 0  # the step being trained (for error reports)
+        self._pending: list[Any] = []  # batches generated before the checkpoint resumed from, not trained yet
+        self._producing = False  # a batch is being generated (`_quiesce`)
         self._saved_step = 0  # the newest checkpoint's step
         self._last_accuracy: float | None = None  # the newest held-out accuracy (progress bar)
         self._last_eval_s = 0.0  # `elapsed_s` at the newest evaluation (`evaluator.freq_secs`)
@@ -424,6 +456,11 @@ class _Run:
         self._carry = [int(i) for i in data.get("carry", [])]
         rl_state = dict(state.get("rl", {}))
         self._rollout_rng = _own_rng(rl_state, self.rt.rank, self.rt.world_size)
+        pending = rl_state.pop("pending", [])
+        if (
+            len(pending) == self.rt.world_size
+        ):  # each rank its own batches (a changed world size regenerates them)
+            self._pending = [decode_batch(b) for b in pending[self.rt.rank]]
         self.counters.load(rl_state)
         for line in changes:
             log.warning("%s (takes effect from step %d)", line, step + 1)
@@ -509,16 +546,20 @@ class _Run:
             t0 = time.perf_counter()
             log_row({"step": 0, "elapsed_s": 0.0, **await self._evaluate(0, bar)})
             t_start += time.perf_counter() - t0
-        producer = asyncio.ensure_future(self._produce(start, queue, k))
+        for restored in self._pending:  # batches a checkpoint held (generated before it, not trained yet)
+            queue.put_nowait(restored)
+        producer = asyncio.ensure_future(self._produce(start + len(self._pending) + 1, queue, k))
         item = None
         self._saved_step, self._counters_before = start, self.counters.state()
+        stops, last_save_t = StopRequests(), signals.now()
         try:
+            stops.__enter__()
             for step in range(start + 1, self.total_steps + 1):
                 t_wait = time.perf_counter()
                 previous, item = item, await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                trajs, data_state, gen_s, _ = item
+                trajs, _, gen_s, _ = item
                 wait_s = time.perf_counter() - t_wait
                 try:
                     record = await self._step(step, trajs, gen_s, wait_s)
@@ -531,7 +572,7 @@ class _Run:
                     try:
                         record.update(await self._evaluate(step, bar))
                     except RewardFailureError:
-                        self._save(step, data_state)
+                        await self._checkpoint(step, queue)
                         raise
                     t_start += time.perf_counter() - t0
                     self._last_eval_s = record["elapsed_s"]
@@ -540,16 +581,22 @@ class _Run:
                 bar.set_postfix(self._postfix(record))
                 bar.update(1)
                 freq = cfg.checkpoint.save_freq_steps
-                if (freq and step % freq == 0) or (step == self.total_steps and cfg.checkpoint.save_at_end):
+                stop, overdue = agree_to_stop_or_save(self.rt, stops.requested, last_save_t, cfg.checkpoint)
+                final = step == self.total_steps
+                if (freq and step % freq == 0) or (final and cfg.checkpoint.save_at_end) or overdue or stop:
                     # before the next batch may start (k = 0): the sampling RNG saved is the one it starts from
-                    self._save(step, data_state)
+                    await self._checkpoint(step, queue)
+                    last_save_t = signals.now()
                     if main:
                         self._write_curves(min_interval_s=CHECKPOINT_INTERVAL_S)
+                if stop and not final:
+                    raise stops.interrupted(step, self.run.path)
                 self._counters_before = self.counters.state()
                 async with self.progress_cond:
                     self.steps_done = step
                     self.progress_cond.notify_all()
         finally:
+            stops.__exit__()
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
             bar.close()
@@ -558,6 +605,22 @@ class _Run:
             if board is not None:
                 board.close()
         return rewards
+
+    async def _quiesce(self) -> None:
+        """Wait until the producer generates nothing: every batch it may start before the next step is
+        trained (at most `max_head_offpolicyness` ahead) is done, and it waits for the trainer or for room
+        in the queue. Then the engine's sampling state and the data position describe exactly what was
+        generated, so a checkpoint taken now (with the generated batches) resumes as the run goes on."""
+        while self._producing:
+            await asyncio.sleep(0.005)
+
+    async def _checkpoint(self, step: int, queue: asyncio.Queue) -> None:
+        """Checkpoint `step` with what the producer generated ahead of it (asynchronous runs): the batches
+        waiting in the queue, their data position and the sampling state after them."""
+        await self._quiesce()
+        pending = [item for item in list(queue._queue) if not isinstance(item, BaseException)]  # type: ignore[attr-defined]
+        data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
+        self._save(step, data_state, pending=[encode_batch(trajs, gen_s) for trajs, _, gen_s, _ in pending])
 
     def _postfix(self, record: dict[str, Any]) -> dict[str, str]:
         out = {"reward": f"{record['reward_mean']:.3f}"}
@@ -587,12 +650,11 @@ class _Run:
         assert self.valid is not None
         bar.set_description_str(f"rl (evaluating {len(self.valid)} held-out prompts)")
         t0 = time.perf_counter()
-        # Synchronous runs generate nothing else meanwhile: the engine's random draws are put back, so a run
-        # trains the same with evaluations as without. Asynchronous ones share the engine with the next
-        # batches, whose draws then differ (their kind does not).
+        # Nothing else generates meanwhile (the producer is quiesced) and the engine's random draws are put
+        # back after: a run trains the same with evaluations as without.
+        await self._quiesce()
         sampling_state = getattr(self.rollout, "sampling_state", None)
-        isolated = self.cfg.rollout.max_head_offpolicyness == 0
-        before = sampling_state() if isolated and sampling_state is not None else None
+        before = sampling_state() if sampling_state is not None else None
         try:
             result = await evaluate(
                 self.rollout, self.valid, self.eval_workflow, rank=self.rt.rank, world_size=self.rt.world_size,
@@ -621,18 +683,21 @@ class _Run:
                  metrics["eval/accuracy"], len(self.valid), len(result.samples), metrics["eval/time_s"])  # fmt: skip
         return metrics
 
-    async def _produce(self, start: int, queue: asyncio.Queue, k: int) -> None:
-        """Batches of trajectories, at most `k` ahead of the trainer (k = 0: after each update)."""
-        b = start + 1
+    async def _produce(self, first: int, queue: asyncio.Queue, k: int) -> None:
+        """Batches `first`.. of trajectories, at most `k` ahead of the trainer (k = 0: after each update).
+        `self._producing` is true while a batch is generated (`_quiesce`)."""
+        b = first
         try:
-            for b in range(start + 1, self.total_steps + 1):
+            for b in range(first, self.total_steps + 1):
                 async with self.progress_cond:  # batch b starts only when step b - 1 - k is trained
                     await self.progress_cond.wait_for(self._trained_through(b - 1 - k))
+                self._producing = True
                 t0 = time.perf_counter()
                 sampling_state = getattr(self.rollout, "sampling_state", None)
                 rng_before = None if sampling_state is None else sampling_state()
                 trajs = await self._collect_batch()
                 data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
+                self._producing = False
                 await queue.put((trajs, data_state, time.perf_counter() - t0, rng_before))
         except asyncio.CancelledError:
             raise
@@ -642,6 +707,8 @@ class _Run:
                 oom.__cause__ = e
                 e = oom
             await queue.put(e)
+        finally:
+            self._producing = False
 
     def _trained_through(self, step: int):
         return lambda: self.steps_done >= step
@@ -1091,14 +1158,17 @@ class _Run:
         for i, (mb, out) in enumerate(zip(mbs, outs)):
             mbs[i] = mb.with_fields(ref_logprobs=out["logprobs"].to(mb.labels.device))
 
-    def _save(self, step: int, data_state: dict[str, Any], rng: Any = None) -> None:
+    def _save(
+        self, step: int, data_state: dict[str, Any], rng: Any = None, pending: list[Any] | None = None
+    ) -> None:
         """Checkpoint `step` with the data position after its batch; `rng`: this rank's sampling state to
-        store (default the engine's now)."""
+        store (default the engine's now); `pending`: the batches generated ahead (`encode_batch`)."""
         cfg = self.cfg
         meta = checkpoint_meta(cfg, self.engine)
+        rl_state = {**self.counters.state(), **self._rng_state(rng), "pending": self._gather(pending or [])}
         save_checkpoint(
             self.run.ckpt_root, step=step, engine=self.engine,
-            trainer_state={"data": data_state, "rl": {**self.counters.state(), **self._rng_state(rng)}}, meta=meta,
+            trainer_state={"data": data_state, "rl": rl_state}, meta=meta,
             config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=self.rt.rank,
             barrier=self.rt.barrier, others=None if self.critic is None else {"critic": self.critic.engine},
         )  # fmt: skip

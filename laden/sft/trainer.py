@@ -42,6 +42,7 @@ from laden.data import (
     pack_samples,
     partition_microbatches,
 )
+from laden.engine import signals
 from laden.engine.checkpoint import (
     checkpoint_meta,
     keep_new_hyperparameters,
@@ -64,6 +65,7 @@ from laden.engine.runtime import (
     shard_for_rank,
     start_runtime,
 )
+from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.memory.oom import TrainingOOMError
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
@@ -307,7 +309,10 @@ class _Loop:
                 metrics.write(json.dumps({"step": 0, "eval_loss": loss, "elapsed_s": 0.0}) + "\n")
                 metrics.flush()
             t_start = time.perf_counter()
+        stops = StopRequests()
+        last_save_t = signals.now()
         try:
+            stops.__enter__()
             for step in range(start_step, self.total_steps):
                 indices = next(self.batches)
                 out, num_mbs, num_tokens = train_step(
@@ -333,9 +338,12 @@ class _Loop:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
                 freq = cfg.checkpoint.save_freq_steps
-                if freq and done % freq == 0 and done < self.total_steps:
+                stop, overdue = agree_to_stop_or_save(rt, stops.requested, last_save_t, cfg.checkpoint)
+                if done < self.total_steps and ((freq and done % freq == 0) or overdue or stop):
                     self.save(done)
-                    saved = done
+                    saved, last_save_t = done, signals.now()
+                if stop and done < self.total_steps:
+                    raise stops.interrupted(done, self.run.path)
         except (KeyboardInterrupt, TrainingOOMError) as stop:
             # one process: nothing waits in a collective. A step that runs out of memory fails before it
             # changes a parameter (in packing, forward, backward, or the optimizer's first allocation
@@ -349,6 +357,7 @@ class _Loop:
                 self.save(done, data_state=data_state)
             raise
         finally:
+            stops.__exit__()
             bar.close()
             if metrics is not None:
                 metrics.close()
