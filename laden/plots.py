@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,14 +92,13 @@ def write_curves(run_dir: Path, job: Literal["rl", "sft"], *, min_interval_s: fl
     )
     if fig is None:
         return None
-    # a name of this process's own (not mkstemp: its 0600 mode would outlive the rename)
-    tmp = run_dir / f".curves.png.{os.getpid()}.tmp"
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    import io
+
+    from laden.engine.safe_io import atomic_write_bytes
+
+    buffer = io.BytesIO()  # drawn in memory, then written atomically without following a link
+    fig.savefig(buffer, format="png", dpi=100)
+    atomic_write_bytes(out, buffer.getvalue())
     return out
 
 

@@ -3,8 +3,10 @@
 `scripted_reward` does what the completion says: "crash" raises, "hang" sleeps far past any
 test timeout, "hang_with_child" starts a `sleep` subprocess (its pid goes to the `pid_file`
 field) and hangs, "exit" kills its own worker process, "nan", "none", "str" ("1.0") and "bool"
-(True) return values that are not rewards, "np32" returns `numpy.float32(0.5)`; anything else
-scores 1.0 when it equals `answer`, else 0.0.
+(True) return values that are not rewards, "np32" returns `numpy.float32(0.5)`; for the worker
+recycling tests, "pid" returns the worker's pid, "leak" keeps another `LEAK_BYTES` in a module-level
+list and returns how many it holds, "oom" raises `MemoryError`; anything else scores 1.0 when it
+equals `answer`, else 0.0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import subprocess
 import time
 
 NOT_A_FUNCTION = 42
+LEAK_BYTES = 60 * 2**20
+_LEAKED: list[bytes] = []
 
 
 def scripted_reward(prompt, completion, prompt_ids, completion_ids, answer=None, **data_fields):
@@ -37,6 +41,13 @@ def scripted_reward(prompt, completion, prompt_ids, completion_ids, answer=None,
         return "1.0"
     if completion == "bool":
         return True
+    if completion == "pid":
+        return float(os.getpid())
+    if completion == "leak":
+        _LEAKED.append(b"\1" * LEAK_BYTES)  # written, so resident (zeroed pages may stay unmapped)
+        return float(len(_LEAKED))
+    if completion == "oom":
+        raise MemoryError
     if completion == "np32":
         import numpy
 

@@ -178,7 +178,7 @@ def test_template_that_is_not_prefix_stable_is_rejected(tiny_tokenizer):
 
 def test_record_without_known_keys_names_index_and_keys(tiny_tokenizer):
     records = [RECORDS[0], {"question": "q", "answer": "a"}]
-    with pytest.raises(ValueError, match=r"record 1:.*\['answer', 'question'\]"):
+    with pytest.raises(ValueError, match=r"row 2: .*its keys are \['answer', 'question'\]"):
         build_sft_samples(records, tiny_tokenizer, max_length=512)
 
 

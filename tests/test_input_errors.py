@@ -102,7 +102,7 @@ def test_every_record_filtered_says_max_length(tiny_tokenizer):
 
 def test_bad_record_error_names_the_file(tmp_path, tiny_tokenizer):
     path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(ValueError, match=rf"{path.name}: record 0: record has neither 'messages'"):
+    with pytest.raises(ValueError, match=rf"{path.name}:1: the row has neither 'messages'"):
         build_sft_samples(load_records(str(path)), tiny_tokenizer, max_length=64)
 
 

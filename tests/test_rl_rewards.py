@@ -324,6 +324,54 @@ def test_score_outcome_carries_the_error_text_of_a_raising_reward(scripted_pool)
     assert outcome.value == -1.0 and math.isnan(outcome.parts["scripted_reward"])
 
 
+# --- recycling workers ---------------------------------------------------------------------
+
+
+def test_a_leaking_worker_is_recycled_past_max_rss_and_every_call_scores(caplog):
+    from reward_fixtures import LEAK_BYTES
+
+    caplog.set_level(logging.INFO, logger="laden.rl.rewards")
+    max_rss_gb = 0.2
+    with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, on_error="raise", max_rss_gb=max_rss_gb) as pool:
+        held = pool.score_many([_call("leak")] * 8)  # one worker: one call at a time, in order
+        stats = pool.stats
+    # Each value is the number of leaks the answering worker holds: a fresh worker starts at 1 again.
+    assert held[0] == 1.0 and all(b in (a + 1, 1.0) for a, b in zip(held, held[1:])), held
+    assert held.count(1.0) >= 2, held  # recycled at least once...
+    assert max(held) * LEAK_BYTES <= max_rss_gb * 2**30 + LEAK_BYTES  # ...never one leak past the bound
+    assert stats.errors == 0 and stats.worker_restarts == 0
+    assert stats.worker_recycles >= held.count(1.0) - 1
+    logged = [r for r in caplog.records if "past max_rss_gb=0.2" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.WARNING  # once, however many recycles
+
+
+def test_a_worker_is_recycled_after_max_calls_per_worker(caplog):
+    caplog.set_level(logging.INFO, logger="laden.rl.rewards")
+    with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, max_calls_per_worker=3, max_rss_gb=None) as pool:
+        pids = pool.score_many([_call("pid")] * 7)
+        assert pool.stats.worker_recycles == 2 and pool.stats.errors == 0
+    assert [pids.count(pid) for pid in dict.fromkeys(pids)] == [3, 3, 1]
+    infos = [r for r in caplog.records if "max_calls_per_worker=3" in r.getMessage()]
+    assert len(infos) == 1 and infos[0].levelno == logging.INFO
+
+
+def test_a_memory_error_retires_its_worker_and_the_next_call_scores():
+    with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, error_value=-1.0) as pool:
+        (before,) = pool.score_many([_call("pid")])
+        (failed,) = _outcomes(pool, [_call("oom")])
+        (after,) = pool.score_many([_call("pid")])
+        stats = pool.stats
+    assert failed.value == -1.0 and "MemoryError" in failed.error
+    assert after not in (before, -1.0)  # scored, by a fresh worker
+    assert (stats.errors, stats.worker_recycles, stats.worker_restarts) == (1, 1, 0)
+
+
+def test_recycling_settings_are_checked():
+    with pytest.raises(ValueError) as info:
+        RewardPool(SCRIPTED, max_calls_per_worker=0, max_rss_gb=-1.0)
+    assert "max_calls_per_worker=0" in str(info.value) and "max_rss_gb=-1.0" in str(info.value)
+
+
 # --- reward styles -------------------------------------------------------------------------
 
 STYLE_FUNCTIONS = {

@@ -152,14 +152,25 @@ def format_config(cfg: LadenConfig) -> str:
 
 
 def dump_config(cfg: LadenConfig, path: str | Path) -> Path:
-    """Write the config as YAML to `path` (parent directories created); `load_config` reads it back."""
+    """Write the config as YAML to `path` (parent directories created); `load_config` reads it back.
+    The file is replaced atomically and never written through a link (`laden.engine.safe_io`, a leaf
+    module that imports nothing of laden)."""
+    from laden.engine.safe_io import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_config(cfg))
-    return path
+    return atomic_write_text(path, format_config(cfg))
 
 
 def _read_yaml(path: Path, errors: list[str]) -> dict[str, Any]:
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.y*ml") if p.is_file())
+        example = str(path / (inside[0] if inside else "config.yaml"))
+        found = f" (it holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+        errors.append(
+            f"config file {str(path)!r} is a directory{found}; pass the YAML file inside it (e.g. {example})"
+        )
+        return {}
     if not path.is_file():
         errors.append(f"config file {str(path)!r} does not exist; pass an existing YAML file")
         return {}

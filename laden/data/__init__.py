@@ -5,6 +5,7 @@ from __future__ import annotations
 from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples, unpack
 from laden.data.loader import GlobalBatchIterator, longest_first
 from laden.data.packing import PACKING_ALGORITHMS, ffd_partition, kk_partition, partition_microbatches
+from laden.data.rows import check_prompt_rows, check_sft_rows
 from laden.data.sft import LengthStats, Sample, build_sft_samples, sample_lengths, tokenize_sft_record
 from laden.data.sources import Records, load_records
 
@@ -18,6 +19,8 @@ __all__ = [
     "Records",
     "Sample",
     "build_sft_samples",
+    "check_prompt_rows",
+    "check_sft_rows",
     "ffd_partition",
     "kk_partition",
     "load_records",

@@ -11,6 +11,10 @@ prefixes are prefixes of the whole rendering (token by token); templates that re
 earlier turns (e.g. dropping past reasoning) are rejected with an error, not mis-masked.
 Cost: one rendering and tokenization per assistant turn, quadratic in the number of turns.
 
+Every row's shape is checked before any is tokenized (`laden.data.rows.check_sft_rows`): a row that
+cannot be used stops the run at start-up naming its `path:line`, or is left out and counted
+(`on_bad_row`).
+
 Samples hold Python lists: about 44 bytes of host memory per token (an int object and a
 pointer for the id, a pointer to a cached 0/1 for the mask), ~0.45 GB for 10M tokens, in
 exchange for samples that pack directly with no conversion.
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
+
+from laden.data.rows import OnBadRow, check_sft_rows
+from laden.data.sources import Records
 
 LENGTH_POLICIES = ("filter", "truncate")
 
@@ -34,10 +41,13 @@ class Sample(NamedTuple):
 
 @dataclass(kw_only=True, slots=True)
 class LengthStats:
-    """What the `max_length` policy did to a dataset; every record lands in kept, filtered or no-loss."""
+    """What the row check and the `max_length` policy did to a dataset; every record lands in kept,
+    filtered, no-loss or skipped."""
 
     num_records: int = 0
-    """Records read."""
+    """Records read (bad rows included)."""
+    num_skipped_bad_rows: int = 0
+    """Rows left out because they cannot be used (`on_bad_row: skip`; see `laden.data.rows`)."""
     num_kept: int = 0
     """Samples kept (including truncated ones)."""
     num_filtered: int = 0
@@ -98,12 +108,17 @@ def build_sft_samples(
     messages_key: str = "messages",
     chat_template_kwargs: Mapping[str, Any] | None = None,
     source: str | None = None,
+    on_bad_row: OnBadRow = "stop",
+    field: str = "train_dataset",
 ) -> tuple[list[Sample], LengthStats]:
-    """Tokenize records and apply the `max_length` policy; the stats account for every record.
+    """Check every row, tokenize them and apply the `max_length` policy; the stats account for every record.
 
-    `source` names the records in errors (default: the `source` of `load_records`' result).
-    Raises ValueError naming the source when no record is left: none given, none with a
-    loss token (no assistant turn), or all longer than `max_length`.
+    `source` names the records in errors (default: the `source` of `load_records`' result), each
+    by its `path:line` (`Records.where`). A row that cannot be used (`check_sft_rows`) is a
+    ValueError naming the first (`on_bad_row="stop"`; `field` names the dataset in the fix) or is
+    left out and counted in `num_skipped_bad_rows` (`"skip"`). Raises ValueError naming the source
+    when no record is left: none given, none with a loss token (no assistant turn), or all longer
+    than `max_length`.
     """
     source = source or getattr(records, "source", None) or "the dataset"
     if not isinstance(max_length, int) or max_length < 2:
@@ -112,11 +127,15 @@ def build_sft_samples(
         raise ValueError(
             f"length_policy={length_policy!r} is not one of {LENGTH_POLICIES} (train_dataset.length_policy)"
         )
+    rows, num_skipped = check_sft_rows(
+        records if isinstance(records, Records) else Records(cast(list[dict[str, Any]], list(records)), source=source),
+        prompt_key=prompt_key, completion_key=completion_key, messages_key=messages_key,
+        on_bad_row=on_bad_row, field=field,
+    )  # fmt: skip
     samples: list[Sample] = []
-    stats = LengthStats()
+    stats = LengthStats(num_records=len(rows) + num_skipped, num_skipped_bad_rows=num_skipped)
     num_cut_before_loss = 0  # no-loss samples whose loss tokens were all cut by `truncate`
-    for index, record in enumerate(records):
-        stats.num_records += 1
+    for index, record in enumerate(rows):
         try:
             input_ids, loss_mask = tokenize_sft_record(
                 record,
@@ -127,7 +146,7 @@ def build_sft_samples(
                 chat_template_kwargs=chat_template_kwargs,
             )
         except ValueError as e:
-            raise ValueError(f"{source}: record {index}: {e}") from e
+            raise ValueError(f"{rows.where(index)}: {e}") from e
         stats.max_num_tokens_raw = max(stats.max_num_tokens_raw, len(input_ids))
         if len(input_ids) > max_length:
             if length_policy == "filter":
@@ -176,6 +195,8 @@ def _nothing_kept_message(
             f"{num_cut_before_loss} lose every loss token when truncated to max_length={max_length} "
             "(the assistant turn starts later): raise the dataset's max_length"
         )
+    if stats.num_skipped_bad_rows:
+        causes.append(f"{stats.num_skipped_bad_rows} are bad rows, left out (on_bad_row: skip)")
     if stats.num_filtered:
         causes.append(
             f"{stats.num_filtered} are longer than max_length={max_length} and filtered (the longest has "

@@ -5,8 +5,11 @@ in host memory as Python objects (a few hundred bytes per short record), in exch
 loader with no worker processes, exact resume and length statistics computed before the
 first step. The optional formats (`pyarrow`, `datasets`) are imported only when used.
 
-Input errors name the input: an empty source, a bad line (`path:line`) and a non-UTF-8 byte
-(`path:line`, byte offset) are `ValueError`s. `hf:` names are resolved on the hub, whose
+Input errors name the input: an empty source and a non-UTF-8 byte (`path:line`, byte offset) are
+`ValueError`s. A row that is not a JSON object (invalid JSON or an array on a .jsonl line, a .json
+element that is not an object) is a bad row: by `on_bad_row`, a `ValueError` naming the first
+(`path:line`, `path row N`), how many there are and the fix, or left out and counted
+(`Records.skipped`); `laden.data.rows` checks the content of the rows read. `hf:` names are resolved on the hub, whose
 client retries a failed connection for ~27 s: one request with a short timeout
 (`HUB_PROBE_TIMEOUT_S`) goes first, so an unreachable hub fails at once with the fix
 (a local copy), at the cost of one extra round trip when it is reachable.
@@ -14,9 +17,13 @@ client retries a failed connection for ~27 s: one request with a short timeout
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 ACCEPTED_FORMATS = (
     "a .jsonl file (one JSON object per line), a .json file (a list of objects), a .parquet file, "
@@ -38,29 +45,77 @@ def _local_copy_fix(name: str) -> str:
 class Records(list[dict[str, Any]]):
     """The records of one source, a plain list that remembers where they were read from (for errors)."""
 
-    __slots__ = ("source", "lines")
+    __slots__ = ("source", "lines", "rows", "skipped")
 
-    def __init__(self, records: list[dict[str, Any]], *, source: str, lines: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        records: list[dict[str, Any]],
+        *,
+        source: str,
+        lines: list[int] | None = None,
+        rows: list[int] | None = None,
+        skipped: int = 0,
+    ) -> None:
         super().__init__(records)
         self.source = source
         """The dataset path as given (a file, a directory or `hf:<name>`)."""
         self.lines = lines
         """The line of each record in a .jsonl file (blank lines skipped), else None."""
+        self.rows = rows
+        """The row (from 1) of each record in its source, where some were left out; else None."""
+        self.skipped = skipped
+        """Rows of the source left out as bad (`on_bad_row: skip`), not among these records."""
 
     def where(self, index: int) -> str:
         """Where record `index` was read: `path:line` for a .jsonl file, else `path row N` (from 1)."""
         if self.lines is not None and index < len(self.lines):
             return f"{self.source}:{self.lines[index]}"
-        return f"{self.source} row {index + 1}"
+        return f"{self.source} row {self._row(index)}"
+
+    def subset(self, indices: list[int], *, skipped: int = 0) -> Records:
+        """The records at `indices`, each still named by `where` as where it was read; `skipped`: how many
+        more rows were left out as bad (added to this one's `skipped`)."""
+        lines = None if self.lines is None else [self.lines[i] for i in indices]
+        rows = None if lines is not None else [self._row(i) for i in indices]
+        kept = [self[i] for i in indices]
+        return Records(kept, source=self.source, lines=lines, rows=rows, skipped=self.skipped + skipped)
+
+    def _row(self, index: int) -> int:
+        return self.rows[index] if self.rows is not None and index < len(self.rows) else index + 1
 
 
-def load_records(path: str, *, split: str = "train") -> Records:
+@dataclasses.dataclass(slots=True)
+class _Positions:
+    """Where each record was read, filled in while reading, and the rows that are not objects."""
+
+    lines: list[int] = dataclasses.field(default_factory=list)
+    """A .jsonl file: the line of each record."""
+    rows: list[int] = dataclasses.field(default_factory=list)
+    """A .json file: the element (from 1) of each record."""
+    bad: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """Rows that are not JSON objects: (where, problem)."""
+
+
+def load_records(
+    path: str,
+    *,
+    split: str = "train",
+    on_bad_row: Literal["stop", "skip"] = "stop",
+    field: str = "train_dataset",
+) -> Records:
     """Read all records of a dataset as dicts; `split` picks the split of `hf:` names and saved DatasetDicts.
 
-    Raises ValueError for a source with no records, naming it.
+    Raises ValueError for a source with no records, naming it. A row that is not a JSON object stops
+    the read with a ValueError naming it, how many there are and the fix (`on_bad_row="stop"`; `field`
+    names the dataset in the fix), or is left out with a warning and counted in `skipped` (`"skip"`).
     """
-    lines: list[int] = []
-    records = Records(_read_source(path, split=split, lines=lines), source=path, lines=lines or None)
+    found = _Positions()
+    rows = _read_source(path, split=split, found=found)
+    records = Records(
+        rows, source=path, lines=found.lines or None, rows=found.rows if found.bad and found.rows else None
+    )
+    if found.bad:
+        _bad_objects(records, found.bad, on_bad_row, field)
     if not records:
         raise ValueError(
             f"dataset path {path!r} has no records ({_empty_reason(path)}); a dataset needs at least one "
@@ -75,8 +130,29 @@ def _empty_reason(path: str) -> str:
     return "the file is empty or holds only blank lines"
 
 
-def _read_source(path: str, *, split: str, lines: list[int]) -> list[dict[str, Any]]:
-    """The records of `path`; a .jsonl file appends each record's line number to `lines`."""
+def _bad_objects(records: Records, bad: list[tuple[str, str]], on_bad_row: str, field: str) -> None:
+    """Stop on rows that are not objects (`on_bad_row="stop"`, or none is left), or count them as skipped."""
+    where, problem = bad[0]
+    total = len(records) + len(bad)
+    count = f"{len(bad)} of {total} rows of {records.source} are not JSON objects"
+    if on_bad_row == "skip" and records:
+        records.skipped += len(bad)
+        log.warning(
+            "%s: left out %s (%s.on_bad_row: skip); the first, %s: %s", field, count, field, where, problem
+        )
+        return
+    others = ", ".join(w for w, _ in bad[1:6]) + (", ..." if len(bad) > 6 else "")
+    also = f" (also {others})" if len(bad) > 1 else ""
+    fix = (
+        f"Fix the row(s), or set {field}.on_bad_row: skip to leave them out"
+        if on_bad_row == "stop"
+        else "Fix the data: every row must be a JSON object"
+    )
+    raise ValueError(f"{where}: {problem}; {count}{also}. {fix}")
+
+
+def _read_source(path: str, *, split: str, found: _Positions) -> list[dict[str, Any]]:
+    """The records of `path`; `found` gets where each was read and the rows that are not objects."""
     if path.startswith(HF_PREFIX):
         return _load_hub(path[len(HF_PREFIX) :], split=split)
     file = Path(path).expanduser()
@@ -86,9 +162,9 @@ def _read_source(path: str, *, split: str, lines: list[int]) -> list[dict[str, A
         return _load_saved_dataset(file, split=split)
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
-        return _load_jsonl(file, lines)
+        return _load_jsonl(file, found)
     if suffix == ".json":
-        return _load_json(file)
+        return _load_json(file, found)
     if suffix == ".parquet":
         return _load_parquet(file)
     raise ValueError(
@@ -96,7 +172,7 @@ def _read_source(path: str, *, split: str, lines: list[int]) -> list[dict[str, A
     )
 
 
-def _load_jsonl(file: Path, lines: list[int]) -> list[dict[str, Any]]:
+def _load_jsonl(file: Path, found: _Positions) -> list[dict[str, Any]]:
     records = []
     offset = 0  # byte offset of the current line in the file
     # Read as bytes and decode per line, so a bad byte is reported with its line and offset.
@@ -109,13 +185,15 @@ def _load_jsonl(file: Path, lines: list[int]) -> list[dict[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{line_no}: invalid JSON ({e.msg} at column {e.colno})") from e
+                found.bad.append((f"{file}:{line_no}", f"invalid JSON ({e.msg} at column {e.colno})"))
+                continue
             if not isinstance(record, dict):
-                raise ValueError(
-                    f"{file}:{line_no}: expected a JSON object per line, got {type(record).__name__}"
+                found.bad.append(
+                    (f"{file}:{line_no}", f"expected a JSON object per line, got {type(record).__name__}")
                 )
+                continue
             records.append(record)
-            lines.append(line_no)
+            found.lines.append(line_no)
     return records
 
 
@@ -145,7 +223,7 @@ def _decode_file(raw: bytes, file: Path) -> str:
         return _decode(line, file, line_no=raw.count(b"\n", 0, e.start) + 1, line_offset=start)
 
 
-def _load_json(file: Path) -> list[dict[str, Any]]:
+def _load_json(file: Path, found: _Positions) -> list[dict[str, Any]]:
     try:
         data = json.loads(_decode_file(file.read_bytes(), file))
     except json.JSONDecodeError as e:
@@ -155,10 +233,16 @@ def _load_json(file: Path) -> list[dict[str, Any]]:
             f"{file}: a .json dataset must hold a list of objects, got {type(data).__name__}; "
             "for one object per line use a .jsonl file"
         )
+    records = []
     for i, record in enumerate(data):
         if not isinstance(record, dict):
-            raise ValueError(f"{file}: element {i} is a {type(record).__name__}, expected a JSON object")
-    return data
+            found.bad.append(
+                (f"{file} row {i + 1}", f"element {i} is a {type(record).__name__}, expected a JSON object")
+            )
+            continue
+        records.append(record)
+        found.rows.append(i + 1)
+    return records
 
 
 def _load_parquet(file: Path) -> list[dict[str, Any]]:

@@ -20,16 +20,30 @@ what happens instead:
   first checkpoint left nothing to continue: the rerun starts over with a clean `metrics.jsonl`.
 - After a resume, `metrics.jsonl` keeps only the steps up to the checkpoint (the steps run after
   it, before the interruption, are run again and logged again).
-- A rerun of a finished run (its final checkpoint is at `total_steps`) trains nothing: it says
-  so and returns, without exporting again.
+- A rerun of a finished run (its final checkpoint is at `total_steps`) trains nothing. Its export
+  may still be missing (a kill or a full disk after the final checkpoint): `export_done` tells, from
+  the manifest the export writes last (`laden.model.hf.export.export_complete`), so the rerun can
+  write it from the final checkpoint.
 - A run that fails leaves `error.log` (its traceback) for `laden doctor RUN_DIR`.
+- A crafted directory (a symbolic link named `.lock`, `config.yaml` or `metrics.jsonl` pointing at
+  a file elsewhere) would make laden write into the link's target. `acquire` refuses a directory
+  holding links (at its top level, in `checkpoints/` or `hf/`), naming each, before writing
+  anything, and every file is written through `laden.engine.safe_io`: replaced atomically and never
+  through a link, `.lock` and `metrics.jsonl` opened with `O_NOFOLLOW`. A full disk is a
+  `DiskFullError` naming the file and the fix, and never leaves half a `metrics.jsonl` row.
+- `metrics.jsonl` cut off by a kill or a full disk is repaired on resume (`keep_metrics_through`): a
+  cut-off last line is dropped with a warning naming the file, the line and its first bytes. So is a
+  line in the middle that is not a JSON row: the file is the history's record, not its state (the
+  checkpoint is), and what a resume reads from it (`elapsed_s` of the last row) survives the loss of
+  a row, so refusing to resume, and asking for a hand edit, would cost more than the row; the warning
+  says what was lost. Every reader here (`logged_rows`, `last_logged`) skips such lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
+import logging
 import os
 import socket
 import sys
@@ -38,10 +52,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from laden.config.usage import flatten
-from laden.engine.checkpoint import FORMAT, list_checkpoints, read_meta
+from laden.engine.checkpoint import FORMAT, list_checkpoints, read_meta, read_run_config
+from laden.engine.integrity import (
+    Damage,
+    DamagedCheckpointError,
+    find_damage,
+    has_checksums,
+    is_old_layout,
+    read_json,
+)
+from laden.engine.safe_io import (
+    AppendLines,
+    UnsafePathError,
+    atomic_write_text,
+    open_in_place,
+    read_jsonl,
+    remove_leftover_temporaries,
+)
+
+log = logging.getLogger("laden.rundir")
 
 # Fields that may differ between a checkpoint and the config resuming from it: they change how
 # the same training is computed, recorded or scheduled, not what its history means.
@@ -63,6 +93,13 @@ _MAY_CHANGE = (
     "reward_fn", "reward_fns", "reward_fn_style", "reward_timeout_s", "reward_workers", "reward_error_tolerance",
     "reward_import_timeout_s", "evaluator.", "eval_gconfig", "reward_worker_max_calls", "reward_worker_max_rss_gb",
 )  # fmt: skip
+
+
+DISK_FULL_FIX = (
+    "free space on that file system, then rerun the same command: the run resumes from its last checkpoint "
+    "(a finished run writes its missing export)"
+)
+"""What a `DiskFullError` from a write into the run directory tells the user to do."""
 
 
 class RunDirectoryError(ValueError):
@@ -108,17 +145,20 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- ownership
     def acquire(self, command: str | None = None) -> None:
-        """Take the directory for this run, or refuse naming the run that holds it."""
+        """Take the directory for this run, or refuse naming the run that holds it. Before anything is written
+        there, a directory holding symbolic links (top level, `checkpoints/`, `hf/`) is refused, naming each."""
         if not self.is_main:
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            handle = (self.path / ".lock").open("a+")
         except OSError as exc:
+            what = "it exists and is not a directory" if os.path.lexists(self.path) else exc.strerror
             raise RunDirectoryError(
-                f"cluster.fileroot: cannot create the run directory {self.path} ({exc.strerror}); "
-                "set cluster.fileroot to a writable directory"
+                f"cluster.fileroot: cannot create the run directory {self.path} ({what}); "
+                "set cluster.fileroot to a writable directory, or trial_name to another name"
             ) from None
+        self._refuse_links()
+        handle = self._open_lock()
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -129,14 +169,46 @@ class RunDirectory:
                 f"run directory {self.path} is in use by {holder}; wait for that run to finish, or set "
                 "trial_name to another name to start a separate run"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        cmd = command or " ".join(sys.argv)
-        handle.write(
-            f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} ({cmd})\n"
-        )
-        handle.flush()
         self._lock_file = handle
+        cmd = command or " ".join(sys.argv)
+        with contextlib.suppress(OSError):  # only a description of the holder: a full disk may leave it empty
+            handle.seek(0)
+            handle.truncate()
+            handle.write(
+                f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} ({cmd})\n"
+            )
+            handle.flush()
+        remove_leftover_temporaries(self.path)  # of a writer killed mid-write: the lock says none is at work
+
+    def _refuse_links(self) -> None:
+        folders = [f for f in (self.path, self.ckpt_root, self.hf_path) if f.is_dir() and not f.is_symlink()]
+        links = [p for f in folders for p in sorted(f.iterdir()) if p.is_symlink()]
+        if links:
+            shown = ", ".join(f"{p.relative_to(self.path)} -> {os.readlink(p)}" for p in links)
+            raise RunDirectoryError(
+                f"run directory {self.path} holds symbolic links ({shown}); laden writes its files there and "
+                f"would write through them into the files they point to. Remove them (rm {' '.join(map(str, links))}), "
+                "or set trial_name to a new name for a new run"
+            )
+
+    def _open_lock(self) -> Any:
+        lock = self.path / ".lock"
+        if os.path.lexists(lock) and not lock.is_symlink() and not lock.is_file():
+            what, rm = ("a directory", "rm -r") if lock.is_dir() else ("not a regular file", "rm")
+            raise RunDirectoryError(
+                f"{lock} is {what}; laden keeps the run's lock file there (a one-line text file naming the run "
+                f"that holds the directory). Remove it ({rm} {lock}) if nothing in it is needed, or set trial_name "
+                "to a new name for a new run"
+            )
+        try:
+            return os.fdopen(open_in_place(lock, os.O_RDWR | os.O_CREAT), "r+")
+        except UnsafePathError as exc:
+            raise RunDirectoryError(str(exc)) from None
+        except OSError as exc:
+            raise RunDirectoryError(
+                f"cannot open the lock file {lock} ({exc.strerror}); make {self.path} writable, or set "
+                "cluster.fileroot to a writable directory"
+            ) from None
 
     def record_failure(self, exc: BaseException) -> None:
         """`error.log` in the run directory: the command, the time and the traceback of the error that
@@ -146,10 +218,17 @@ class RunDirectory:
         import traceback
 
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        with contextlib.suppress(OSError):
-            (self.path / "error.log").write_text(
-                f"laden run failed at {time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)})\n{text}"
+        with contextlib.suppress(OSError):  # a full disk, say: the error itself still reaches the user
+            atomic_write_text(
+                self.path / "error.log",
+                f"laden run failed at {time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)})\n{text}",
             )
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Write `text` to the file `name` of the run directory (`config.yaml`, `train_data_stats.json`),
+        replacing it atomically and never through a link (`laden.engine.safe_io.atomic_write_text`)."""
+        assert not Path(name).is_absolute() and ".." not in Path(name).parts, name
+        return atomic_write_text(self.path / name, text, fix=DISK_FULL_FIX)
 
     def release(self) -> None:
         if self._lock_file is not None:
@@ -167,10 +246,32 @@ class RunDirectory:
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
 
-    def history(self) -> History:
+    @property
+    def hf_path(self) -> Path:
+        return self.path / "hf"
+
+    def export_done(self) -> bool:
+        """Whether `hf/` holds a whole export (`laden.model.hf.export.export_complete`: its manifest, written
+        last, lists every file at its size). False for a finished run killed, or out of disk, after its final
+        checkpoint and before its export was in place. Reads the file system: with several ranks, use rank
+        0's answer on every rank."""
+        from laden.model.hf.export import export_complete
+
+        return export_complete(self.hf_path)
+
+    def history(self, *, on_damage: str = "previous") -> History:
+        """What the directory holds. On rank 0 its checkpoint is the newest intact one, every file checked
+        against its checksum (`laden.engine.integrity`): a damaged newer one is skipped with a warning that
+        names it (`on_damage="previous"`) or stops the run (`"stop"`: `DamagedCheckpointError`, a
+        `ValueError`). Other ranks see the newest checkpoint unchecked: with several ranks, the caller
+        shares rank 0's `History` with them so that every rank loads the same checkpoint."""
         found = list_checkpoints(self.ckpt_root)
-        newest = found[-1] if found else None
-        step = json.loads((newest / "trainer.json").read_text())["step"] if newest else 0
+        newest = (
+            (_newest_intact(self.ckpt_root, found, on_damage) if self.is_main else found[-1])
+            if found
+            else None
+        )
+        step = read_json(newest / "trainer.json")["step"] if newest else 0
         rows = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
         return History(
             checkpoint=newest, checkpoint_step=int(step), logged_steps=len([r for r in rows if r.strip()])
@@ -199,7 +300,7 @@ class RunDirectory:
                 f"{meta.get('format')}, this one reads {FORMAT}) and cannot be resumed; set trial_name to a new "
                 "name to start a new run"
             )
-        old = yaml.safe_load((history.checkpoint / "config.yaml").read_text()) or {}
+        old = read_run_config(history.checkpoint)
         refused: list[str] = []
         applied: list[str] = []
         for field, before, after in config_changes(old, new_config):
@@ -214,24 +315,84 @@ class RunDirectory:
         return [f"resuming with a changed {line}" for line in applied]
 
     def keep_metrics_through(self, step: int) -> None:
-        """Drop the logged steps after `step` (they ran after the checkpoint and will run again)."""
-        if not self.is_main or not self.metrics_path.exists():
+        """Drop the logged steps after `step` (they ran after the checkpoint and will run again), and the lines
+        that are not rows (a cut-off last line, garbage), each with a warning (see the module docstring).
+        Rewrites `metrics.jsonl` atomically when anything changes, ending in a line end for the appends."""
+        if not self.is_main or not os.path.lexists(self.metrics_path):
             return
-        rows = [r for r in self.metrics_path.read_text().splitlines() if r.strip()]
-        kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
-        if len(kept) != len(rows):
-            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(r + "\n" for r in kept))
-            os.replace(tmp, self.metrics_path)
+        rows, problems, clean = self._metrics()
+        for problem in problems:
+            log.warning("%s; dropped, the other rows are kept", problem)
+        kept = [text for text, row in rows if row.get("step", 0) <= step]
+        if len(kept) != len(rows) or not clean:
+            atomic_write_text(self.metrics_path, "".join(text + "\n" for text in kept), fix=DISK_FULL_FIX)
+
+    def logged_rows(self) -> list[dict[str, Any]]:
+        """The rows of `metrics.jsonl`, without the lines `keep_metrics_through` would drop (silently)."""
+        return [row for _, row in self._metrics()[0]]
 
     def last_logged(self) -> dict[str, Any] | None:
         """The last row of `metrics.jsonl`."""
-        if not self.metrics_path.exists():
-            return None
-        rows = [r for r in self.metrics_path.read_text().splitlines() if r.strip()]
-        return json.loads(rows[-1]) if rows else None
+        rows = self.logged_rows()
+        return rows[-1] if rows else None
+
+    def open_metrics(self) -> AppendLines:
+        """`metrics.jsonl` opened for appending rows (rank 0, after `keep_metrics_through`):
+        `append_line(json.dumps(row))` writes a row whole or not at all, never through a link; a full disk
+        raises `DiskFullError` (an `OSError`) naming the file and the fix, the file left as it was."""
+        return AppendLines(self.metrics_path, fix=DISK_FULL_FIX)
+
+    def _metrics(self) -> tuple[list[tuple[str, dict[str, Any]]], list[str], bool]:
+        """(text and object of each row, what is wrong with each other line, whether the file is clean)."""
+        scan = read_jsonl(self.metrics_path)
+        problems = [bad.describe(self.metrics_path) for bad in scan.bad]
+        rows = []
+        for number, text, row in scan.lines:
+            if isinstance(row.get("step", 0), int | float) and not isinstance(row.get("step"), bool):
+                rows.append((text, row))
+            else:
+                problems.append(f"line {number} of {self.metrics_path} has no step number: {text[:60]!r}")
+        return rows, problems, scan.clean and len(rows) == len(scan.lines)
 
 
 def _writer(meta: dict[str, Any]) -> str:
     parts = [f"{k}={meta[k]}" for k in ("backend", "dp_size", "optimizer", "optimizer_dtype") if k in meta]
     return ", ".join(parts) or "an unknown run"
+
+
+def _newest_intact(ckpt_root: Path, found: list[Path], on_damage: str) -> Path:
+    """The newest of `found` (oldest first) whose files check out, saying what was skipped (`history`)."""
+    damaged: list[tuple[Path, list[Damage]]] = []
+    for checkpoint in reversed(found):
+        problems = find_damage(checkpoint)
+        if not problems:
+            break
+        if on_damage == "stop":
+            raise DamagedCheckpointError(
+                f"{'; '.join(map(str, problems))}. Delete {checkpoint} to resume from the previous intact "
+                "checkpoint, or set checkpoint.on_damage=previous to resume from it and keep this one as it is"
+            )
+        damaged.append((checkpoint, problems))
+    else:
+        listed = "; ".join(f"{c.name}: {'; '.join(map(str, p))}" for c, p in damaged)
+        raise DamagedCheckpointError(
+            f"no intact checkpoint in {ckpt_root} ({listed}); laden deletes none of them. Restore one from a "
+            "backup, or start over: set trial_name to a new name and checkpoint.resume=never"
+        )
+    if damaged:
+        newest = damaged[0][0]
+        log.warning(
+            "checkpoint %s is damaged (%s); resuming from %s instead: steps %d..%d run again. %s is kept as it "
+            "is: delete it once it is no longer needed", newest.name, "; ".join(str(p) for _, ps in damaged for p in ps),
+            checkpoint.name, _step(checkpoint) + 1, _step(newest), "It" if len(damaged) == 1 else "Each damaged one",
+        )  # fmt: skip
+    if not has_checksums(checkpoint) and not is_old_layout(checkpoint):
+        log.info(
+            "%s was written before checkpoints carried checksums: checked by parsing its files only",
+            checkpoint,
+        )
+    return checkpoint
+
+
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.rsplit("_", 1)[1])

@@ -96,6 +96,14 @@ class Runtime:
         torch.distributed.all_gather(every, mine, group=self.host_group)
         return [float(t.item()) for t in every]
 
+    def share(self, value: T) -> T:
+        """Rank 0's `value` on every rank (one broadcast of a picklable object on the host group)."""
+        if self.world_size == 1:
+            return value
+        box = [value if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]  # type: ignore[return-value]
+
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (one all-reduce on the host group; every rank calls it)."""
         if self.world_size == 1:

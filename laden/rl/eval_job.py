@@ -36,15 +36,15 @@ def run_eval(cfg: Any, *, model_dir: str | None = None, checkpoint: str | None =
 
 
 async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
-    from laden.data import load_records
     from laden.data.overlap import prompt_overlap
     from laden.model.hf.loading import load_tokenizer
     from laden.rl.evaluate import eval_sampling, evaluate
     from laden.rl.reward_setup import start_rewards
+    from laden.rl.trainer import read_prompt_rows
     from laden.rl.workflow import load_workflow, render_prompt
 
     tokenizer = load_tokenizer(cfg.actor.path)
-    records = load_records(cfg.valid_dataset.path, split=cfg.valid_dataset.split)
+    records = read_prompt_rows(cfg, cfg.valid_dataset, "valid_dataset")
     train = _train_records(cfg)
     overlap = prompt_overlap(train, records) if train is not None else None
     if overlap is not None and overlap.num_shared:
@@ -108,7 +108,7 @@ def _prompt_tokens(render: Any, row: dict[str, Any], tokenizer: Any) -> int:
 
 def _train_records(cfg: Any) -> Any:
     """The training prompts for the overlap check, or None when there are none to read."""
-    from laden.data import load_records
+    from laden.rl.trainer import read_prompt_rows
 
     path = cfg.train_dataset.path
     if not path or (not path.startswith("hf:") and not Path(path).expanduser().exists()):
@@ -116,7 +116,7 @@ def _train_records(cfg: Any) -> Any:
             "train_dataset.path=%r cannot be read: the overlap with the training prompts is not checked", path
         )
         return None
-    return load_records(path, split=cfg.train_dataset.split)
+    return read_prompt_rows(cfg, cfg.train_dataset, "train_dataset")
 
 
 def _policy(cfg: Any, checkpoint: str | None) -> tuple[Any, int]:

@@ -53,7 +53,8 @@ async def start_rewards(
     specs = reward_specs(cfg)
     pool = RewardPool(
         specs, num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,
-        import_timeout_s=cfg.reward_import_timeout_s,
+        import_timeout_s=cfg.reward_import_timeout_s, max_calls_per_worker=cfg.reward_worker_max_calls,
+        max_rss_gb=cfg.reward_worker_max_rss_gb,
     )  # fmt: skip
     try:
         info = pool.wait_ready()  # blocks the loop: nothing else runs at start-up

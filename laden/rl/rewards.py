@@ -41,13 +41,20 @@ reward cannot stall or kill the trainer. Design decisions and what they cost:
 - Arguments are pickled in the caller's thread, so an unpicklable field fails right there.
 - A worker leads its own process group and exits when the trainer dies, so a hung reward
   never outlives a killed trainer.
+- A worker is recycled (killed while idle, after it answered, and replaced) once it has served
+  `max_calls_per_worker` calls, when its resident memory after a call passes `max_rss_gb`, or
+  when a call raised `MemoryError` (a process that ran out of memory may fail every later call).
+  The worker reports its own resident memory (VmRSS) with each answer, so the reading is the one
+  after that call, never one taken while it runs the next. A reward that leaks is bounded at the
+  cost of one interpreter start and import per recycle (counted in `stats.worker_recycles`);
+  memory allocated *within* one call is not bounded (only `timeout_s` stops a call).
 
 This module imports only the standard library; `math-verify` and `reasoning-gym` load in the
 workers, at start-up when a built-in needs them (`pip install 'laden[rl]'`). POSIX only (the
-dispatcher waits on file descriptors, workers use process groups). Past 600 lines (about 830):
+dispatcher waits on file descriptors, workers use process groups). Past 600 lines (about 980):
 the pool and its worker loop are two thirds of the file and one protocol (the messages "loading",
-"ready", "ok", "error", "fatal"); how rewards are called lives in `reward_styles`. The pool is the
-part to move to a module of its own if this one grows.
+"ready", "ok", "error", "memory_error", "fatal"); how rewards are called lives in `reward_styles`.
+The pool is the part to move to a module of its own if this one grows again.
 """
 
 from __future__ import annotations
@@ -66,7 +73,9 @@ import multiprocessing.connection
 import os
 import pickle
 import re
+import resource
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -294,10 +303,14 @@ class RewardPoolStats:
     """Calls that ran past `timeout_s`."""
     worker_restarts: int = 0
     """Workers started to replace one that was killed or died."""
+    worker_recycles: int = 0
+    """Idle workers replaced on purpose: after `max_calls_per_worker` calls, past `max_rss_gb`, or after a
+    call that raised `MemoryError`."""
 
 
 OnError = Literal["zero", "raise"]
 FailureKind = Literal["error", "timeout", "crash"]
+Retirement = Literal["max_calls", "max_rss", "memory_error"]
 _MAX_FAILED_STARTS = 3  # consecutive worker start failures before the pool gives up
 
 
@@ -311,6 +324,9 @@ class RewardPool:
     `RewardOutcome` (the total, each function's part, the error text) and never raises for a
     failed call. `pool.wait_ready()` reports, at start-up, a reward that cannot load. Use as a
     context manager or call `close()`.
+
+    `max_calls_per_worker` and `max_rss_gb` (GiB of resident memory after a call) bound a reward
+    that leaks: the worker past either is replaced once it has answered (None: no bound).
 
     The reward modules must be importable in a fresh interpreter (workers are spawned with the
     trainer's `sys.path` and working directory), and a script that makes a pool needs the
@@ -326,14 +342,21 @@ class RewardPool:
         on_error: OnError = "zero",
         error_value: float = 0.0,
         import_timeout_s: float = 120.0,
+        max_calls_per_worker: int | None = 10000,
+        max_rss_gb: float | None = 4.0,
     ) -> None:
         _check_pool_args(num_workers, timeout_s, on_error, error_value, import_timeout_s)
+        _check_recycle_args(max_calls_per_worker, max_rss_gb)
         self.specs = as_specs(reward)  # checks the import paths' form; importing is the workers' job
         self.names = metric_names(self.specs)  # what `RewardOutcome.parts` is keyed by, in spec order
         self.import_timeout_s = float(import_timeout_s)
         self._dispatcher = _Dispatcher(
             self.specs, self.names, num_workers=num_workers, timeout_s=float(timeout_s),
             import_timeout_s=self.import_timeout_s, on_error=on_error, error_value=float(error_value),
+            recycle=_Recycle(
+                max_calls=max_calls_per_worker,
+                max_rss_bytes=None if max_rss_gb is None else int(max_rss_gb * 2**30),
+            ),
         )  # fmt: skip
         self._finalizer = weakref.finalize(self, self._dispatcher.close)
 
@@ -381,7 +404,7 @@ class RewardPool:
 
     @property
     def stats(self) -> RewardPoolStats:
-        """Calls, errors, timeouts and worker restarts so far."""
+        """Calls, errors, timeouts, worker restarts and recycles so far."""
         return self._dispatcher.snapshot()
 
     def close(self) -> None:
@@ -424,6 +447,31 @@ def _check_pool_args(
         raise ValueError("invalid RewardPool settings: " + "; ".join(problems))
 
 
+def _check_recycle_args(max_calls_per_worker: int | None, max_rss_gb: float | None) -> None:
+    problems = []
+    calls = max_calls_per_worker
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 1):
+        problems.append(
+            f"max_calls_per_worker={calls!r} must be an integer >= 1 (reward_worker_max_calls), or None "
+            "for no bound"
+        )
+    if max_rss_gb is not None and not (isinstance(max_rss_gb, int | float) and 0 < max_rss_gb < math.inf):
+        problems.append(
+            f"max_rss_gb={max_rss_gb!r} must be a number of GiB > 0 (reward_worker_max_rss_gb), e.g. 4, or "
+            "None for no bound"
+        )
+    if problems:
+        raise ValueError("invalid RewardPool settings: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Recycle:
+    """When an idle worker is replaced on purpose (None: never for that reason)."""
+
+    max_calls: int | None
+    max_rss_bytes: int | None
+
+
 @dataclass(slots=True)
 class _Call:
     """A queued call: its pickled arguments, and whether its future takes the whole outcome."""
@@ -436,7 +484,7 @@ class _Call:
 class _Worker:
     """One spawned process, its end of a private pipe, and the call it is running."""
 
-    __slots__ = ("process", "conn", "state", "call", "deadline", "module")
+    __slots__ = ("process", "conn", "state", "call", "deadline", "module", "num_calls")
 
     def __init__(self, context: Any, specs: Sequence[RewardSpec], start_timeout_s: float) -> None:
         self.conn, child_conn = context.Pipe(duplex=True)
@@ -450,6 +498,7 @@ class _Worker:
         self.call: _Call | None = None
         self.deadline = time.monotonic() + start_timeout_s
         self.module: str | None = None  # the reward module it is importing (state "loading")
+        self.num_calls = 0  # calls it has answered
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (the reward's own subprocesses too)."""
@@ -491,8 +540,10 @@ class _Dispatcher:
         import_timeout_s: float,
         on_error: OnError,
         error_value: float,
+        recycle: _Recycle,
     ):
         self.specs, self.names, self.label = specs, names, describe(specs)
+        self.recycle = recycle
         self.timeout_s, self.import_timeout_s = timeout_s, import_timeout_s
         self.on_error, self.error_value = on_error, error_value
         # The first ready worker's `RewardInfo`, or why none will be ready.
@@ -500,7 +551,7 @@ class _Dispatcher:
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._pending: deque[_Call] = deque()
-        self._stats = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+        self._stats = {f.name: 0 for f in dataclasses.fields(RewardPoolStats)}
         self._logged: set[str] = set()
         self._closing = False
         self._broken: str | None = None
@@ -607,11 +658,11 @@ class _Dispatcher:
         return None
 
     def _receive(self, worker: _Worker) -> None:
-        message: tuple[str, Any] = ("exit", None)
+        message: tuple[Any, ...] = ("exit", None)  # an answer ("ok", ...) carries the worker's RSS third
         with contextlib.suppress(EOFError, OSError):
             if worker.conn.poll():
                 message = worker.conn.recv()
-        kind, value = message
+        kind, value = message[:2]
         if kind == "loading":
             if worker.state == "starting":  # the import's own bound starts now
                 worker.deadline = time.monotonic() + self.import_timeout_s
@@ -619,11 +670,8 @@ class _Dispatcher:
         elif kind == "ready":
             worker.state, self._failed_starts = "idle", 0
             _resolve(self.ready, value=RewardInfo(**value))
-        elif kind == "ok":
-            total, parts = value
-            self._finish(worker, RewardOutcome(value=total, parts=parts))
-        elif kind == "error":
-            self._fail(worker, "error", value)
+        elif kind in ("ok", "error", "memory_error"):
+            self._answered(worker, kind, value, rss_bytes=message[2])
         elif kind == "fatal":
             self._break(value, setup=True)
         elif not worker.process.is_alive():
@@ -675,16 +723,59 @@ class _Dispatcher:
             "is legitimately this slow; the worker was killed"
         )
 
-    def _finish(self, worker: _Worker, outcome: RewardOutcome) -> None:
-        call, worker.call, worker.state = worker.call, None, "idle"
+    def _answered(self, worker: _Worker, kind: str, value: Any, *, rss_bytes: int | None) -> None:
+        """A worker answered its call ("ok", "error" or "memory_error"): recycle it if due, resolve the call."""
+        worker.num_calls += 1
+        retire = self._retirement(worker, memory_error=kind == "memory_error", rss_bytes=rss_bytes)
+        if kind == "ok":
+            total, parts = value
+            self._finish(worker, RewardOutcome(value=total, parts=parts), retire=retire)
+        else:
+            self._fail(worker, "error", value, retire=retire)
+
+    def _retirement(
+        self, worker: _Worker, *, memory_error: bool, rss_bytes: int | None
+    ) -> tuple[Retirement, str] | None:
+        """Why a worker that just answered is to be replaced, and the message; None to keep it."""
+        limit_bytes, max_calls = self.recycle.max_rss_bytes, self.recycle.max_calls
+        pid = worker.process.pid
+        if memory_error:
+            return "memory_error", (
+                f"a call of reward {self.label} raised MemoryError; its worker (pid {pid}) was replaced, since a "
+                "process that ran out of memory may fail every later call"
+            )
+        if limit_bytes is not None and rss_bytes is not None and rss_bytes > limit_bytes:
+            return "max_rss", (
+                f"the reward worker for {self.label} (pid {pid}) held {rss_bytes / 2**30:.2f} GiB after a call, "
+                f"past max_rss_gb={limit_bytes / 2**30:g} (reward_worker_max_rss_gb); it was replaced. A reward "
+                "that keeps memory between calls (a growing cache or list) leaks: bound it, or raise the limit "
+                "if the reward legitimately needs this much"
+            )
+        if max_calls is not None and worker.num_calls >= max_calls:
+            return "max_calls", (
+                f"the reward worker for {self.label} (pid {pid}) served max_calls_per_worker={max_calls} calls "
+                "(reward_worker_max_calls); it was replaced by a fresh one"
+            )
+        return None
+
+    def _finish(
+        self, worker: _Worker, outcome: RewardOutcome, *, retire: tuple[Retirement, str] | None = None
+    ) -> None:
+        call = self._release(worker, replace=False, retire=retire)
         self._settle(call, outcome, None)
 
-    def _fail(self, worker: _Worker, kind: FailureKind, message: str, *, replace: bool = False) -> None:
-        """Count and log a failed call, replace its worker if asked, then resolve the call
-        (in that order, so a caller who sees the outcome also sees it in `stats`)."""
-        call, worker.call, worker.state = worker.call, None, "idle"
-        if replace:
-            self._replace(worker)
+    def _fail(
+        self,
+        worker: _Worker,
+        kind: FailureKind,
+        message: str,
+        *,
+        replace: bool = False,
+        retire: tuple[Retirement, str] | None = None,
+    ) -> None:
+        """Count and log a failed call, replace or recycle its worker if asked, then resolve the
+        call (in that order, so a caller who sees the outcome also sees it in `stats`)."""
+        call = self._release(worker, replace=replace, retire=retire)
         self._log_once(kind, message)
         parts = dict.fromkeys(self.names, math.nan)
         self._settle(call, RewardOutcome(value=self.error_value, parts=parts, error=message), kind)
@@ -714,11 +805,34 @@ class _Dispatcher:
             "as RewardError" if self.on_error == "raise" else self.error_value,
         )
 
-    def _replace(self, worker: _Worker) -> None:
-        worker.kill()
+    def _release(
+        self, worker: _Worker, *, replace: bool, retire: tuple[Retirement, str] | None
+    ) -> _Call | None:
+        """Take the call off a worker; replace a failed one (`replace`) or recycle an idle one (`retire`)."""
+        call, worker.call, worker.state = worker.call, None, "idle"
+        if replace:
+            self._replace(worker)
+        elif retire is not None:
+            self._replace(worker, counter="worker_recycles")
+            reason, message = retire
+            self._log_recycle(reason, message)
+        return call
+
+    def _log_recycle(self, reason: Retirement, message: str) -> None:
+        key = f"recycle:{reason}"
+        if key in self._logged:
+            logger.debug("%s", message)
+            return
+        self._logged.add(key)
+        level = logging.INFO if reason == "max_calls" else logging.WARNING
+        logger.log(level, "%s\n(counted in RewardPool.stats.worker_recycles; further recycles for this reason "
+                   "log at DEBUG)", message)  # fmt: skip
+
+    def _replace(self, worker: _Worker, *, counter: str = "worker_restarts") -> None:
+        worker.kill()  # also ends what the reward left running in its process group
         self._workers[self._workers.index(worker)] = self._new_worker()
         with self._lock:
-            self._stats["worker_restarts"] += 1
+            self._stats[counter] += 1
 
     def _break(self, message: str, *, setup: bool = False) -> None:
         """Stop the pool for good; a start-up failure is `wait_ready`'s `RewardSetupError`."""
@@ -776,12 +890,41 @@ def _worker_main(conn: multiprocessing.connection.Connection, plain_specs: list[
             return  # the trainer went away
         if kwargs is None:
             return
-        try:
-            conn.send(("ok", reward.score(kwargs)))
-        except RewardCallError as exc:
-            conn.send(("error", str(exc)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+        conn.send((*_answer(reward, kwargs), _rss_bytes()))
+
+
+def _answer(reward: CompositeReward, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """One call's answer: ("ok", (total, parts)), or ("error" | "memory_error", the error text)."""
+    try:
+        return "ok", reward.score(kwargs)
+    except Exception as exc:
+        text = str(exc) if isinstance(exc, RewardCallError) else traceback.format_exc()
+        return ("memory_error" if _out_of_memory(exc) else "error"), text
+
+
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """Whether `exc` is, or was raised while handling, a `MemoryError` (`RewardCallError` wraps it)."""
+    seen: set[int] = set()  # a chain can loop back on itself
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, MemoryError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (VmRSS); without /proc, its peak so far (`ru_maxrss`), which
+    is never lower, so the bound still holds (it may recycle a worker that has since shrunk)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _load_in_worker(

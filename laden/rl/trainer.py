@@ -96,6 +96,7 @@ from laden.engine.runtime import (
     seed_everything,
     start_runtime,
 )
+from laden.engine.safe_io import atomic_write_text
 from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.errors import RunFailedError
 from laden.memory.oom import PhaseOOMError, is_oom, release_cached_memory
@@ -247,6 +248,21 @@ def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
         raise ValueError("; ".join(problems))
 
 
+DEFAULT_WORKFLOWS = ("laden.rl.workflow:RLVRWorkflow", "laden.rl.workflow:MultiTurnWorkflow")
+
+
+def read_prompt_rows(cfg: LadenConfig, ds: Any, field: str) -> Any:
+    """A dataset's rows, each checked once here: a JSON object with a prompt the workflow can render (laden's
+    own workflows; a custom one reads its own fields). A bad row stops the run naming its file and line, or
+    with `<field>.on_bad_row: skip` is left out (counted in the log)."""
+    from laden.data.rows import check_prompt_rows
+
+    records = load_records(ds.path, split=ds.split, on_bad_row=ds.on_bad_row, field=field)
+    if cfg.workflow in DEFAULT_WORKFLOWS:
+        records, _ = check_prompt_rows(records, on_bad_row=ds.on_bad_row, field=field)
+    return records
+
+
 def rollout_device(cfg: LadenConfig, rt: Runtime, *, device_count: int | None = None) -> torch.device:
     """Where the native rollout engine runs. One process with an fsdp trainer and a second GPU declared
     (`cluster.n_gpus_per_node: 2`): on the next GPU after the trainer's, generation and training on
@@ -288,7 +304,8 @@ class _Run:
 
     async def main(self, progress: bool) -> RLResult:
         cfg, run = self.cfg, self.run
-        history = run.history()
+        history = self.rt.share(self.rt.on_main(lambda: run.history(on_damage=cfg.checkpoint.on_damage)))
+        assert history is not None, "rank 0 shares the run's history"
         config_dict = yaml.safe_load(format_config(cfg))
         changes = (
             self.rt.on_main(lambda: run.check_resume(history, config_dict, resume=cfg.checkpoint.resume))
@@ -296,7 +313,7 @@ class _Run:
         )
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.actor.path)
-        self.all_records = load_records(cfg.train_dataset.path)
+        self.all_records = read_prompt_rows(cfg, cfg.train_dataset, "train_dataset")
         self.records, prompt_lengths = self._prompts_that_fit(self.all_records, "train")
         first = (
             longest_first(prompt_lengths, cfg.train_dataset.batch_size) if cfg.train_dataset.fail_fast else []
@@ -313,6 +330,10 @@ class _Run:
                 "total_train_steps to train on, or set trial_name to a new name for a new run",
                 run.path, history.checkpoint_step, self.total_steps,
             )  # fmt: skip
+            if cfg.checkpoint.export_hf and not self.rt.share(
+                run.export_done() if self.rt.is_main else False
+            ):
+                self._export_finished(history)
             return RLResult(run_dir=run.path, num_steps=history.checkpoint_step, already_finished=True)
         if self.rt.is_main:
             dump_config(cfg, run.path / "config.yaml")
@@ -377,6 +398,15 @@ class _Run:
             reward_errors=self.counters.reward_errors, completions=self.counters.trained,
         )  # fmt: skip
 
+    def _export_finished(self, history: Any) -> None:
+        """The export of a finished run that stopped before it was in place (killed, or the disk filled)."""
+        log.warning("run directory %s holds a finished run without its export: exporting %s", self.run.path,
+                    history.checkpoint)  # fmt: skip
+        engine = build_engine(self.cfg, load_model(self.cfg, self.rt), self.rt, total_steps=self.total_steps)
+        load_checkpoint(history.checkpoint, engine, rank=self.rt.rank)
+        engine.export_hf(self.run.hf_path, tokenizer=self.tokenizer)
+        self.rt.barrier()
+
     def _held_out(self) -> list[dict[str, Any]] | None:
         """`valid_dataset`'s prompts that fit the engine's context, or None without one; the share of them that
         are training prompts too is reported (a warning, and `valid_data_stats.json`)."""
@@ -385,7 +415,7 @@ class _Run:
             return None
         from laden.data.overlap import prompt_overlap
 
-        self.valid_all = load_records(self.cfg.valid_dataset.path, split=self.cfg.valid_dataset.split)
+        self.valid_all = read_prompt_rows(self.cfg, self.cfg.valid_dataset, "valid_dataset")
         overlap = prompt_overlap(self.all_records, self.valid_all)
         if overlap.num_shared and self.rt.is_main:
             log.warning(
@@ -434,7 +464,7 @@ class _Run:
             }
             if overlap is not None:
                 stats["shared_with_train"] = overlap
-            (self.run.path / f"{which}_data_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+            atomic_write_text(self.run.path / f"{which}_data_stats.json", json.dumps(stats, indent=2) + "\n")
         return kept, lengths
 
     def _resume(self, history, changes) -> int:
@@ -525,7 +555,7 @@ class _Run:
         bar = tqdm(
             total=self.total_steps, initial=start, disable=not (progress and main), desc="rl", unit="step"
         )
-        metrics = self.run.metrics_path.open("a") if main else None
+        metrics = self.run.open_metrics() if main else None
         board = _tensorboard(self.run.path / "tensorboard") if main else None
         # `elapsed_s`: seconds of training loop up to each step's end, counted on across resumes
         # (the time between a failure and its rerun is not training time), evaluations left out.
@@ -535,8 +565,7 @@ class _Run:
 
         def log_row(record: dict[str, Any]) -> None:
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.append_line(json.dumps(record))
             if board is not None:
                 for name, value in record.items():
                     if isinstance(value, (int, float)) and name != "step":
@@ -1092,13 +1121,8 @@ class _Run:
 
     def _held_out_history(self) -> list[tuple[int, float]]:
         """(step, `eval/accuracy`) of every evaluation logged in `metrics.jsonl` (every rank reads rank 0's)."""
-        rows: list[tuple[int, float]] = []
-        if self.rt.is_main and self.run.metrics_path.exists():
-            for line in self.run.metrics_path.read_text().splitlines():
-                row = json.loads(line) if line.strip() else {}
-                if "eval/accuracy" in row:
-                    rows.append((int(row["step"]), float(row["eval/accuracy"])))
-        return rows
+        rows = self.run.logged_rows() if self.rt.is_main else []
+        return [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r]
 
     def _rng_state(self, mine: Any = None) -> dict[str, Any]:
         """The native engines' sampling states (`NativeEngine.sampling_state`), every rank's (each
@@ -1170,7 +1194,8 @@ class _Run:
             self.run.ckpt_root, step=step, engine=self.engine,
             trainer_state={"data": data_state, "rl": rl_state}, meta=meta,
             config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=self.rt.rank,
-            barrier=self.rt.barrier, others=None if self.critic is None else {"critic": self.critic.engine},
+            barrier=self.rt.barrier, any_rank=self.rt.any_rank,
+            others=None if self.critic is None else {"critic": self.critic.engine},
         )  # fmt: skip
         self._saved_step = step
 

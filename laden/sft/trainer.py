@@ -65,6 +65,7 @@ from laden.engine.runtime import (
     shard_for_rank,
     start_runtime,
 )
+from laden.engine.safe_io import atomic_write_text
 from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.memory.oom import TrainingOOMError
 from laden.model.hf.loading import load_tokenizer
@@ -98,7 +99,8 @@ def budget(cfg: LadenConfig) -> int:
 
 def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
     """Tokenize a dataset and apply its length policy: (samples, statistics)."""
-    records = load_records(ds.path, split=ds.split)
+    field = f"{name}_dataset"
+    records = load_records(ds.path, split=ds.split, on_bad_row=ds.on_bad_row, field=field)
     samples, stats = build_sft_samples(
         records,
         tokenizer,
@@ -107,6 +109,8 @@ def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
         prompt_key=ds.prompt_key,
         completion_key=ds.completion_key,
         messages_key=ds.messages_key,
+        on_bad_row=ds.on_bad_row,
+        field=field,
     )
     log.info("%s_dataset: %s", name, stats.to_dict())
     if len(samples) < ds.batch_size:
@@ -120,7 +124,7 @@ def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
 def write_data_stats(ds: DatasetConfig, stats: Any, out_dir: Path, name: str) -> None:
     """`<name>_data_stats.json`: how many samples the length policy filtered or truncated."""
     stats_path = out_dir / f"{name}_data_stats.json"
-    stats_path.write_text(json.dumps(stats.to_dict(), indent=2))
+    atomic_write_text(stats_path, json.dumps(stats.to_dict(), indent=2) + "\n")
     if stats.num_filtered or stats.num_truncated:
         log.warning(
             "%s_dataset.max_length=%d: %d samples filtered, %d truncated (policy %r); see %s",
@@ -199,7 +203,8 @@ def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
 
 
 def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SFTResult:
-    history = run.history()
+    history = rt.share(rt.on_main(lambda: run.history(on_damage=cfg.checkpoint.on_damage)))
+    assert history is not None, "rank 0 shares the run's history"
     config_dict = yaml.safe_load(format_config(cfg))
     changes = rt.on_main(lambda: run.check_resume(history, config_dict, resume=cfg.checkpoint.resume)) or []
     seed_everything(cfg.seed)
@@ -217,6 +222,8 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     total_steps = min(cfg.total_train_steps or batches.steps_per_epoch * cfg.total_train_epochs,
                       batches.steps_per_epoch * cfg.total_train_epochs)  # fmt: skip
     if history.checkpoint is not None and history.checkpoint_step >= total_steps:
+        if cfg.checkpoint.export_hf and not rt.share(run.export_done() if rt.is_main else False):
+            _export_finished(cfg, rt, run, history, total_steps, tokenizer)
         return _already_finished(cfg, run, history, total_steps)
     if rt.is_main:  # only now, once the directory may continue this history, is anything written
         dump_config(cfg, run.path / "config.yaml")
@@ -241,6 +248,19 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
         _write_curves(run)
     rt.barrier()
     return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
+
+
+def _export_finished(cfg: LadenConfig, rt: Runtime, run: RunDirectory, history: History, total_steps: int,
+                     tokenizer: Any) -> None:  # fmt: skip
+    """The export of a finished run that stopped before it was in place (killed, or the disk filled)."""
+    log.warning(
+        "run directory %s holds a finished run without its export: exporting %s", run.path, history.checkpoint
+    )
+    engine = build_engine(cfg, load_model(cfg, rt), rt, total_steps=total_steps)
+    assert history.checkpoint is not None, "a finished run has its final checkpoint"
+    load_checkpoint(history.checkpoint, engine, rank=rt.rank)
+    engine.export_hf(run.hf_path, tokenizer=tokenizer)
+    rt.barrier()
 
 
 def _already_finished(cfg: LadenConfig, run: RunDirectory, history: History, total_steps: int) -> SFTResult:
@@ -299,15 +319,14 @@ class _Loop:
         # validation and checkpoints are counted in (leaving them out would take a device sync each).
         last = self.run.last_logged() if rt.is_main and start_step > 0 else None
         t_start = time.perf_counter() - float((last or {}).get("elapsed_s", 0.0))
-        metrics = self.run.metrics_path.open("a") if rt.is_main else None
+        metrics = self.run.open_metrics() if rt.is_main else None
         done = saved = start_step
         data_state = self.batches.state_dict()  # the data position after the last completed step
         last_eval_s = float((last or {}).get("elapsed_s", 0.0))
         if start_step == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
             loss = float(evaluate(cfg, rt, self.engine, self.valid))  # where the run starts from
             if metrics is not None:
-                metrics.write(json.dumps({"step": 0, "eval_loss": loss, "elapsed_s": 0.0}) + "\n")
-                metrics.flush()
+                metrics.append_line(json.dumps({"step": 0, "eval_loss": loss, "elapsed_s": 0.0}))
             t_start = time.perf_counter()
         stops = StopRequests()
         last_save_t = signals.now()
@@ -331,8 +350,7 @@ class _Loop:
                     record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
                     window_tokens, window_start = 0, time.perf_counter()
                     if metrics is not None:
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
+                        metrics.append_line(json.dumps(record))
                     first_loss = record["loss"] if first_loss is None else first_loss
                     last_loss = record["loss"]
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -378,7 +396,7 @@ class _Loop:
         save_checkpoint(
             self.run.ckpt_root, step=step, engine=self.engine, trainer_state={"data": data_state or self.batches.state_dict()},
             meta=meta, config_yaml=format_config(cfg), keep_last=cfg.checkpoint.keep_last, rank=rt.rank,
-            barrier=rt.barrier,
+            barrier=rt.barrier, any_rank=rt.any_rank,
         )  # fmt: skip
         if rt.is_main:
             _write_curves(self.run, min_interval_s=CHECKPOINT_INTERVAL_S)

@@ -18,6 +18,10 @@ is the shared buffer; the receivers' is their own bucket). While a bigger buffer
 smaller one, the old one lives until every receiver has mapped the new one. Small or host
 tensors (the metadata) go over gloo.
 
+The store listens on `master_addr` only (`listening_store`): torch's `TCPStore` server binds to
+every interface whatever host it is given, which would open the trainer's key-value store (and
+the handshake of its weight broadcasts) to the whole network on a machine whose engines are all
+on loopback. laden binds the socket itself and hands it to the store (`master_listen_fd`).
 gloo binds to the loopback interface when the trainer's address is a loopback one (host
 names may not resolve inside containers), else to the interface gloo picks by default
 (`GLOO_SOCKET_IFNAME` chooses it).
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,7 +41,7 @@ import torch.distributed as dist
 
 from laden.weights.meta import WeightUpdateMeta
 
-__all__ = ["Collective", "IpcGroup", "WeightGroup", "init_weight_group"]
+__all__ = ["Collective", "IpcGroup", "WeightGroup", "init_weight_group", "listening_store"]
 
 
 class Collective(Protocol):
@@ -102,10 +108,9 @@ def init_weight_group(
         raise ValueError(f"rank={rank} must be in [0, meta.world_size={meta.world_size}): 0 is the trainer")
     timeout = datetime.timedelta(seconds=meta.timeout_s)
     assert meta.master_port is not None  # WeightUpdateMeta validates xccl metas
-    store = dist.TCPStore(
-        meta.master_addr, meta.master_port, meta.world_size, is_master=rank == 0, timeout=timeout,
-        wait_for_workers=False,
-    )  # fmt: skip
+    store = listening_store(
+        meta.master_addr, meta.master_port, meta.world_size, is_master=rank == 0, timeout=timeout
+    )
     prefixed = dist.PrefixStore(meta.group_name, store)
     if meta.backend == "nccl":
         pg, where = _nccl(prefixed, rank, meta.world_size, timeout, device)
@@ -118,6 +123,54 @@ def init_weight_group(
     return WeightGroup(
         pg=pg, store=store, rank=rank, world_size=meta.world_size, device=where, backend=meta.backend
     )
+
+
+def listening_store(
+    host: str, port: int, world_size: int, *, is_master: bool, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """A `TCPStore` at `host:port`; the master's server listens on `host`'s address only, never on every
+    interface (torch's default): laden binds the listening socket and passes it as `master_listen_fd`."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    fd = _listen_on(host, port).detach()  # the store owns the descriptor from here and closes it
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`'s address (IPv4 preferred where the name has both)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(
+            f"master_addr={host!r} does not resolve to an address ({err}); use the trainer's IP"
+        ) from err
+    family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as torch's own server: rebind after a restart
+        listener.bind(address)
+        listener.listen(max(128, socket.SOMAXCONN))
+    except OSError as err:
+        listener.close()
+        raise ValueError(
+            f"the weight group's store cannot listen on {host}:{port} ({err}); the port may be taken: leave "
+            "master_port None in WeightUpdateMeta.from_fsdp_xccl to pick a free one"
+        ) from err
+    return listener
 
 
 def _gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta, master_addr: str) -> Any:

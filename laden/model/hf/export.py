@@ -9,9 +9,19 @@ weights (the duplicate of a shared tensor is dropped; transformers re-ties it fr
 
 Tensors arrive one at a time (an engine's `named_weights`: gathered from shards, or read from
 a host store) and are cast and written shard by shard, so the extra host memory is one shard,
-not a second copy of the model. Every engine exports through this one function. The directory is written under a temporary name next
-to `out_dir` and renamed into place, so a reader (a rollout server reloading weights from
-disk, say) never sees a half-written export.
+not a second copy of the model. Every engine exports through this one function.
+
+The directory is written under a temporary name next to `out_dir`
+(`.NAME.tmp-<host>-<pid>`), every file and directory in it fsync'd, `laden_export.json` (each
+file's size) written last, and only then renamed into place: a reader (a rollout server
+reloading weights from disk, say) never sees a half-written export, a power loss cannot
+publish one with empty files, and `export_complete` tells a whole export from anything else.
+Cost: the fsyncs wait for the export to reach the disk (seconds per GiB on a slow disk), which a
+published export needs anyway. A writer killed mid-export leaves its temporary directory; the
+next export to the same `out_dir` removes those of this host whose process is gone (one of
+another host is kept, with a warning: its process cannot be checked from here). A full disk
+removes the partial export and raises `DiskFullError` with the bytes the export needs; under
+torch.distributed the writer first joins the gathers the other ranks wait in, so none hangs.
 """
 
 from __future__ import annotations
@@ -19,18 +29,27 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import os
+import re
 import shutil
-from collections.abc import Iterable
+import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["ShardWriter", "export_hf", "hf_state_names", "host_copy"]
+from laden.engine.safe_io import DiskFullError, atomic_write_text, fsync_dir, is_disk_full
+
+__all__ = ["EXPORT_MANIFEST", "ShardWriter", "export_complete", "export_hf", "hf_state_names", "host_copy"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5 * 2**30
 ADAPTER_DIRNAME = "adapter"
 """Where an export keeps a LoRA model's adapters (peft's layout), beside the merged weights."""
+EXPORT_MANIFEST = "laden_export.json"
+"""Written last into an export: `{"format": 1, "files": {path: bytes}}`, every other file and its size."""
 
 
 def hf_state_names(model: torch.nn.Module) -> list[str]:
@@ -137,14 +156,88 @@ def _write_adapter(
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move `tmp` to `out`; an existing export at `out` is swapped out by rename, then deleted."""
-    if not out.exists():
+    """Move `tmp` to `out`; an existing export at `out` is swapped out by rename, then deleted (a link
+    there is removed, never followed)."""
+    if not os.path.lexists(out):
         os.rename(tmp, out)
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{socket.gethostname()}-{os.getpid()}")
     os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)  # the previous export stays in place
+        raise
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Make `tmp` durable, list its files in `EXPORT_MANIFEST` (last), and rename it to `out` (the parent
+    directory is fsync'd after, by the caller: the export is in place then, whatever that fsync says)."""
+    paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in paths}
+    atomic_write_text(tmp / EXPORT_MANIFEST, json.dumps({"format": 1, "files": files}, indent=1) + "\n")
+    for directory in (p for p in tmp.rglob("*") if p.is_dir()):
+        fsync_dir(directory)
+    _replace_dir(tmp, out)
+
+
+def export_complete(out_dir: str | Path) -> bool:
+    """Whether `out_dir` holds a whole `export_hf` export: its manifest, and every file it lists at its size.
+    An export by a laden without manifests, a directory cut short or copied in part: False."""
+    out = Path(out_dir)
+    try:
+        files = json.loads((out / EXPORT_MANIFEST).read_text())["files"]
+        return bool(files) and all(
+            ".." not in Path(rel).parts and (out / rel).is_file() and (out / rel).stat().st_size == int(size)
+            for rel, size in files.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def remove_abandoned_exports(out_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories (`.NAME.tmp-*`, `.NAME.old-*`) that writers killed mid-export left
+    beside `out_dir`: those of this host whose process is gone; returns them. One of another host is kept
+    (its process cannot be checked from here), with a warning naming it."""
+    out = Path(out_dir)
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?:tmp|old)-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+    host, removed = socket.gethostname(), []
+    for entry in out.parent.iterdir() if out.parent.is_dir() else ():
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        if (match["host"] or host) != host:  # a name without a host: an older laden's, written here
+            log.warning("%s was left by an export on host %s; delete it once no export runs there", entry,
+                        match["host"])  # fmt: skip
+        elif pid == os.getpid() or not _alive(pid):
+            _remove(entry)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
 
 
 def _check_out_dir(out: Path, max_shard_size_bytes: int) -> None:
@@ -187,33 +280,81 @@ def export_hf(
         state = model.state_dict()
         weights = ((name, state[name]) for name in hf_state_names(model))
     if not write:
-        for _, t in itertools.chain(weights, adapter or ()):
-            if hasattr(t, "full_tensor"):
-                t.full_tensor()  # the collective every rank joins; the writer keeps the result
+        _join_gathers(itertools.chain(weights, adapter or ()))
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_abandoned_exports(out)
+    tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     tmp.mkdir()
+    count = _ByteCount()
+    weights = count.through(weights, dtype)
+    adapter = None if adapter is None else count.through(adapter, None)
     try:
-        shards = ShardWriter(tmp, max_shard_size_bytes)
-        for name, t in weights:
-            shards.add(name, host_copy(t, dtype))
-        shards.finish()
-        config = copy.deepcopy(model.config)
-        config.dtype = dtype
-        if hasattr(config, "quantization_config"):  # the tensors written are plain `dtype` ones (a GGUF
-            del config.quantization_config  # file is dequantized on load): readers must not look for quantized ones
-        config.save_pretrained(tmp)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if adapter is not None:
-            _write_adapter(model, tmp / ADAPTER_DIRNAME, adapter, max_shard_size_bytes)
-        _replace_dir(tmp, out)
-    except BaseException:
+        _write_export(model, tmp, dtype=dtype, tokenizer=tokenizer, weights=weights, adapter=adapter,
+                      max_shard_size_bytes=max_shard_size_bytes)  # fmt: skip
+        _publish(tmp, out)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not is_disk_full(exc):
+            raise
+        _join_gathers(itertools.chain(weights, adapter or ()))  # the other ranks wait in these gathers
+        raise DiskFullError(
+            out, num_bytes=count.num_bytes or None, done=f"the partial export was removed and {out} is as it was",
+            fix="free that much there (the size of the export's weights) and export again; for a laden run, rerun "
+            "the same command: it resumes from the last checkpoint, and a finished run writes its missing export "
+            "from the final one",
+        ) from exc  # fmt: skip
+    fsync_dir(out.parent)  # the rename, durable
     return out
+
+
+def _write_export(
+    model: torch.nn.Module,
+    tmp: Path,
+    *,
+    dtype: torch.dtype,
+    tokenizer: object,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    adapter: Iterable[tuple[str, torch.Tensor]] | None,
+    max_shard_size_bytes: int,
+) -> None:
+    shards = ShardWriter(tmp, max_shard_size_bytes)
+    for name, t in weights:
+        shards.add(name, host_copy(t, dtype))
+    shards.finish()
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    if hasattr(config, "quantization_config"):
+        # the tensors written are plain `dtype` ones (a GGUF file is dequantized on load): readers must not
+        # look for quantized ones
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+    if adapter is not None:
+        _write_adapter(model, tmp / ADAPTER_DIRNAME, adapter, max_shard_size_bytes)
+
+
+class _ByteCount:
+    """The bytes of the tensors passed through `through` (in the dtype they are written in)."""
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+
+    def through(
+        self, pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in pairs:
+            size = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+            self.num_bytes += t.numel() * size
+            yield name, t
+
+
+def _join_gathers(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Consume `pairs`, joining the collective of each DTensor (what a rank that does not write does)."""
+    for _, t in pairs:
+        if hasattr(t, "full_tensor"):
+            t.full_tensor()  # the collective every rank joins; the writer keeps the result

@@ -10,14 +10,26 @@ GGUF checkpoints load through transformers' own GGUF reader (dequantised to `dty
 needs the optional `gguf` package. The whole model is materialised on the CPU first and then
 moved to `device`: simple and exact, at the cost of one host copy of the weights at load time
 (`actor.fsdp.memory_efficient_load` in the engines avoids that for sharded training).
+
+A damaged model directory is a `ValueError` naming the file, the field or the problem, and the fix,
+never a traceback from deep inside transformers: `config.json` is read as JSON and its sizes checked
+(positive integers; heads that divide `hidden_size` where no `head_dim` is given, key/value heads that
+divide the heads) before transformers sees it, and what transformers then refuses while reading the
+config or building the model is reported against `config.json`. Every weight file's header is opened
+before loading (safetensors checks that its tensors cover the file exactly, so a truncated download
+fails here; a sharded index must name shards that exist): a few reads of kilobytes per file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
 import time
 import warnings
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +37,14 @@ from laden.model.attention import AttnImpl, set_attention
 
 log = logging.getLogger(__name__)
 
-__all__ = ["has_weight_files", "load_causal_lm", "load_tokenizer", "skeleton_causal_lm"]
+__all__ = [
+    "check_weight_files",
+    "has_weight_files",
+    "load_causal_lm",
+    "load_model_config",
+    "load_tokenizer",
+    "skeleton_causal_lm",
+]
 
 _WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
 _VOCAB_PATTERNS = (
@@ -39,6 +58,25 @@ _VOCAB_PATTERNS = (
 )
 """Files that carry a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken, Mistral)."""
 _ATTN_IMPLS = ("auto", "varlen", "sdpa", "eager")
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+"""config.json fields that must be positive integers where present (and not null)."""
+_RESTORE = (
+    "restore the model's original config.json (e.g. `huggingface-cli download <repo> config.json --local-dir "
+    "<dir>`) or correct the field"
+)
+_REDOWNLOAD = (
+    "the file is damaged or incomplete (an interrupted download or copy): download it again (e.g. "
+    "`huggingface-cli download <repo> --local-dir <dir>`, which resumes and checks what it fetches)"
+)
 
 
 def has_weight_files(directory: str | Path) -> bool:
@@ -74,16 +112,162 @@ def _require_gguf() -> None:
         ) from err
 
 
-def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_model_config(directory: str | Path) -> Any:
+    """`AutoConfig` of `directory`/config.json, checked first (see the module docstring); a config that
+    cannot be read or describes an impossible model is a `ValueError` naming the file, field and fix."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config_file = Path(directory) / "config.json"
+    problems = config_problems(_read_config_json(config_file))
+    if problems:
+        raise ValueError(
+            f"{config_file}: {'; '.join(problems)}; the model cannot be built from it: {_RESTORE}"
+        )
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except _refusals(OSError) as err:
+        raise ValueError(
+            f"{config_file}: transformers cannot read it ({_one_line(err)}); {_RESTORE}"
+        ) from err
+
+
+def _read_config_json(config_file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_file} cannot be read ({err}); {_RESTORE}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{config_file}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}); {_RESTORE}"
+        ) from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} holds a JSON {type(data).__name__}, expected an object; {_RESTORE}")
+    return data
+
+
+def config_problems(config: dict[str, Any], prefix: str = "") -> list[str]:
+    """What in a config.json's fields (and its `text_config`) cannot describe a model: sizes that are not
+    positive integers, heads that do not divide `hidden_size` without a `head_dim`, key/value heads that
+    do not divide the heads."""
+    sizes = {name: config[name] for name in _SIZE_FIELDS if config.get(name) is not None}
+    valid = {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+    problems = [f"{prefix}{k}={v!r} must be a positive integer" for k, v in sizes.items() if k not in valid]
+    heads, kv_heads, hidden = (
+        valid.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size")
+    )
+    if heads and hidden and "head_dim" not in sizes and hidden % heads:
+        problems.append(
+            f"{prefix}hidden_size={hidden} is not divisible by {prefix}num_attention_heads={heads} (with no head_dim, "
+            "each head gets hidden_size / num_attention_heads)"
+        )
+    if heads and kv_heads and heads % kv_heads:
+        problems.append(
+            f"{prefix}num_attention_heads={heads} is not divisible by {prefix}num_key_value_heads={kv_heads} "
+            "(each key/value head serves a whole number of query heads)"
+        )
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict):
+        problems += config_problems(text_config, prefix=f"{prefix}text_config.")
+    return problems
+
+
+def _build_from_config(config: Any, directory: Path, **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_config`, with what transformers refuses reported against config.json."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except _refusals() as err:
+        raise ValueError(
+            f"{directory / 'config.json'}: transformers cannot build a model from it ({_one_line(err)}); {_RESTORE}"
+        ) from err
+
+
+def check_weight_files(directory: str | Path) -> None:
+    """Open every weight file's header in `directory` (a few KiB each); one that cannot be read (truncated,
+    not safetensors, a sharded index naming a missing shard) is a `ValueError` naming it and the fix."""
+    directory = Path(directory)
+    safetensors = sorted(directory.glob("*.safetensors"))
+    problems = [problem for f in safetensors if (problem := _safetensors_problem(f)) is not None]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        problems += _index_problems(index)
+    if not safetensors:  # transformers reads PyTorch bins only where there are no safetensors
+        problems += [
+            problem for f in sorted(directory.glob("pytorch_model*.bin")) if (problem := _bin_problem(f))
+        ]
+    if problems:
+        raise ValueError(
+            f"weight file(s) in {str(directory)!r} cannot be read: {'; '.join(problems)}; {_REDOWNLOAD}"
+        )
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except (SafetensorError, OSError) as err:
+        return f"{file.name}: {_one_line(err)} ({file.stat().st_size} bytes)"
+
+
+def _index_problems(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return [f"{index.name}: not a sharded-checkpoint index with a 'weight_map' ({_one_line(err)})"]
+    return [
+        f"{index.name} names {shard}, which is missing"
+        for shard in shards
+        if not (index.parent / shard).is_file()
+    ]
+
+
+def _bin_problem(file: Path) -> str | None:
+    with file.open("rb") as f:
+        if f.read(2) != b"PK":
+            return None  # the pre-zip `torch.save` format: nothing cheap to check
+    try:
+        with zipfile.ZipFile(file):  # reads the central directory at the end: a truncated file has none
+            return None
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"{file.name}: {_one_line(err)}"
+
+
+_BUILD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError)
+"""What transformers raises for a config value it cannot build (an unknown activation or rope type, a
+dtype name torch lacks); the integer fields are checked before, so these are the rest."""
+
+
+def _refusals(*extra: type[Exception]) -> tuple[type[Exception], ...]:
+    """`_BUILD_ERRORS`, `extra` and huggingface_hub's config validation errors."""
+    return (*_BUILD_ERRORS, *extra, *_strict_errors())
+
+
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's config validation errors (transformers 5 configs are strict dataclasses)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:500]}"
+
+
+def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
+    config = load_model_config(directory)
     log.info("initialising %s from its config.json (seed %d, %s) on the host", directory, seed, dtype)
     t0 = time.perf_counter()
     # Seeded inside a forked RNG: same seed -> same weights, and the caller's RNG stream is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _build_from_config(config, directory, dtype=dtype)
     log.info("initialised %.2fB parameters in %.1f s", sum(p.numel() for p in model.parameters()) / 1e9,
              time.perf_counter() - t0)  # fmt: skip
     return model.eval()
@@ -97,14 +281,12 @@ def skeleton_causal_lm(
     engine's policy, which the trainer's weights overwrite. Buffers computed from the config (rotary
     frequencies) are real. Built on `device` directly (an 8B copy for the GPU never occupies 16 GB of
     host memory). A `.gguf` path falls back to `load_causal_lm`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     directory, gguf_file = _resolve(path, None)
     if gguf_file is not None or not (directory / "config.json").is_file():
         return load_causal_lm(path, dtype=dtype, attn_impl=attn_impl, gguf_file=gguf_file, device=device)
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = load_model_config(directory)
     with _no_init_weights(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _build_from_config(config, directory, dtype=dtype)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
@@ -171,9 +353,31 @@ def load_causal_lm(
             "otherwise point actor.path at a directory with weights"
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+        model = _from_pretrained(directory, dtype)
     set_attention(model, attn_impl)
     return model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` with a narrower type
+
+
+def _from_pretrained(directory: Path, dtype: torch.dtype) -> Any:
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(directory)
+    check_weight_files(directory)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            directory, config=config, dtype=dtype, local_files_only=True
+        )
+    except (SafetensorError, OSError, EOFError, pickle.UnpicklingError) as err:
+        # What the header checks cannot see: a damaged tensor inside a PyTorch bin, a file gone meanwhile.
+        raise ValueError(
+            f"the weights in {str(directory)!r} cannot be read ({_one_line(err)}); {_REDOWNLOAD}"
+        ) from err
+    except _refusals() as err:
+        raise ValueError(
+            f"transformers cannot build the model of {str(directory)!r} from its config.json and weights "
+            f"({_one_line(err)}); {_RESTORE}, or download the model again if its files do not belong together"
+        ) from err
 
 
 def load_tokenizer(path: str, *, gguf_file: str | None = None):
