@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     model = load_causal_lm(
         cfg.actor.path, dtype=torch.float32, init_from_config=cfg.actor.init_from_config, seed=cfg.seed
     )
+    # laden's loader selects its own attention kernel; TRL's generation paths know transformers' (its paged
+    # cache needs "paged|<kernel>"), so the model runs on PyTorch's SDPA as a stock one would
+    model.set_attn_implementation("sdpa")
     generation: dict[str, Any] = {}
     if args.generation == "static":
         generation["cache_implementation"] = "static"

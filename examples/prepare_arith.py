@@ -14,8 +14,9 @@ sequence (seed 2's first 200 problems were all among seed 1's first 2048), and t
 two digits is a small space, so another seed alone does not make a test set. The test set is drawn
 from a distant seed and every candidate is dropped that matches a training problem by its question
 text or by its expression (parsed, so spaces and redundant parentheses go, and the two operands of
-`+` and `*` in sorted order: "( 3 + 4 )" and "4 + 3" are one problem), and duplicates within the test set too. The counts removed are
-printed; the script fails if a shared problem remains (checked again on the written files).
+`+` and `*` in sorted order: "( 3 + 4 )" and "4 + 3" are one problem) or by the normalised text laden's
+own overlap check compares (`laden.data.overlap`, which drops parentheses: "-( 41 / 1 )" and "-41 / 1"),
+and duplicates within the test set too. The counts removed are printed; the script fails if a shared problem remains (checked again on the written files).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from laden.data.overlap import normalized
 
 SUFFIX = " Give only the final number."
 TRAIN_SEED = 1
@@ -72,9 +75,13 @@ def disjoint_test(
     an earlier kept candidate, and how many were removed for each reason."""
     texts = {r["prompt"] for r in train}
     exprs = {expression_key(r["prompt"]) for r in train}
+    loose = {normalized(r["prompt"]) for r in train}
     kept: list[dict[str, Any]] = []
     kept_exprs: set[str] = set()
-    removed = {"same_question_as_train": 0, "same_expression_as_train": 0, "duplicate_in_test": 0}
+    removed = {
+        "same_question_as_train": 0, "same_expression_as_train": 0, "same_normalised_text_as_train": 0,
+        "duplicate_in_test": 0,
+    }  # fmt: skip
     for row in candidates:
         if len(kept) == size:
             break
@@ -83,6 +90,8 @@ def disjoint_test(
             removed["same_question_as_train"] += 1
         elif key in exprs:
             removed["same_expression_as_train"] += 1
+        elif normalized(row["prompt"]) in loose:
+            removed["same_normalised_text_as_train"] += 1
         elif key in kept_exprs:
             removed["duplicate_in_test"] += 1
         else:
@@ -92,10 +101,14 @@ def disjoint_test(
 
 
 def shared(train: list[dict[str, Any]], test: list[dict[str, Any]]) -> int:
-    """Test rows whose question text or expression is a training row's."""
+    """Test rows whose question text, expression or normalised text is a training row's."""
     texts = {r["prompt"] for r in train}
     exprs = {expression_key(r["prompt"]) for r in train}
-    return sum(r["prompt"] in texts or expression_key(r["prompt"]) in exprs for r in test)
+    loose = {normalized(r["prompt"]) for r in train}
+    return sum(
+        r["prompt"] in texts or expression_key(r["prompt"]) in exprs or normalized(r["prompt"]) in loose
+        for r in test
+    )
 
 
 def generate(seed: int, size: int, digits: int) -> list[dict[str, Any]]:

@@ -118,12 +118,18 @@ def test_prepare_arith_drops_every_test_problem_shared_with_train():
     assert arith.expression_key("Calculate ( ( 4 + -4 ) ).") == arith.expression_key("What is -4 + 4?")
     assert arith.expression_key("(3 + 4) * 2") != arith.expression_key("3 + 4 * 2")
     entries = [{"question": f"Calculate {a} + {b}.", "answer": a + b} for a in range(12) for b in range(12)]
-    train = list(arith.rows(entries[:100]))
-    # shifted copies of one sequence, as nearby seeds give, then commuted and new problems
-    candidates = list(arith.rows(entries[50:] + [{"question": "What is 3 + 1?", "answer": 4}]))
+    negated = [{"question": "Calculate -3 / 1.", "answer": -3}, {"question": "Calculate -( 3 / 1 ).", "answer": -3}]
+    train = list(arith.rows(entries[:100] + negated[:1]))
+    # shifted copies of one sequence, as nearby seeds give, then commuted and new problems, and one that
+    # differs from a training problem only by parentheses laden's overlap check drops
+    candidates = list(arith.rows(entries[50:] + [{"question": "What is 3 + 1?", "answer": 4}] + negated[1:]))
     test, removed = arith.disjoint_test(train, candidates, size=40)
     assert arith.shared(train, test) == 0 and len(test) == 10  # fewer than asked: the space is used up
-    assert removed == {"same_question_as_train": 50, "same_expression_as_train": 29, "duplicate_in_test": 6}
+    assert removed == {
+        "same_question_as_train": 50, "same_expression_as_train": 29, "same_normalised_text_as_train": 1,
+        "duplicate_in_test": 6,
+    }  # fmt: skip
+    assert prompt_overlap(train, test).num_shared == 0
 
 
 def test_prepare_arith_writes_disjoint_files(tmp_path, monkeypatch):
