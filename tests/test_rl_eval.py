@@ -118,7 +118,10 @@ def test_prepare_arith_drops_every_test_problem_shared_with_train():
     assert arith.expression_key("Calculate ( ( 4 + -4 ) ).") == arith.expression_key("What is -4 + 4?")
     assert arith.expression_key("(3 + 4) * 2") != arith.expression_key("3 + 4 * 2")
     entries = [{"question": f"Calculate {a} + {b}.", "answer": a + b} for a in range(12) for b in range(12)]
-    negated = [{"question": "Calculate -3 / 1.", "answer": -3}, {"question": "Calculate -( 3 / 1 ).", "answer": -3}]
+    negated = [
+        {"question": "Calculate -3 / 1.", "answer": -3},
+        {"question": "Calculate -( 3 / 1 ).", "answer": -3},
+    ]
     train = list(arith.rows(entries[:100] + negated[:1]))
     # shifted copies of one sequence, as nearby seeds give, then commuted and new problems, and one that
     # differs from a training problem only by parentheses laden's overlap check drops

@@ -395,6 +395,11 @@ class NativeConfig:
     mem_fraction_static: float = 0.8
     """Fraction of the GPU's memory (what this process may use: all of it, or its `torch.cuda.set_per_process_memory_fraction` share) the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1];
     `auto`: 0.9 when the engine has the GPU while it generates, else what the training peak leaves."""
+    free_kv_while_training: Literal["auto", "always", "never"] = "auto"
+    """Whether the engine frees its KV cache while a synchronous run (`rollout.max_head_offpolicyness: 0`)
+    trains on its GPU, and allocates it again (and recaptures its CUDA graphs) after: `always`; `never`;
+    `auto`: frees it during the first step, then keeps it when that step's peak plus the cache fits in 90%
+    of the GPU (always frees with a roundpipe trainer, whose engine frees its weights too)."""
 
 
 @dataclass(kw_only=True, slots=True)

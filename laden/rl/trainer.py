@@ -290,6 +290,8 @@ class _Run:
         self.cfg, self.rt, self.run = cfg, rt, run
         self.rollout_device = rollout_device(cfg, rt)
         self.counters = _Counters()
+        self._kv_stays: bool | None = None
+        """`native.free_kv_while_training: auto`'s decision, made after the first step (None before)."""
         self._rollout_rng: Any = None  # this rank's `sampling_state` from a checkpoint
         self._carry: list[int] = []  # prompts drawn for a refill and not used yet (data position)
         self._step_now = 0  # the step being trained (for error reports)
@@ -814,6 +816,9 @@ class _Run:
             return record
         t0 = time.perf_counter()
         sleeps = self._sleeps_while_training()
+        measure = sleeps and self._kv_stays is None and not self._sleep_releases_weights()
+        if measure:  # `native.free_kv_while_training: auto`: this step's peak decides
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
         if sleeps:  # colocated and synchronous: the KV cache's memory is the trainer's while it trains
             # roundpipe keeps the policy in host memory: the engine's GPU copy is freed too, and the
             # update after the step fills it again in place
@@ -821,6 +826,8 @@ class _Run:
         out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept, shares)
         if sleeps:
             await self.rollout.wake()
+        if measure:
+            self._decide_kv_stays()
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
@@ -873,14 +880,40 @@ class _Run:
 
     def _sleeps_while_training(self) -> bool:
         """Whether the rollout engine frees its KV cache during training: when it shares the trainer's
-        GPU (the native engine; servers run on GPUs of their own) and nothing generates meanwhile
-        (`rollout.max_head_offpolicyness: 0`)."""
-        return (
+        GPU (the native engine; servers run on GPUs of their own), nothing generates meanwhile
+        (`rollout.max_head_offpolicyness: 0`) and `native.free_kv_while_training` says so."""
+        if not (
             self.rt.device.type == "cuda"
             and self.rollout_device == self.rt.device
             and self.cfg.rollout.max_head_offpolicyness == 0
             and not self._serves()
-        )
+        ):
+            return False
+        mode = self.cfg.native.free_kv_while_training
+        if mode == "auto" and not self._sleep_releases_weights():
+            return self._kv_stays is not True
+        return mode != "never"
+
+    def _decide_kv_stays(self) -> None:
+        """`native.free_kv_while_training: auto`, after a step trained with the cache freed: the cache stays
+        from now on when that step's peak plus the cache fits in `HEADROOM` of the GPU on every rank (freeing
+        and allocating it again, with its CUDA graphs recaptured, costs time every step)."""
+        from laden.memory.auto import HEADROOM, process_gpu_bytes
+
+        device = self.rt.device
+        peak = torch.cuda.max_memory_reserved(device)
+        frees = getattr(self.rollout, "sleep_frees_bytes", None)
+        cache = frees() if frees is not None else None
+        budget = process_gpu_bytes(device) * HEADROOM
+        fits = cache is not None and peak + cache <= budget
+        self._kv_stays = not self.rt.any_rank(not fits)
+        if cache is not None:
+            log.info(
+                "native.free_kv_while_training=auto: training peak %.2f GiB + KV cache %.2f GiB %s %.0f%% of "
+                "the GPU (%.2f GiB): the cache %s during training", peak / 2**30, cache / 2**30,
+                "fit in" if fits else "exceed", HEADROOM * 100, budget / 2**30,
+                "stays" if self._kv_stays else "is freed",
+            )  # fmt: skip
 
     def _serves(self) -> bool:
         """Whether the rollout engine is vLLM or SGLang servers (not the native engine in this process)."""

@@ -570,6 +570,11 @@ class NativeEngine:
             self._resumed.clear()
             await self._run(self._release, weights)
 
+    def sleep_frees_bytes(self) -> int:
+        """The GPU bytes `sleep` frees besides the weights: the KV cache (the CUDA graphs' pool, small, is
+        not counted)."""
+        return self.core.cache.nbytes
+
     def _release(self, weights: bool) -> None:
         # Sequences in flight leave the cache (they keep their tokens and are prefilled again on wake).
         self.core.requeue_running()
