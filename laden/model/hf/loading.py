@@ -394,6 +394,8 @@ def load_tokenizer(path: str, *, gguf_file: str | None = None):
     elif not _has_any(directory, _VOCAB_PATTERNS):
         # transformers would build an empty tokenizer from config.json alone (every text -> unk).
         raise ValueError(_no_tokenizer_message(directory))
+    elif (Path(directory) / "config.json").is_file():
+        load_model_config(directory)  # AutoTokenizer reads it too: its problems named by field, not theirs
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
     except (OSError, ValueError) as err:
