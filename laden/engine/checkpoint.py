@@ -63,7 +63,7 @@ from laden.engine.integrity import (
     safetensors_chunks,
     shown,
 )
-from laden.model.hf.export import host_copy
+from laden.model.hf.export import ShardWriter, host_copy
 
 log = logging.getLogger("laden.checkpoint")
 
@@ -160,49 +160,22 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's JSON")
 
 
-class TensorShards:
-    """One stem's tensors as safetensors shards of at most `max_bytes`, one shard held at a time, named as
-    `laden.model.hf.export.ShardWriter` names them (`<stem>.safetensors`, or numbered shards and an index);
-    its files go through `CheckpointFiles`, hashed as they are written (`ShardWriter` writes with
-    safetensors' own writer, which cannot)."""
+class TensorShards(ShardWriter):
+    """`laden.model.hf.export.ShardWriter`'s shards of one stem, written through `CheckpointFiles`, which
+    hashes them as they are written."""
 
     def __init__(self, files: CheckpointFiles, out: Path, max_bytes: int, *, stem: str) -> None:
-        self.files, self.out, self.max_bytes, self.stem = files, out, max_bytes, stem
-        self.shards: list[tuple[str, list[str], int]] = []  # (file, names, bytes)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
+        super().__init__(out, max_bytes, stem=stem)
+        self.files = files
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        if self.pending and self.pending_bytes + t.nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = t
-        self.pending_bytes += t.nbytes
+    def _write_tensors(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        self.files.write(path, safetensors_chunks(tensors, {"format": "pt"}))
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        file = f"{self.stem}-part-{len(self.shards):05d}.safetensors"
-        self.files.write(self.out / file, safetensors_chunks(self.pending, {"format": "pt"}))
-        self.shards.append((file, list(self.pending), self.pending_bytes))
-        self.pending, self.pending_bytes = {}, 0
+    def _rename(self, src: Path, dst: Path) -> None:
+        self.files.rename(src, dst)
 
-    def finish(self) -> None:
-        self.flush()
-        if len(self.shards) <= 1:  # no tensors: an empty file, so the reader finds one
-            name = f"{self.stem}.safetensors"
-            if self.shards:
-                self.files.rename(self.out / self.shards[0][0], self.out / name)
-            else:
-                self.files.write(self.out / name, safetensors_chunks({}, {"format": "pt"}))
-            return
-        weight_map: dict[str, str] = {}
-        for i, (file, names, _) in enumerate(self.shards, start=1):
-            final = f"{self.stem}-{i:05d}-of-{len(self.shards):05d}.safetensors"
-            self.files.rename(self.out / file, self.out / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": sum(b for *_, b in self.shards)}, "weight_map": weight_map}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        self.files.write(self.out / f"{self.stem}.safetensors.index.json", [text.encode()])
+    def _write_text(self, path: Path, text: str) -> None:
+        self.files.write(path, [text.encode()])
 
 
 class _Reader:

@@ -100,7 +100,7 @@ class ShardWriter:
 
     def __init__(self, out: Path, max_bytes: int, *, stem: str = "model") -> None:
         self.out, self.max_bytes, self.stem = out, max_bytes, stem
-        self.files: list[tuple[str, list[str], int]] = []  # (file, names, bytes)
+        self.shards: list[tuple[str, list[str], int]] = []  # (file, names, bytes)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
 
@@ -111,35 +111,46 @@ class ShardWriter:
         self.pending_bytes += t.nbytes
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
-        file = f"{self.stem}-part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, self.out / file, metadata={"format": "pt"})
-        self.files.append((file, list(self.pending), self.pending_bytes))
+        file = f"{self.stem}-part-{len(self.shards):05d}.safetensors"
+        self._write_tensors(self.out / file, self.pending)
+        self.shards.append((file, list(self.pending), self.pending_bytes))
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self) -> None:
         """Name the shards as transformers does: `model.safetensors`, or numbered shards plus an index."""
         self.flush()
-        if not self.files:  # nothing to write: an empty file, so the reader finds one
-            from safetensors.torch import save_file
-
-            save_file({}, self.out / f"{self.stem}.safetensors", metadata={"format": "pt"})
-            return
-        if len(self.files) == 1:
-            os.rename(self.out / self.files[0][0], self.out / f"{self.stem}.safetensors")
+        if len(self.shards) <= 1:  # no tensors: an empty file, so the reader finds one
+            name = self.out / f"{self.stem}.safetensors"
+            if self.shards:
+                self._rename(self.out / self.shards[0][0], name)
+            else:
+                self._write_tensors(name, {})
             return
         weight_map: dict[str, str] = {}
-        for i, (file, names, _) in enumerate(self.files, start=1):
-            final = f"{self.stem}-{i:05d}-of-{len(self.files):05d}.safetensors"
-            os.rename(self.out / file, self.out / final)
+        for i, (file, names, _) in enumerate(self.shards, start=1):
+            final = f"{self.stem}-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            self._rename(self.out / file, self.out / final)
             weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": sum(b for *_, b in self.files)}, "weight_map": weight_map}
-        (self.out / f"{self.stem}.safetensors.index.json").write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        index = {"metadata": {"total_size": sum(b for *_, b in self.shards)}, "weight_map": weight_map}
+        self._write_text(
+            self.out / f"{self.stem}.safetensors.index.json",
+            json.dumps(index, indent=2, sort_keys=True) + "\n",
         )
+
+    # how files are written: plainly here; the checkpointer's subclass hashes them as it writes
+
+    def _write_tensors(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    def _rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def _write_text(self, path: Path, text: str) -> None:
+        path.write_text(text)
 
 
 def _write_adapter(
