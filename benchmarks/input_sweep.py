@@ -233,18 +233,19 @@ case("reward_import_raises", "reward", [*RL_DATA, "reward_fn=rw:ok"], "ZeroDivis
      setup=lambda d: _write(d / "rw.py", "1/0\n" + REWARDS), env={"PYTHONPATH": "{d}"})  # fmt: skip
 case("reward_bad_signature", "reward", [*RL_DATA, "reward_fn=rw:two"], "rw:two",
      setup=lambda d: _write(d / "rw.py", "def two(a, b):\n    return 1.0\n"), env={"PYTHONPATH": "{d}"})  # fmt: skip
-case("reward_always_raises", "reward", [*RL_DATA, "reward_fn=rw:boom"], "boom",
-     setup=lambda d: _write(d / "rw.py", "def boom(prompt, completion, prompt_ids, completion_ids, **f):\n"
-                                         "    raise RuntimeError('boom')\n"), env={"PYTHONPATH": "{d}"})  # fmt: skip
-case("reward_returns_string", "reward", [*RL_DATA, "reward_fn=rw:s"], "'1.0'",
-     setup=lambda d: _write(d / "rw.py", "def s(prompt, completion, prompt_ids, completion_ids, **f):\n"
-                                         "    return '1.0'\n"), env={"PYTHONPATH": "{d}"})  # fmt: skip
-case("reward_returns_bool", "reward", [*RL_DATA, "reward_fn=rw:b"], "True",
-     setup=lambda d: _write(d / "rw.py", "def b(prompt, completion, prompt_ids, completion_ids, **f):\n"
-                                         "    return True\n"), env={"PYTHONPATH": "{d}"})  # fmt: skip
-case("reward_returns_nan", "reward", [*RL_DATA, "reward_fn=rw:n"], "nan",
-     setup=lambda d: _write(d / "rw.py", "def n(prompt, completion, prompt_ids, completion_ids, **f):\n"
-                                         "    return float('nan')\n"), env={"PYTHONPATH": "{d}"})  # fmt: skip
+
+
+def reward_case(name: str, fn: str, body: str, expect: str) -> None:
+    """A case whose reward `rw:<fn>` takes the laden signature and runs the one line `body`."""
+    source = f"def {fn}(prompt, completion, prompt_ids, completion_ids, **f):\n    {body}\n"
+    case(name, "reward", [*RL_DATA, f"reward_fn=rw:{fn}"], expect,
+         setup=lambda d: _write(d / "rw.py", source), env={"PYTHONPATH": "{d}"})  # fmt: skip
+
+
+reward_case("reward_always_raises", "boom", "raise RuntimeError('boom')", "boom")
+reward_case("reward_returns_string", "s", "return '1.0'", "'1.0'")
+reward_case("reward_returns_bool", "b", "return True", "True")
+reward_case("reward_returns_nan", "n", "return float('nan')", "nan")
 case("reward_math_without_answer", "reward", [*RL_DATA, "reward_fn=laden.rl.rewards:math_reward"], "answer")
 case("reward_areal_style_runs", "reward", [*RL_DATA, "reward_fn=rw:areal"], "done", warns=True,
      setup=lambda d: _write(d / "rw.py", "def areal(prompt, completions, prompt_ids, completion_ids, **data):\n"

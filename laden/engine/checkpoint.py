@@ -55,7 +55,6 @@ from laden.engine.integrity import (
     CheckpointFiles,
     DamagedCheckpointError,
     find_damage,
-    fsync_dir,
     is_old_layout,
     read_config,
     read_json,
@@ -63,6 +62,7 @@ from laden.engine.integrity import (
     safetensors_chunks,
     shown,
 )
+from laden.engine.safe_io import fsync_dir
 from laden.model.hf.export import ShardWriter, host_copy
 
 log = logging.getLogger("laden.checkpoint")

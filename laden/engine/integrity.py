@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import yaml
 
+from laden.engine.safe_io import fsync_dir
 from laden.errors import RunFailedError
 
 MANIFEST = "manifest.json"
@@ -169,15 +170,6 @@ def _write_all(out: Any, view: memoryview) -> None:
     """All of `view` into the unbuffered file `out` (a raw write may take only part of it)."""
     while view:
         view = view[out.write(view) :]
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of directory `path` (files created or renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def safetensors_chunks(
