@@ -816,7 +816,10 @@ class _Run:
             return record
         t0 = time.perf_counter()
         sleeps = self._sleeps_while_training()
-        measure = sleeps and self._kv_stays is None and not self._sleep_releases_weights()
+        measure = (
+            sleeps and self.rt.device.type == "cuda" and self.cfg.native.free_kv_while_training == "auto"
+            and self._kv_stays is None and not self._sleep_releases_weights()
+        )  # fmt: skip
         if measure:  # `native.free_kv_while_training: auto`: this step's peak decides
             torch.cuda.reset_peak_memory_stats(self.rt.device)
         if sleeps:  # colocated and synchronous: the KV cache's memory is the trainer's while it trains
