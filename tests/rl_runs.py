@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 
 import pytest
@@ -21,6 +22,35 @@ def tiny_rl_config(tmp_path, *overrides):
          f"valid_dataset.path={ASSETS / 'rl_tiny_valid.jsonl'}", f"cluster.fileroot={tmp_path}", *overrides],
         job="rl",
     )  # fmt: skip
+
+
+def lockstep(monkeypatch) -> None:
+    """Make asynchronous runs (max_head_offpolicyness k > 0) generate the same batches whatever the timing:
+    before step s trains, the producer has generated every batch it may (through s + k) and is idle, so
+    batch b is always generated with the weights after step b - 1 - k. Without this, a loaded machine
+    lets the trainer run ahead of generation and a batch may carry newer weights in one run than another."""
+    original_produce, original_step = rl_trainer._Run._produce, rl_trainer._Run._step
+
+    async def produce(self, first, queue, k):
+        self._lockstep_next = first
+        collect = self._collect_batch
+
+        async def counted():
+            out = await collect()
+            self._lockstep_next += 1
+            return out
+
+        self._collect_batch = counted
+        return await original_produce(self, first, queue, k)
+
+    async def step(self, step, *args):
+        ready = min(step + self.cfg.rollout.max_head_offpolicyness, self.total_steps)
+        while getattr(self, "_lockstep_next", 0) <= ready or self._producing:  # 0: not started yet
+            await asyncio.sleep(0.001)
+        return await original_step(self, step, *args)
+
+    monkeypatch.setattr(rl_trainer._Run, "_produce", produce)
+    monkeypatch.setattr(rl_trainer._Run, "_step", step)
 
 
 def crash_then_resume(cfg, monkeypatch, *, at_step: int):

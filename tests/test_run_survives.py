@@ -112,9 +112,10 @@ def test_a_time_based_checkpoint_bounds_what_a_kill_loses(tmp_path, monkeypatch)
 def test_an_asynchronous_run_killed_and_resumed_equals_the_uninterrupted_one(tmp_path, monkeypatch):
     """With max_head_offpolicyness 2 the batches generated ahead of a checkpoint are checkpointed with it,
     so the resumed run trains on what the uninterrupted one trained on, bitwise, and counts no episode twice."""
-    from rl_runs import crash_then_resume
+    from rl_runs import crash_then_resume, lockstep
 
     args = ["total_train_steps=8", "rollout.max_head_offpolicyness=2", "checkpoint.save_freq_steps=3"]
+    lockstep(monkeypatch)  # every run generates batch b with the weights after step b - 3, however loaded
     full = run_rl(tiny_rl_config(tmp_path / "a", *args), progress=False)
     for at_step in (5, 7):
         cfg = tiny_rl_config(tmp_path / f"k{at_step}", *args)
