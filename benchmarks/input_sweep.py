@@ -281,7 +281,7 @@ case("rundir_finished_rerun_warns", "rundir", SFT_DATA, "already holds a finishe
      setup=lambda d: _finished_run(d))  # fmt: skip
 case("rundir_metrics_cut_off_warns", "rundir", [*SFT_DATA, "total_train_steps=4"], "metrics.jsonl", warns=True,
      setup=_damaged("metrics.jsonl", lambda p: p.write_text(p.read_text() + '{"step": 3, "lo')))  # fmt: skip
-case("rundir_metrics_garbage_line", "rundir", [*SFT_DATA, "total_train_steps=4"], "metrics.jsonl",
+case("rundir_metrics_garbage_line", "rundir", [*SFT_DATA, "total_train_steps=4"], "metrics.jsonl", warns=True,
      setup=_damaged("metrics.jsonl", lambda p: p.write_text("garbage\n" + p.read_text())))  # fmt: skip
 
 # --- damaged checkpoints (the newest, step 2; on_damage previous resumes from step 1 with a warning) ---------------

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -320,7 +321,9 @@ def test_strings_and_bools_are_failures_and_numpy_scalars_convert(scripted_pool)
 
 def test_score_outcome_carries_the_error_text_of_a_raising_reward(scripted_pool):
     (outcome,) = _outcomes(scripted_pool, [_call("crash")])
-    assert "ValueError: scripted crash" in outcome.error and "Traceback" in outcome.error
+    # what it raised, then where, one line a frame (the reward's own frames, no traceback header)
+    assert "raised ValueError: scripted crash\n  at " in outcome.error and "Traceback" not in outcome.error
+    assert re.search(r"  at .*\.py:\d+ in scripted_reward", outcome.error), outcome.error
     assert outcome.value == -1.0 and math.isnan(outcome.parts["scripted_reward"])
 
 

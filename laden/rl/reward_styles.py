@@ -514,7 +514,7 @@ class CompositeReward:
                 raise
             except Exception as exc:
                 raise RewardCallError(
-                    f"reward function {part.label} raised:\n{_traceback_text(exc)}"
+                    f"reward function {part.label} raised {_failure_text(exc)}"
                 ) from None
             parts[part.name] = _as_number(result, part)
         scored = [
@@ -558,9 +558,13 @@ def _load_part(spec: RewardSpec, name: str, fn: Callable[..., Any]) -> _Part:
     return _Part(name, spec, fn, style, _required(sig, style), _takes(sig, "extra_info"))
 
 
-def _traceback_text(exc: BaseException) -> str:
-    """The traceback from the reward function's frame on (this module's adapter frames dropped)."""
+def _failure_text(exc: BaseException, *, frames: int = 6) -> str:
+    """What the reward function raised, then where: its innermost `frames` frames from the reward
+    function's own frame on (this module's adapter frames dropped), one line each, innermost last."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    where = traceback.extract_tb(tb or exc.__traceback__)[-frames:]
+    lines = [f"{type(exc).__name__}: {exc}".rstrip(": ")]
+    lines += [f"  at {f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "") for f in where]
+    return "\n".join(lines)
