@@ -513,9 +513,7 @@ class CompositeReward:
             except RewardCallError:
                 raise
             except Exception as exc:
-                raise RewardCallError(
-                    f"reward function {part.label} raised {_failure_text(exc)}"
-                ) from None
+                raise RewardCallError(f"reward function {part.label} raised {_failure_text(exc)}") from None
             parts[part.name] = _as_number(result, part)
         scored = [
             (part.spec.weight, parts[part.name]) for part in self._parts if not math.isnan(parts[part.name])
