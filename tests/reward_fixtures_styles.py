@@ -9,7 +9,7 @@ for prompts of the kind they are not written for.
 
 from __future__ import annotations
 
-RAW_PROMPT_KEY = "_raw_prompt"  # laden.rl.rewards.RAW_PROMPT_KEY, never to be passed on
+RAW_PROMPT_KEY = "_raw_prompt"  # laden.rl.reward_styles.RAW_PROMPT_KEY, never to be passed on
 
 
 def rule(completion: str, answer: str) -> float:

@@ -17,20 +17,19 @@ import time
 
 import pytest
 
-from laden.rl.reward_styles import STYLE_SIGNATURES, RewardCallError, detect_style, load_rewards
-from laden.rl.rewards import (
+from laden.rl.reward_pool import RewardError, RewardPool, RewardTimeoutError
+from laden.rl.reward_styles import (
     RAW_PROMPT_KEY,
-    RewardError,
-    RewardPool,
+    STYLE_SIGNATURES,
+    RewardCallError,
     RewardSetupError,
     RewardSpec,
-    RewardTimeoutError,
-    letter_reward,
+    detect_style,
     load_reward_fn,
-    math_reward,
+    load_rewards,
     missing_fields,
-    reasoning_gym_reward,
 )
+from laden.rl.rewards import letter_reward, math_reward, reasoning_gym_reward
 
 SCRIPTED = "reward_fixtures:scripted_reward"
 
@@ -200,7 +199,7 @@ def test_pool_scores_in_order_passes_every_field_and_serves_async():
 
 
 def test_pool_counts_crashes_and_timeouts_scores_error_value_and_keeps_working(caplog):
-    caplog.set_level(logging.WARNING, logger="laden.rl.rewards")
+    caplog.set_level(logging.WARNING, logger="laden.rl.reward_dispatch")
     completions = ["a", "crash", "hang", "exit", "nan", "none", "crash", "a", "b"]
     with RewardPool(SCRIPTED, num_workers=2, timeout_s=1.0, error_value=-1.0) as pool:
         scores = pool.score_many([_call(c) for c in completions])
@@ -333,7 +332,7 @@ def test_score_outcome_carries_the_error_text_of_a_raising_reward(scripted_pool)
 def test_a_leaking_worker_is_recycled_past_max_rss_and_every_call_scores(caplog):
     from reward_fixtures import LEAK_BYTES
 
-    caplog.set_level(logging.INFO, logger="laden.rl.rewards")
+    caplog.set_level(logging.INFO, logger="laden.rl.reward_dispatch")
     max_rss_gb = 0.2
     with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, on_error="raise", max_rss_gb=max_rss_gb) as pool:
         held = pool.score_many([_call("leak")] * 8)  # one worker: one call at a time, in order
@@ -349,7 +348,7 @@ def test_a_leaking_worker_is_recycled_past_max_rss_and_every_call_scores(caplog)
 
 
 def test_a_worker_is_recycled_after_max_calls_per_worker(caplog):
-    caplog.set_level(logging.INFO, logger="laden.rl.rewards")
+    caplog.set_level(logging.INFO, logger="laden.rl.reward_dispatch")
     with RewardPool(SCRIPTED, num_workers=1, timeout_s=30, max_calls_per_worker=3, max_rss_gb=None) as pool:
         pids = pool.score_many([_call("pid")] * 7)
         assert pool.stats.worker_recycles == 2 and pool.stats.errors == 0

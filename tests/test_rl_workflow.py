@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from laden.rl.rewards import RewardPool
+from laden.rl.reward_pool import RewardPool
 from laden.rl.workflow import (
     MultiTurnWorkflow,
     RLVRWorkflow,

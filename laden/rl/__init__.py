@@ -18,12 +18,11 @@ _LAZY = {
     ),
     **dict.fromkeys(("PPOObjective", "PPOSettings", "kl_estimate"), "laden.rl.objectives"),
     **dict.fromkeys(
-        (
-            "RewardInfo", "RewardOutcome", "RewardPool", "RewardSetupError", "RewardSpec", "load_reward_fn",
-            "math_reward", "missing_fields", "reasoning_gym_reward",
-        ),
-        "laden.rl.rewards",
+        ("RewardInfo", "RewardSetupError", "RewardSpec", "load_reward_fn", "missing_fields"),
+        "laden.rl.reward_styles",
     ),
+    **dict.fromkeys(("RewardOutcome", "RewardPool"), "laden.rl.reward_pool"),
+    **dict.fromkeys(("math_reward", "reasoning_gym_reward"), "laden.rl.rewards"),
     **dict.fromkeys(("EvalResult", "eval_metrics", "eval_sampling", "evaluate"), "laden.rl.evaluate"),
     **dict.fromkeys(("run_eval",), "laden.rl.eval_job"),
 }  # fmt: skip

@@ -20,7 +20,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from laden.rl.rewards import RAW_PROMPT_KEY, RewardInfo, RewardPool, RewardSpec, missing_fields
+from laden.rl.reward_pool import RewardPool
+from laden.rl.reward_styles import RAW_PROMPT_KEY, RewardInfo, RewardSpec, missing_fields
 
 log = logging.getLogger("laden.rl")
 

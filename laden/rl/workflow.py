@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from laden.rl.rewards import RAW_PROMPT_KEY
+from laden.rl.reward_styles import RAW_PROMPT_KEY
 from laden.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 
 PROMPT_KEYS = ("messages", "prompt")
@@ -108,7 +108,7 @@ class RolloutWorkflow(Protocol):
 
 @runtime_checkable
 class RewardScorer(Protocol):
-    """An asynchronous scorer such as `laden.rl.rewards.RewardPool`."""
+    """An asynchronous scorer such as `laden.rl.reward_pool.RewardPool`."""
 
     async def score(self, **kwargs: Any) -> float: ...
 
