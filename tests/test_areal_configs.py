@@ -20,7 +20,7 @@ import yaml
 
 from laden.config import AllocationMode, ConfigError, check_alloc, config_from_dict, load_config
 from laden.config.alloc import split_areal_allocation
-from laden.config.areal import areal_leaf_keys, key_role
+from laden.config.areal_keys import areal_leaf_keys, key_role
 from laden.config.loader import all_keys
 
 ROOT = Path(__file__).resolve().parents[1]
