@@ -106,7 +106,7 @@ def main() -> None:
     from paged_case import paged_case
 
     from laden.rollout.native.attention import decode_attention_torch
-    from laden.rollout.native.triton_decode import paged_decode, split_pages_for
+    from laden.rollout.native.kernels.triton_decode import paged_decode, split_pages_for
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -302,7 +302,7 @@ def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
 
 def set_kernel_options(options: list[str]) -> dict[str, Any]:
     """`MODULE.NAME=VALUE` (a Python literal, or a bare word as a string) set on
-    `laden.rollout.native.MODULE`; only names the module already defines, so a typo is an error,
+    `laden.rollout.native.kernels.MODULE`; only names the module already defines, so a typo is an error,
     not an option that does nothing."""
     import ast
     import importlib
@@ -316,11 +316,11 @@ def set_kernel_options(options: list[str]) -> dict[str, Any]:
                 f"--kernel-option {option!r}: expected MODULE.NAME=VALUE, e.g. triton_swiglu.IN_DECODE=True"
             )
         try:
-            module = importlib.import_module(f"laden.rollout.native.{module_name}")
+            module = importlib.import_module(f"laden.rollout.native.kernels.{module_name}")
         except ImportError as e:
             raise SystemExit(f"--kernel-option {option!r}: {e}") from e
         if not hasattr(module, name):
-            raise SystemExit(f"--kernel-option {option!r}: laden.rollout.native.{module_name} has no {name}")
+            raise SystemExit(f"--kernel-option {option!r}: laden.rollout.native.kernels.{module_name} has no {name}")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):

@@ -1,4 +1,4 @@
-"""The fused sampler alone (`laden.rollout.native.triton_sampler.sample_fused`): time per decode
+"""The fused sampler alone (`laden.rollout.native.kernels.triton_sampler.sample_fused`): time per decode
 step's call and the logits' read bandwidth, per chunk length and warp count.
 
 One JSON line per (rows, method, chunk, warps): microseconds a call inside a CUDA graph of `--iters` calls,
@@ -40,7 +40,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("sampler_kernel.py times the Triton sampler on a GPU; this machine has none")
 
-    from laden.rollout.native.triton_sampler import CHUNK, METHOD, NUM_WARPS, sample_fused
+    from laden.rollout.native.kernels.triton_sampler import CHUNK, METHOD, NUM_WARPS, sample_fused
 
     dev = torch.device("cuda")
     commit = git_commit()

@@ -1,5 +1,5 @@
 """The decode step's projections alone: cuBLAS (`F.linear`, `addmm` with the residual) against
-laden's split-K Triton linear (`laden.rollout.native.triton_linear`) over a grid of tiles.
+laden's split-K Triton linear (`laden.rollout.native.kernels.triton_linear`) over a grid of tiles.
 
 One JSON line per (projection, rows): microseconds a call and the weight-read bandwidth for
 cuBLAS, for the configuration `pick_config` chooses and for the best of the grid. Each timing
@@ -44,7 +44,7 @@ def main() -> None:
 
     import torch.nn.functional as F
 
-    from laden.rollout.native.triton_linear import LinearConfig, linear, pick_config
+    from laden.rollout.native.kernels.triton_linear import LinearConfig, linear, pick_config
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -36,7 +36,7 @@ def main() -> None:
         raise SystemExit("swiglu_kernel.py times the decode layer's SwiGLU on a GPU; this machine has none")
 
     from laden.rollout.native.model import _swiglu
-    from laden.rollout.native.triton_swiglu import swiglu
+    from laden.rollout.native.kernels.triton_swiglu import swiglu
 
     compiled = torch.compile(_swiglu, dynamic=True)
     dev = torch.device("cuda")

@@ -490,10 +490,10 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
     if split_k:
         monkeypatch.setattr("laden.rollout.native.model.SPLIT_K_DTYPES", (torch.float32,))
     fakes = {
-        "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: object() if split_k else None,
+        "laden.rollout.native.kernels.triton_linear": {"pick_config": lambda *a, **k: object() if split_k else None,
                                                "linear": linear},
-        "laden.rollout.native.triton_qkv": {"rope_store": _rope_store_reference},
-        "laden.rollout.native.triton_swiglu": {"IN_DECODE": swiglu_kernel, "swiglu": counted_swiglu},
+        "laden.rollout.native.kernels.triton_qkv": {"rope_store": _rope_store_reference},
+        "laden.rollout.native.kernels.triton_swiglu": {"IN_DECODE": swiglu_kernel, "swiglu": counted_swiglu},
     }  # fmt: skip
     for name, attrs in fakes.items():
         module = types.ModuleType(name)
@@ -544,10 +544,10 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
         return fn
 
     fakes = {
-        "laden.rollout.native.triton_linear": {"pick_config": lambda *a, **k: None, "linear": None},
-        "laden.rollout.native.triton_qkv": {"rope_store": failing("rope_store")},
-        "laden.rollout.native.triton_sampler": {"sample_fused": failing("sample_fused")},
-        "laden.rollout.native.triton_swiglu": {"IN_DECODE": False, "swiglu": None},
+        "laden.rollout.native.kernels.triton_linear": {"pick_config": lambda *a, **k: None, "linear": None},
+        "laden.rollout.native.kernels.triton_qkv": {"rope_store": failing("rope_store")},
+        "laden.rollout.native.kernels.triton_sampler": {"sample_fused": failing("sample_fused")},
+        "laden.rollout.native.kernels.triton_swiglu": {"IN_DECODE": False, "swiglu": None},
     }
     for name, attrs in fakes.items():
         module = types.ModuleType(name)
@@ -570,7 +570,7 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
     assert "fused sampler does not build" in caplog.text
     # any other error is not swallowed
     engine.paged.fused_decode = True
-    monkeypatch.setattr(sys.modules["laden.rollout.native.triton_qkv"], "rope_store", None)
+    monkeypatch.setattr(sys.modules["laden.rollout.native.kernels.triton_qkv"], "rope_store", None)
     with pytest.raises(TypeError):
         engine.generate_sync(_requests(prompts[:1], greedy=True, max_new_tokens=2, ignore_eos=True))
 

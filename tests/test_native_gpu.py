@@ -23,7 +23,7 @@ def test_triton_kernel_in_the_interpreter():
     code = textwrap.dedent(
         """
         import torch
-        from laden.rollout.native.triton_decode import paged_decode
+        from laden.rollout.native.kernels.triton_decode import paged_decode
         from laden.rollout.native.attention import decode_attention_torch
         from paged_case import paged_case
         q, kc, vc, table, lens = paged_case(3, 4, 2, 16, 8, [40, 5, 77], torch.float32, "cpu")
@@ -63,7 +63,7 @@ FUSED_IN_THE_INTERPRETER = """
 import copy, torch
 from test_native_engine import _engine, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 import laden.rollout.native.model as native_model
-from laden.rollout.native import triton_decode, triton_linear, triton_sampler, triton_swiglu
+from laden.rollout.native.kernels import triton_decode, triton_linear, triton_sampler, triton_swiglu
 
 native_model.SPLIT_K_DTYPES = (torch.float32,)  # the split-K linear in fp32 too
 model = _model("qwen3")
@@ -112,7 +112,7 @@ def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter():
 def test_triton_kernel_equals_reference_bf16(hq, hkv, split_pages, page):
     lengths = [1, 15, 16, 17, 500, 2000, 33]
     q, kc, vc, table, lens = paged_case(len(lengths), hq, hkv, 128, page, lengths, torch.bfloat16, "cuda")
-    from laden.rollout.native.triton_decode import paged_decode
+    from laden.rollout.native.kernels.triton_decode import paged_decode
 
     ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)
     out = paged_decode(q, kc, vc, table, lens, 128**-0.5, split_pages)
@@ -130,7 +130,7 @@ def test_the_kernels_untried_options_equal_the_reference_bf16(options, split_pag
     """The options the benchmark compares (off by default until measured) compute the same attention."""
     lengths = [1, 15, 16, 17, 500, 2000, 33]
     q, kc, vc, table, lens = paged_case(len(lengths), 16, 8, 128, 32, lengths, torch.bfloat16, "cuda")
-    from laden.rollout.native.triton_decode import paged_decode
+    from laden.rollout.native.kernels.triton_decode import paged_decode
 
     ref = decode_attention_torch(q.float(), kc.float(), vc.float(), table, lens, 128**-0.5)
     out = paged_decode(q, kc, vc, table, lens, 128**-0.5, split_pages, **options)
@@ -278,7 +278,7 @@ def test_kernel_options_bf16_return_the_models_logprobs(name, monkeypatch):
 
     for target, value in KERNEL_OPTIONS[name].items():
         module, _, attr = target.rpartition(".")
-        monkeypatch.setattr(importlib.import_module(f"laden.rollout.native.{module}"), attr, value)
+        monkeypatch.setattr(importlib.import_module(f"laden.rollout.native.kernels.{module}"), attr, value)
     model = _wide_bf16_model("qwen3")
     prompts = _uneven_prompts(160)
     # compile=False: the decode step is the options' kernels either way (in CUDA graphs, as benchmarked)

@@ -80,7 +80,7 @@ def test_words_read_back_through_the_benchmarks_option_parser():
     }
     text = pick_options.words(options)
     assert text == "triton_decode.HEADS_PER_PROGRAM=2 triton_sampler.METHOD=cdf triton_swiglu.IN_DECODE=True"
-    from laden.rollout.native import triton_decode, triton_sampler, triton_swiglu
+    from laden.rollout.native.kernels import triton_decode, triton_sampler, triton_swiglu
 
     saved = (triton_decode.HEADS_PER_PROGRAM, triton_sampler.METHOD, triton_swiglu.IN_DECODE)
     try:

@@ -53,7 +53,7 @@ def _decode_types() -> dict[str, str]:
 )  # fmt: skip
 @pytest.mark.parametrize("direct", [True, False])
 def test_the_decode_kernel_and_its_options_compile_for_sm90(heads, prefetch, tile_pages, stages, direct):
-    from laden.rollout.native.triton_decode import _paged_decode_split
+    from laden.rollout.native.kernels.triton_decode import _paged_decode_split
 
     constexprs = dict(
         GROUP=2, BLOCK_G=16, PAGE=32, D=128, TILE_PAGES=tile_pages, SPLIT_PAGES=8 if not direct else 64,
@@ -72,7 +72,7 @@ def test_the_decode_kernel_compiles_under_a_register_cap(maxnreg):
 
     import triton
 
-    from laden.rollout.native.triton_decode import _paged_decode_split
+    from laden.rollout.native.kernels.triton_decode import _paged_decode_split
 
     constexprs = dict(
         GROUP=2, BLOCK_G=16, PAGE=32, D=128, TILE_PAGES=4, SPLIT_PAGES=64, DIRECT=True, PRECISION="tf32",
@@ -93,7 +93,7 @@ def test_the_decode_kernel_compiles_under_a_register_cap(maxnreg):
 
 @pytest.mark.parametrize("block,warps", [(512, 4), (1024, 4), (2048, 8)])
 def test_the_swiglu_kernel_compiles_for_sm90(block, warps):
-    from laden.rollout.native.triton_swiglu import _swiglu
+    from laden.rollout.native.kernels.triton_swiglu import _swiglu
 
     types = {"GU": "*bf16", "OUT": "*bf16", "half": "i32", "stride_g": "i32", "stride_o": "i32"}
     _compile(_swiglu, types, {"BLOCK": block}, num_warps=warps)
@@ -102,7 +102,7 @@ def test_the_swiglu_kernel_compiles_for_sm90(block, warps):
 @pytest.mark.parametrize("cdf", [False, True])
 @pytest.mark.parametrize("chunk", [2048, 4096, 8192])
 def test_the_sampler_kernels_compile_for_sm90(cdf, chunk):
-    from laden.rollout.native.triton_sampler import _merge_cdf, _merge_chunks, _sample_chunks
+    from laden.rollout.native.kernels.triton_sampler import _merge_cdf, _merge_chunks, _sample_chunks
 
     parts = {"PART_M": "*fp32", "PART_S": "*fp32", "PART_K": "*fp32", "PART_I": "*i32", "UNIFORM": "*fp32"}
     common = {"LOGITS": "*bf16", "TEMP": "*fp32", "GREEDY": "*i1", "SEED": "*i64", "OFFSET": "*i64"} | parts

@@ -14,7 +14,7 @@ from laden.rollout.native.attention import triton_available
 
 CASES = """
 import torch, torch.nn.functional as F
-from laden.rollout.native.triton_linear import LinearConfig, linear, pick_config
+from laden.rollout.native.kernels.triton_linear import LinearConfig, linear, pick_config
 
 def check(dtype, device, tol):
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def test_linear_on_cuda(dtype):
 def test_picked_configs_on_the_engines_shapes(rows, n, k):
     """The narrow projections of Qwen3-0.6B / 1.7B (attention output, down) with their residual;
     the wide ones (fused q/k/v, gate/up) and more rows go to cuBLAS."""
-    from laden.rollout.native.triton_linear import MAX_ROWS, linear, pick_config
+    from laden.rollout.native.kernels.triton_linear import MAX_ROWS, linear, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     config = pick_config(rows, n, k, sms)
@@ -77,7 +77,7 @@ def test_picked_configs_on_the_engines_shapes(rows, n, k):
 def test_more_rows_than_one_tile_are_row_tiles(monkeypatch):
     """With `MAX_ROWS` raised past 128 the rows are tiles of `MAX_BLOCK_M`, as the benchmark's grid
     runs them, not one tile of every row."""
-    from laden.rollout.native import triton_linear
+    from laden.rollout.native.kernels import triton_linear
 
     monkeypatch.setattr(triton_linear, "MAX_ROWS", 256)
     assert triton_linear.pick_config(256, 1024, 3072, 132).block_m == triton_linear.MAX_BLOCK_M == 128
@@ -90,8 +90,8 @@ def test_tiles_shrink_to_the_gpus_shared_memory():
     """A GPU with less shared memory than an H200 (e.g. 99 KB a program on sm_86 / sm_89) gets fewer
     pipeline stages, then shallower K tiles; one where nothing fits gets cuBLAS. The decode
     kernel's tile halves likewise."""
-    from laden.rollout.native.triton_decode import TILE_TOKENS, tile_tokens_for
-    from laden.rollout.native.triton_linear import pick_config, shared_memory
+    from laden.rollout.native.kernels.triton_decode import TILE_TOKENS, tile_tokens_for
+    from laden.rollout.native.kernels.triton_linear import pick_config, shared_memory
 
     h200, small = 232448, 101376
     big = pick_config(128, 1024, 3072, 132, h200)

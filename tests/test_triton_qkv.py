@@ -76,7 +76,7 @@ def make_case(n, nh, nkv, d, norm, dtype, device, seed=0):
 def check(n, nh, nkv, d, norm, dtype, device, seed=0, block_heads=None):
     """rope_store equals the reference on one case: q and written slots within bf16 (fp32)
     tolerance, v exactly (it is only copied), every other slot still the sentinel."""
-    from laden.rollout.native.triton_qkv import rope_store
+    from laden.rollout.native.kernels.triton_qkv import rope_store
 
     args = make_case(n, nh, nkv, d, norm, dtype, device, seed)
     ref_args = list(args)
@@ -140,7 +140,7 @@ def test_rope_store_in_the_interpreter(dtype):
 
 @needs_triton
 def test_rope_store_rejects_bad_shapes():
-    from laden.rollout.native.triton_qkv import rope_store
+    from laden.rollout.native.kernels.triton_qkv import rope_store
 
     for d in (8, 48):  # too small, not a power of two
         args = list(make_case(3, 4, 2, 16, False, torch.float32, "cpu"))
@@ -169,7 +169,7 @@ def test_rope_store_on_cuda(nh, nkv, d, n, norm, dtype):
 @gpu
 @needs_triton
 def test_rope_store_replays_in_a_cuda_graph():
-    from laden.rollout.native.triton_qkv import rope_store
+    from laden.rollout.native.kernels.triton_qkv import rope_store
 
     args = list(make_case(64, 16, 8, 128, True, torch.bfloat16, "cuda", seed=1))
     qkv, positions, slots = args[0], args[1], args[9]

@@ -1,4 +1,4 @@
-"""The fused Triton sampler (`laden.rollout.native.triton_sampler`) against plain-PyTorch references.
+"""The fused Triton sampler (`laden.rollout.native.kernels.triton_sampler`) against plain-PyTorch references.
 
 Each check takes a device. On CUDA it runs in the test process at full size (the default chunk,
 vocabularies of several chunks and of 151,936). Without a GPU, when Triton is installed, they run
@@ -110,7 +110,7 @@ def _at(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk(device: str) -> int:
-    from laden.rollout.native.triton_sampler import CHUNK
+    from laden.rollout.native.kernels.triton_sampler import CHUNK
 
     return 16 if device == "cpu" else CHUNK
 
@@ -140,7 +140,7 @@ def _check(fn: Callable[[str], None]) -> Callable[[str], None]:
 def check_greedy(device: str) -> None:
     """Greedy rows: the first argmax (ties across chunks and across a chunk's four tiles), the
     log_softmax there; the max in the last, partial chunk; only the first B rows of the settings read."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -173,7 +173,7 @@ def check_greedy(device: str) -> None:
 @_check
 def check_sampled_logprobs(device: str) -> None:
     """Sampled rows at several temperatures: a finite logit drawn, its log_softmax(logits / T) returned."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -197,7 +197,7 @@ def check_race_equals_reference(device: str) -> None:
     """Sampled rows draw the argmax of the documented race keys, token for token (a token whose
     reference key is within 1e-4 of the best counts: rounding on the GPU may split a near tie);
     64-bit seed and step, consecutive steps."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -221,7 +221,7 @@ def check_race_equals_reference(device: str) -> None:
 def check_offsets(device: str) -> None:
     """The same seed and offset draw the same tokens, whatever the batch size; another offset
     (low or high word) or seed draws others; identical rows draw independently; +1 a call."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     v, chunk, b = (32, 32, 12) if device == "cpu" else (3 * 4096 + 17, 4096, 256)
     logits = torch.zeros(b, v, device=device)  # uniform
@@ -246,7 +246,7 @@ def check_offsets(device: str) -> None:
 def check_mixed_batch(device: str) -> None:
     """Greedy and sampled rows at different temperatures in one batch: greedy rows as alone, sampled
     rows draw the reference race of their own row, every logprob as log_softmax(logits / T)."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -271,7 +271,7 @@ def check_mixed_batch(device: str) -> None:
 def check_masked_never_drawn(device: str, method: str = "race") -> None:
     """-inf logits (bf16) are never drawn, at high temperature too: a row of one finite logit, a row
     whose first and last chunks are all -inf, a row finite only in its last, partial chunk."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -307,7 +307,7 @@ def check_cdf_equals_reference(device: str) -> None:
     row's Philox uniform, token for token with an fp64 reference (or within 1e-5 of its boundary);
     greedy rows their argmax; every logprob log_softmax(logits / T); 64-bit seed and step,
     consecutive steps, +1 a call."""
-    from laden.rollout.native.triton_sampler import sample_fused
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
 
     chunk = _chunk(device)
     v = 3 * chunk + 17
@@ -342,7 +342,7 @@ def check_frequencies(device: str, method: str = "race") -> None:
     """The kernel's own draws (CUDA only: the interpreter is too slow for enough of them) match
     softmax(logits / T): a small vocabulary, one of four chunks whose most likely token is the
     last, in the partial chunk, and a full 151,936 one, at three temperatures."""
-    from laden.rollout.native.triton_sampler import CHUNK, sample_fused
+    from laden.rollout.native.kernels.triton_sampler import CHUNK, sample_fused
 
     b, calls = 512, 50
     small = torch.randn(24, generator=_gen(8)) * 1.5

@@ -13,7 +13,7 @@ from laden.rollout.native.attention import triton_available
 
 CASES = """
 import torch, torch.nn.functional as F
-from laden.rollout.native.triton_swiglu import swiglu
+from laden.rollout.native.kernels.triton_swiglu import swiglu
 
 def check(dtype, device, tol):
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ prompt and the tokens it has), so its attention is causal within the packed new 
 nothing from the cache: `varlen_attn` on CUDA, one SDPA call per prompt elsewhere.
 
 Decode has three implementations, chosen once per engine (`decode_backend`):
-- `triton`: laden's paged decode kernel (`laden.rollout.native.triton_decode`), CUDA graph safe;
+- `triton`: laden's paged decode kernel (`laden.rollout.native.kernels.triton_decode`), CUDA graph safe;
 - `varlen`: torch's flash `varlen_attn` with `block_table` (torch builds that have it);
 - `torch`: gathers each sequence's keys and values into a padded batch and runs SDPA with a
   length mask: the reference, for the CPU and for tests.

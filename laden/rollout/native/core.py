@@ -371,7 +371,7 @@ class GenerationCore:
         self, logits: torch.Tensor, st: SamplingTensors, generated: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_sampler and not st.truncate and not st.any_min_tokens:
-            from laden.rollout.native.triton_sampler import sample_fused
+            from laden.rollout.native.kernels.triton_sampler import sample_fused
 
             try:
                 return sample_fused(logits, st.temperature, st.greedy, self.sample_seed, self.sample_offset)

@@ -69,7 +69,7 @@ class DecodeGraphs:
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.model.decode_backend == "triton":  # the split partials of the largest launch
-            from laden.rollout.native.triton_decode import workspace_rows
+            from laden.rollout.native.kernels.triton_decode import workspace_rows
 
             hq, d, page = self.model.num_heads, self.model.head_dim, core.cache.block_size
             rows = max(
@@ -126,7 +126,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int, truncate: bool, min_tokens: bool) -> torch.cuda.CUDAGraph:
         if self.workspace is not None:
-            from laden.rollout.native.triton_decode import split_pages_for
+            from laden.rollout.native.kernels.triton_decode import split_pages_for
 
             page = self.core.cache.block_size
             self.model.split_pages = split_pages_for(

@@ -441,7 +441,7 @@ class PagedModel:
         rows of a decode step (where it streams the weights faster than cuBLAS) adds the residual
         itself and returns `(residual + y, None)`; cuBLAS leaves the sum to the next RMSNorm
         (`_add_rms`: one kernel, where a residual in cuBLAS's epilogue cost a copy of it)."""
-        from laden.rollout.native.triton_linear import linear, pick_config
+        from laden.rollout.native.kernels.triton_linear import linear, pick_config
 
         config = (
             pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms, self._smem, x.element_size())
@@ -466,9 +466,9 @@ class PagedModel:
         projection, one kernel for the q/k norms, the rotary embedding and the cache writes, paged
         attention, the output projection, RMSNorm, one gate/up projection, SwiGLU, the down
         projection; each residual sum in the projection before it or in the RMSNorm after it."""
-        from laden.rollout.native.triton_qkv import rope_store
-        from laden.rollout.native.triton_swiglu import IN_DECODE as swiglu_kernel
-        from laden.rollout.native.triton_swiglu import swiglu
+        from laden.rollout.native.kernels.triton_qkv import rope_store
+        from laden.rollout.native.kernels.triton_swiglu import IN_DECODE as swiglu_kernel
+        from laden.rollout.native.kernels.triton_swiglu import swiglu
 
         fused = self.fused_weights()
         x = self.decoder.embed_tokens(input_ids)
@@ -543,7 +543,7 @@ class PagedModel:
 
     def _decode_attention(self, q, k_cache, v_cache, meta: DecodeMeta) -> torch.Tensor:
         if self.decode_backend == "triton":
-            from laden.rollout.native.triton_decode import paged_decode
+            from laden.rollout.native.kernels.triton_decode import paged_decode
 
             return paged_decode(
                 q,

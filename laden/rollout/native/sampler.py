@@ -8,7 +8,7 @@ token under `softmax(logits / temperature)` before top-k / top-p truncation and 
 `min_new_tokens` mask (temperature 1 for greedy rows): what the trainer's teacher-forced forward at the same temperature computes.
 
 On CUDA the engine's decode steps sample the rows that need no truncation or masking in one
-Triton pass instead (`laden.rollout.native.triton_sampler`: the same race in its Gumbel-max form,
+Triton pass instead (`laden.rollout.native.kernels.triton_sampler`: the same race in its Gumbel-max form,
 the same log-probability); prefill and the other rows come here.
 """
 
