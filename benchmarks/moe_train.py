@@ -79,6 +79,7 @@ def batches(args: argparse.Namespace, vocab: int, num_steps: int, device: torch.
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+    from laden.engine.backend import resolve_backend
     from laden.engine.factory import build_engine
     from laden.engine.runtime import patch_model
 
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg = config(args, Path(tmp), device)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(shape, dtype=torch.float32)
-        patch_model(cfg, model)
+        patch_model(cfg, model, resolve_backend(cfg))
         engine = build_engine(cfg, model, total_steps=args.steps, device=device)
     steps = batches(args, shape.vocab_size, args.steps, device)
     losses, extra, t0 = [], {}, 0.0

@@ -73,7 +73,7 @@ def _run_job(args: argparse.Namespace, job: Literal["sft", "rl"]) -> Any:
         _say(f"laden: interrupted; rerun the same command to resume from the last checkpoint in {directory}")
         return EXIT_INTERRUPTED
     except OSError as exc:
-        from laden.engine.safe_io import DiskFullError
+        from laden.safe_io import DiskFullError
 
         if isinstance(exc, DiskFullError):  # its message names the file, the bytes and the fix
             _say(f"laden: {exc}")

@@ -94,7 +94,7 @@ def write_curves(run_dir: Path, job: Literal["rl", "sft"], *, min_interval_s: fl
         return None
     import io
 
-    from laden.engine.safe_io import atomic_write_bytes
+    from laden.safe_io import atomic_write_bytes
 
     buffer = io.BytesIO()  # drawn in memory, then written atomically without following a link
     fig.savefig(buffer, format="png", dpi=100)

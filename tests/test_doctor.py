@@ -8,8 +8,8 @@ from rl_runs import ASSETS, tiny_rl_config
 
 from laden.cli import main
 from laden.config import load_config
+from laden.engine.oom import PhaseOOMError, TrainingOOMError
 from laden.memory.doctor import classify, diagnose
-from laden.memory.oom import PhaseOOMError, TrainingOOMError
 
 GPU_OOM = """Traceback (most recent call last):
   File "/opt/laden/laden/rl/trainer.py", line 612, in _train_on

@@ -9,6 +9,7 @@ import torch
 from rl_runs import tiny_rl_config
 
 import laden.memory.auto as auto
+from laden.engine.backend import resolve_backend
 from laden.rl import trainer as rl_trainer
 
 GIB = 2**30
@@ -24,7 +25,7 @@ def _run(mode: str, *, k: int = 0, actor: str = "fsdp:d1", cache_gib: float = 20
     cuda = torch.device("cuda", 0)
     run = SimpleNamespace(
         cfg=cfg, rollout_device=cuda, _kv_stays=None,
-        rt=SimpleNamespace(device=cuda, any_rank=lambda flag: flag),
+        rt=SimpleNamespace(device=cuda, any_rank=lambda flag: flag, backend=resolve_backend(cfg)),
         rollout=SimpleNamespace(sleep_frees_bytes=lambda: int(cache_gib * GIB)),
     )  # fmt: skip
     run._serves = lambda: False

@@ -8,14 +8,9 @@ import torch
 from rl_runs import ASSETS, tiny_rl_config
 
 from laden.cli import main
-from laden.memory.estimate import (
-    FsdpTraining,
-    ModelShapes,
-    NativeGeneration,
-    RoundPipeTraining,
-    WeightUpdate,
-    patched_meta_model,
-)
+from laden.engine.fsdp.estimate import FsdpTraining
+from laden.engine.roundpipe.estimate import RoundPipeTraining
+from laden.memory.estimate import ModelShapes, NativeGeneration, WeightUpdate, patched_meta_model
 from laden.memory.plan import parse_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,10 +27,12 @@ def _by_name(phase):
 def _one_step(cfg):
     """The engine `cfg` builds on the CPU, after one optimizer step on one micro-batch."""
     from laden.data import pack_samples
-    from laden.engine.runtime import Runtime, build_engine, load_model
+    from laden.engine.backend import resolve_backend
+    from laden.engine.runtime import Runtime, load_model
 
-    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
-    engine = build_engine(cfg, load_model(cfg, rt), rt, total_steps=1)
+    backend = resolve_backend(cfg)
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"), backend=backend)
+    engine = backend.build(cfg, load_model(cfg, rt, backend), total_steps=1, device=rt.device)
     ids = list(range(3, 40))
     mb = pack_samples([(ids, [0] * 5 + [1] * (len(ids) - 5))])
     engine.train_batch([mb], global_num_loss_tokens=mb.num_loss_tokens)

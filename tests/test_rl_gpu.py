@@ -40,16 +40,18 @@ def test_a_roundpipe_actor_trains_on_cuda(tmp_path):
 def test_a_random_init_runs_on_the_gpu_from_a_meta_skeleton(tmp_path):
     """`load_model` hands the roundpipe engine a meta skeleton; the engine's init on the GPU has the
     host init's statistics (per tensor) and is the same for the same seed."""
-    from laden.engine.runtime import Runtime, build_engine, load_model
+    from laden.engine.backend import resolve_backend
+    from laden.engine.runtime import Runtime, load_model
     from laden.model.hf.loading import load_causal_lm
 
     cfg = _cfg(tmp_path)
-    rt = Runtime(rank=0, world_size=1, device=torch.device("cuda", 0))
-    model = load_model(cfg, rt)
+    backend = resolve_backend(cfg)
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cuda", 0), backend=backend)
+    model = load_model(cfg, rt, backend)
     assert all(p.is_meta for p in model.parameters())
 
     def weights():
-        engine = build_engine(cfg, load_model(cfg, rt), rt, total_steps=1)
+        engine = backend.build(cfg, load_model(cfg, rt, backend), total_steps=1, device=rt.device)
         return {name: t.float().clone() for name, t in engine.named_weights(torch.float32)}
 
     first, second = weights(), weights()

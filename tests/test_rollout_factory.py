@@ -84,11 +84,11 @@ def bare(tmp_path, tiny_dir):
 def test_a_server_model_directory_without_a_tokenizer_gives_none(bare, tiny_dir, caplog):
     """The server engines' stop-string tokenizer: the model directory's, or None (with a warning)
     where it has only config and weights, not an empty tokenizer built from config.json."""
-    from laden.rollout.factory import _tokenizer_or_none
+    from laden.rollout.factory import tokenizer_or_none
 
-    assert _tokenizer_or_none(tiny_dir, without="x") is not None
+    assert tokenizer_or_none(tiny_dir, without="x") is not None
     with caplog.at_level("WARNING"):
-        assert _tokenizer_or_none(bare, without="stop strings split by a pause will not be found") is None
+        assert tokenizer_or_none(bare, without="stop strings split by a pause will not be found") is None
     assert "no tokenizer in" in caplog.text and "split by a pause" in caplog.text
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from laden import safe_io
 from laden.config import dump_config, load_config
-from laden.engine import safe_io
 from laden.engine.rundir import RunDirectory, RunDirectoryError
-from laden.engine.safe_io import DiskFullError, UnsafePathError
 from laden.model.hf import export as export_module
 from laden.model.hf.export import EXPORT_MANIFEST, export_complete, export_hf
+from laden.safe_io import DiskFullError, UnsafePathError
 
 SCRIPT = "#!/bin/sh\necho 'a file outside the run directory'\n"
 

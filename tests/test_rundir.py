@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from laden.config import load_config
+from laden.engine.oom import TrainingOOMError, is_host_oom, is_oom
 from laden.engine.rundir import RunDirectory, RunDirectoryError
-from laden.memory.oom import TrainingOOMError, is_host_oom, is_oom
 from laden.sft.trainer import run_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -188,11 +188,11 @@ def test_host_allocator_errors_are_host_ooms_and_get_host_advice(tmp_path, monke
     original = trainer.step_micro_batches
     failures = {"n": 0}
 
-    def host_oom_on_big(cfg, samples, indices, device, tokens_per_mb):
+    def host_oom_on_big(cfg, rt, samples, indices, tokens_per_mb):
         if tokens_per_mb > 256:
             failures["n"] += 1
             raise host_error
-        return original(cfg, samples, indices, device, tokens_per_mb)
+        return original(cfg, rt, samples, indices, tokens_per_mb)
 
     monkeypatch.setattr(trainer, "step_micro_batches", host_oom_on_big)
     retried = run_sft(_cfg(tmp_path, "retried", "oom_policy=auto"), progress=False)

@@ -153,9 +153,9 @@ def format_config(cfg: LadenConfig) -> str:
 
 def dump_config(cfg: LadenConfig, path: str | Path) -> Path:
     """Write the config as YAML to `path` (parent directories created); `load_config` reads it back.
-    The file is replaced atomically and never written through a link (`laden.engine.safe_io`, a leaf
+    The file is replaced atomically and never written through a link (`laden.safe_io`, a leaf
     module that imports nothing of laden)."""
-    from laden.engine.safe_io import atomic_write_text
+    from laden.safe_io import atomic_write_text
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

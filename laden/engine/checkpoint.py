@@ -62,8 +62,8 @@ from laden.engine.integrity import (
     safetensors_chunks,
     shown,
 )
-from laden.engine.safe_io import fsync_dir
 from laden.model.hf.export import ShardWriter, host_copy
+from laden.safe_io import fsync_dir
 
 log = logging.getLogger("laden.checkpoint")
 

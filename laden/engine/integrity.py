@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import yaml
 
-from laden.engine.safe_io import fsync_dir
 from laden.errors import RunFailedError
+from laden.safe_io import fsync_dir
 
 MANIFEST = "manifest.json"
 """Each file of a checkpoint: `{"format": 1, "hash": "sha256", "files": {path: {"bytes": n, "sha256": hex}}}`."""

@@ -28,7 +28,7 @@ what happens instead:
 - A crafted directory (a symbolic link named `.lock`, `config.yaml` or `metrics.jsonl` pointing at
   a file elsewhere) would make laden write into the link's target. `acquire` refuses a directory
   holding links (at its top level, in `checkpoints/` or `hf/`), naming each, before writing
-  anything, and every file is written through `laden.engine.safe_io`: replaced atomically and never
+  anything, and every file is written through `laden.safe_io`: replaced atomically and never
   through a link, `.lock` and `metrics.jsonl` opened with `O_NOFOLLOW`. A full disk is a
   `DiskFullError` naming the file and the fix, and never leaves half a `metrics.jsonl` row.
 - `metrics.jsonl` cut off by a kill or a full disk is repaired on resume (`keep_metrics_through`): a
@@ -62,7 +62,7 @@ from laden.engine.integrity import (
     is_old_layout,
     read_json,
 )
-from laden.engine.safe_io import (
+from laden.safe_io import (
     AppendLines,
     UnsafePathError,
     atomic_write_text,
@@ -226,7 +226,7 @@ class RunDirectory:
 
     def write_text(self, name: str, text: str) -> Path:
         """Write `text` to the file `name` of the run directory (`config.yaml`, `train_data_stats.json`),
-        replacing it atomically and never through a link (`laden.engine.safe_io.atomic_write_text`)."""
+        replacing it atomically and never through a link (`laden.safe_io.atomic_write_text`)."""
         assert not Path(name).is_absolute() and ".." not in Path(name).parts, name
         return atomic_write_text(self.path / name, text, fix=DISK_FULL_FIX)
 

@@ -6,12 +6,10 @@ not depend on what a step computes lives here, once:
 - `start_runtime`: join torchrun's process group when launched by it (NCCL + gloo on GPUs,
   gloo on CPUs), else one plain process; `Runtime` knows the rank, the device, and runs a
   piece of work on rank 0 with its outcome (an error included) shared with every rank;
-- `load_model`: per-rank loading (`actor.fsdp.memory_efficient_load`: rank 0 reads the
-  weights, the others build a meta skeleton), LoRA adapters (`actor.use_lora`, `laden.model.lora`),
-  the model patches (`laden.model.patches`) for the engine that will run it, and the model's
-  head rules;
-- `build_engine`: the engine `actor.backend` names, with the same optimizer settings,
-  objective and patches whatever the engine;
+- `load_model`: the model as the engine's backend object loads it (`laden.engine.backend`; e.g.
+  `actor.fsdp.memory_efficient_load`: rank 0 reads the weights, the others build a meta skeleton),
+  LoRA adapters (`actor.use_lora`, `laden.model.lora`), the model patches (`laden.model.patches`)
+  for the engine that will run it, and the model's head rules;
 - `shard_for_rank` / `loss_tokens`: each data-parallel rank's token-balanced share of a global
   batch, and the global normaliser every rank computes from host data;
 - `OOMRetry`: a training step that runs out of memory is re-split into smaller micro-batches
@@ -38,10 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from laden.config import AllocationMode, ConfigError, LadenConfig, validate_against_model
+from laden.config import ConfigError, LadenConfig, validate_against_model
+from laden.engine.backend import TrainBackend
 from laden.engine.device import default_device
 from laden.engine.factory import launched_world_size
-from laden.memory.oom import TrainingOOMError, is_oom, release_cached_memory
+from laden.engine.oom import TrainingOOMError, is_host_oom, is_oom, release_cached_memory
 
 log = logging.getLogger("laden.runtime")
 T = TypeVar("T")
@@ -59,6 +58,8 @@ class Runtime:
     """This process's device."""
     host_group: Any = field(default=None)
     """A gloo group over every rank for host-side agreement (None in one process)."""
+    backend: Any = field(default=None)
+    """The training engine's backend object (`laden.engine.backend.TrainBackend`) of a trainer's run."""
 
     @property
     def is_main(self) -> bool:
@@ -120,20 +121,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def start_runtime() -> Runtime:
-    """Join torchrun's process group when launched by it; otherwise a single process."""
+def start_runtime(backend: TrainBackend | None = None) -> Runtime:
+    """Join torchrun's process group when launched by it; otherwise a single process. `backend`: the
+    engine's backend object the trainer asks (`Runtime.backend`)."""
     if launched_world_size() == 1:
-        return Runtime(rank=0, world_size=1, device=default_device())
+        return Runtime(rank=0, world_size=1, device=default_device(), backend=backend)
     from laden.engine.fsdp.launch import init_distributed
 
     rank, world_size, _, device = init_distributed()
     host_group = torch.distributed.new_group(backend="gloo")
-    return Runtime(rank=rank, world_size=world_size, device=device, host_group=host_group)
+    return Runtime(rank=rank, world_size=world_size, device=device, host_group=host_group, backend=backend)
 
 
-def check_world_size(cfg: LadenConfig, rt: Runtime, job: str) -> None:
+def check_world_size(cfg: LadenConfig, rt: Runtime, job: str, backend: TrainBackend) -> None:
     """`actor.backend` names one process per data/tensor/context rank: the launch must match it."""
-    num_procs = AllocationMode.parse(cfg.actor.backend).num_gpus
+    num_procs = backend.num_processes
     if num_procs != rt.world_size:
         fix = (
             f"torchrun --nproc_per_node {num_procs} -m laden.cli {job} ..."
@@ -146,88 +148,23 @@ def check_world_size(cfg: LadenConfig, rt: Runtime, job: str) -> None:
         )
 
 
-def resolve_auto_knobs(cfg: LadenConfig, rt: Runtime) -> None:
-    """Every `auto` knob of `cfg` set from the planner's predictions for this rank's memory, logged."""
-    from laden.memory.auto import resolve_auto, training_budget
-
-    for line in resolve_auto(cfg, training_budget(torch.device(rt.device))):
-        if rt.is_main:
-            log.info("%s", line)
-
-
 # ------------------------------------------------------------------------------ the model
 
 
-def engine_kind(cfg: LadenConfig) -> str:
-    """`fsdp`, `roundpipe` or `archon` (which runs `megatron:` modes too): the engine `actor.backend` runs."""
-    backend = AllocationMode.parse(cfg.actor.backend).backend
-    return "archon" if backend == "megatron" else backend
-
-
-def min_micro_batches(cfg: LadenConfig) -> int:
-    """Micro-batches a step packs at least: `actor.mb_spec.n_mbs`, raised to
-    `actor.roundpipe.num_microbatch` under the roundpipe engine (its pipeline overlaps the stages of
-    different micro-batches). `laden sft` and `laden rl` both pack by it."""
-    n = cfg.actor.mb_spec.n_mbs
-    if engine_kind(cfg) == "roundpipe" and cfg.actor.roundpipe.num_microbatch:
-        n = max(n, cfg.actor.roundpipe.num_microbatch)
-    return n
-
-
-def load_model(cfg: LadenConfig, rt: Runtime) -> nn.Module:
-    """The model this rank hands its engine, patched for that engine (a meta skeleton on ranks > 0
-    with `actor.fsdp.memory_efficient_load`)."""
-    from laden.model.dtypes import torch_dtype
-
-    dtype = torch_dtype(cfg.actor.optimizer_dtype)
-    kwargs: dict[str, Any] = dict(dtype=dtype, init_from_config=cfg.actor.init_from_config, seed=cfg.seed,
-                                  attn_impl=cfg.actor.attn_impl)  # fmt: skip
-    if rt.world_size > 1 and engine_kind(cfg) == "fsdp":
-        from laden.engine.fsdp.load import load_model_for_rank
-
-        model = load_model_for_rank(
-            cfg.actor.path, memory_efficient_load=cfg.actor.fsdp.memory_efficient_load, **kwargs
-        )
-    elif _meta_init(cfg, rt):
-        from laden.engine.roundpipe.host.memory import meta_params
-        from laden.model.hf.loading import skeleton_causal_lm
-
-        # The roundpipe engine fills meta parameters layer by layer with the model's own
-        # initialisation on the GPU (an 8B random init on one host core takes minutes).
-        log.info("actor.init_from_config: %s built on the meta device, initialised on %s by the roundpipe "
-                 "engine (seed %d)", cfg.actor.path, rt.device, cfg.seed)  # fmt: skip
-        torch.cuda.manual_seed(cfg.seed)
-        with meta_params():
-            model = skeleton_causal_lm(
-                cfg.actor.path, dtype=dtype, attn_impl=cfg.actor.attn_impl, device="cpu"
-            )
-    else:
-        from laden.model.hf.loading import load_causal_lm
-
-        model = load_causal_lm(cfg.actor.path, **kwargs)
+def load_model(cfg: LadenConfig, rt: Runtime, backend: TrainBackend) -> nn.Module:
+    """The model this rank hands its engine as `backend` loads it (a meta skeleton on ranks > 0 with
+    `actor.fsdp.memory_efficient_load`), with LoRA adapters and the model patches for that engine."""
+    model = backend.load_model(cfg, rt)
     check_model(cfg, model)
     adapt_model(cfg, model)
-    patch_model(cfg, model)
+    patch_model(cfg, model, backend)
     return model
 
 
-def _meta_init(cfg: LadenConfig, rt: Runtime) -> bool:
-    """A random init (`actor.init_from_config`) the roundpipe engine runs on the GPU, from a meta
-    skeleton: one process with a CUDA device, no LoRA adapters (their init is peft's), a config.json."""
-    from pathlib import Path
-
-    path = Path(cfg.actor.path)
-    return (
-        cfg.actor.init_from_config and engine_kind(cfg) == "roundpipe" and rt.world_size == 1
-        and torch.device(rt.device).type == "cuda" and not cfg.actor.use_lora
-        and path.is_dir() and (path / "config.json").is_file()
-    )  # fmt: skip
-
-
-def batch_device(cfg: LadenConfig, rt: Runtime) -> torch.device:
-    """Where the trainer packs its micro-batches: the host for the roundpipe engine (it uploads each
-    micro-batch with its stages), this rank's device for FSDP."""
-    return torch.device("cpu") if engine_kind(cfg) == "roundpipe" else torch.device(rt.device)
+def batch_device(backend: TrainBackend, rt: Runtime) -> torch.device:
+    """Where the trainer packs its micro-batches: the host for an engine that uploads each micro-batch
+    with its stages (`batches_on_host`: roundpipe), this rank's device otherwise."""
+    return torch.device("cpu") if backend.batches_on_host else torch.device(rt.device)
 
 
 def adapt_model(cfg: LadenConfig, model: nn.Module) -> None:
@@ -265,7 +202,7 @@ def check_model(cfg: LadenConfig, model: nn.Module) -> None:
         raise ConfigError(errors)
 
 
-def patch_model(cfg: LadenConfig, model: nn.Module) -> None:
+def patch_model(cfg: LadenConfig, model: nn.Module, backend: TrainBackend) -> None:
     """`actor.lean_activations`, `actor.fused_elementwise` and `actor.tiled_mlp_tokens` on this model,
     before an engine wraps it, logged as they apply to the engine that will run it."""
     from laden.model.patches.apply import apply_patches, resolve_fused_elementwise
@@ -276,17 +213,10 @@ def patch_model(cfg: LadenConfig, model: nn.Module) -> None:
         lean_activations=actor.lean_activations,
         fused_elementwise=resolve_fused_elementwise(actor.fused_elementwise, actor.lean_activations),
         tiled_mlp_tokens=actor.tiled_mlp_tokens,
-        tensor_parallel=AllocationMode.parse(actor.backend).tp > 1,
+        tensor_parallel=backend.mode.tp > 1,
     )
-    for line in report.describe(engine_kind(cfg)):
+    for line in report.describe(backend.name):
         log.info("%s", line)
-
-
-def build_engine(cfg: LadenConfig, model: nn.Module, rt: Runtime, *, total_steps: int) -> Any:
-    """The engine `actor.backend` names (`laden.engine.factory`)."""
-    from laden.engine.factory import build_engine as build
-
-    return build(cfg, model, total_steps=total_steps, device=rt.device)
 
 
 # ------------------------------------------------------------------------- data parallel
@@ -391,5 +321,7 @@ class OOMRetry:
 
     def _error(self, step: int, tokens_per_mb: int, longest: int, exc: BaseException, *,
                in_collectives: bool = False) -> TrainingOOMError:  # fmt: skip
-        return TrainingOOMError(self.cfg, step=step, tokens_per_mb=tokens_per_mb, longest_seq=longest, cause=exc,
-                                in_collectives=in_collectives)  # fmt: skip
+        fixes = self.rt.backend.training_oom_fixes(
+            self.cfg, host=is_host_oom(exc), tokens_per_mb=tokens_per_mb, longest_seq=longest
+        )
+        return TrainingOOMError(step=step, cause=exc, fixes=fixes, in_collectives=in_collectives)

@@ -38,14 +38,14 @@ import torch
 
 from laden.memory.estimate import (
     GIB,
-    FsdpTraining,
     ModelShapes,
-    RoundPipeTraining,
     host_memory_bytes,
     longest_sequence,
     native_generation,
+    no_estimator,
     patched_meta_model,
 )
+from laden.rollout.backend import resolve_rollout
 
 HEADROOM = 0.9
 """The share of the budget a prediction may use (the allocator's slack, the runtime, other processes)."""
@@ -75,20 +75,18 @@ def resolve_auto(
     `for_gpu`: whether `budget` is a GPU's (the engines' CUDA sizing: the KV cache from
     `mem_fraction_static`, roundpipe's limit from the GPU); default: whether this machine has one.
     """
-    from laden.config import AllocationMode
+    from laden.engine.backend import resolve_backend
 
     wanted = set(cfg.auto)
     lines: list[str] = []
-    if (
-        cfg.actor.gradient_checkpointing == "auto"
-        and AllocationMode.parse(cfg.actor.backend).backend != "fsdp"
-    ):
+    backend = resolve_backend(cfg)
+    if cfg.actor.gradient_checkpointing == "auto" and backend.recomputes_by_design:
         cfg.actor.gradient_checkpointing = False  # decided without the model's shapes
-        why = ("recomputes by design" if cfg.actor.backend.startswith("roundpipe:") else
-               "laden plan has no estimator for this engine yet; set true to recompute")  # fmt: skip
-        lines.append(f"actor.gradient_checkpointing=auto -> false: {cfg.actor.backend} {why}")
+        lines.append(f"actor.gradient_checkpointing=auto -> false: {cfg.actor.backend} recomputes by design")
     if cfg.actor.gradient_checkpointing != "auto" and not wanted:
         return lines
+    if backend.training_estimator() is None:  # as `laden plan` says of it: one answer for both
+        return lines + _fallbacks(cfg, wanted, no_estimator(backend.name))
     host = host_budget if host_budget is not None else host_memory_bytes() or 0
     try:
         model = patched_meta_model(cfg)
@@ -96,7 +94,7 @@ def resolve_auto(
     except (OSError, ValueError) as err:  # a .gguf file, or no config.json: nothing to plan from
         return lines + _fallbacks(cfg, wanted, f"no shapes to plan from ({err})")
     auto = _Resolver(
-        cfg, model, shapes, budget, host, torch.cuda.is_available() if for_gpu is None else for_gpu
+        cfg, backend, model, shapes, budget, host, torch.cuda.is_available() if for_gpu is None else for_gpu
     )
     if cfg.actor.gradient_checkpointing == "auto":
         lines.append(auto.gradient_checkpointing("actor.mb_spec.max_tokens_per_mb" in wanted))
@@ -149,23 +147,18 @@ class _Resolver:
     """The choices of `resolve_auto`, each from the estimators at the values chosen before it."""
 
     def __init__(
-        self, cfg: Any, model: Any, shapes: ModelShapes, budget: int, host: int, on_gpu: bool
+        self, cfg: Any, backend: Any, model: Any, shapes: ModelShapes, budget: int, host: int, on_gpu: bool
     ) -> None:
-        from laden.config import AllocationMode
-
         self.cfg, self.model, self.shapes = cfg, model, shapes
         self.limit = int(HEADROOM * budget)
         self.budget, self.host_limit = budget, int(HEADROOM * host) if host else None
-        self.engine = AllocationMode.parse(cfg.actor.backend).backend
         self.on_gpu = on_gpu
+        self.estimator = backend.training_estimator(model, budget if on_gpu else None)
+        self.in_process_rollout = cfg.train_dataset.type == "rl" and resolve_rollout(cfg).in_process
 
     # ---- training
     def training(self) -> Any:
-        if self.engine == "roundpipe":
-            return RoundPipeTraining(self.model, self.budget if self.on_gpu else None).estimate(
-                self.cfg, self.shapes
-            )
-        return FsdpTraining(self.model).estimate(self.cfg, self.shapes)
+        return self.estimator.estimate(self.cfg, self.shapes)
 
     def _fits(self) -> bool:
         phase = self.training()
@@ -289,7 +282,7 @@ class _Resolver:
 
         cfg = self.cfg
         inflight = _batch_sequences(cfg) * (1 + cfg.rollout.max_head_offpolicyness)
-        if not self.on_gpu or not cfg.rollout.backend.startswith("native:"):
+        if not self.on_gpu or not resolve_rollout(cfg).in_process:
             cfg.rollout.max_concurrent_rollouts = inflight
             return f"{inflight}: the requests a step can have in flight (the KV cache is sized for them)"
         cfg.rollout.max_concurrent_rollouts = inflight
@@ -313,7 +306,7 @@ class _Resolver:
     def weight_chunked_mem_mb(self) -> str:
         cfg = self.cfg
         peaks = [self.training().gpu]
-        if cfg.train_dataset.type == "rl" and cfg.rollout.backend.startswith("native:") and self.on_gpu:
+        if self.in_process_rollout and self.on_gpu:
             peaks.append(self._generation().gpu)
         room = self.limit - max(peaks)
         size = next((mb for mb in (1024, 512, 256, 128) if 2 * mb * 2**20 <= room), 64)

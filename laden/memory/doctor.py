@@ -6,7 +6,7 @@ pasted from another tool's log. The diagnosis reads the error (GPU out of memory
 allocator's figures, host allocation failure, page-locking failure, the OOM killer's exit
 status), the phase from the traceback's frames (generation, training, weight update, model
 load), and, given the run's config, names the fields to change with values for this run (the
-same advice `oom_policy` reports at the crash, `laden.memory.oom`).
+same advice `oom_policy` reports at the crash: the engine's backend object, `laden.engine.backend`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from laden.rollout.backend import resolve_rollout
 
 ERROR_LOG = "error.log"
 
@@ -169,7 +171,7 @@ def _gpu_fixes(cfg: Any, phase: str | None, figures: dict[str, float]) -> list[s
         return fixes
     if phase == "weight update":
         chunk = cfg.actor.weight_chunked_mem_mb
-        if not (cfg.actor.weight_update_mode == "xccl" and cfg.rollout.backend.startswith("native:")):
+        if not (cfg.actor.weight_update_mode == "xccl" and resolve_rollout(cfg).in_process):
             # (the native engine in the trainer's process is filled tensor by tensor: no buckets)
             fixes.append(
                 f"actor.weight_chunked_mem_mb={max(64, chunk // 4)} (now {chunk}): smaller update buckets"
@@ -179,14 +181,15 @@ def _gpu_fixes(cfg: Any, phase: str | None, figures: dict[str, float]) -> list[s
                 "actor.weight_update_mode=disk (the engine reads the update from files, no GPU buckets)"
             )
         return fixes
-    from laden.memory.oom import host_oom_advice, training_oom_advice
+    from laden.engine.backend import resolve_backend
 
+    backend = resolve_backend(cfg)
     budget = cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
-    fixes += training_oom_advice(
+    fixes += backend.oom_fixes(
         cfg, tokens_per_mb=budget, longest_seq=min(budget, cfg.train_dataset.max_length)
     )
     if phase == "model load":
-        fixes += host_oom_advice(cfg)[-1:]
+        fixes += backend.host_oom_fixes(cfg)[-1:]
     if cfg.oom_policy != "auto":
         fixes.append("oom_policy=auto (a failing step is re-split and retried with the same samples)")
     return fixes
@@ -196,18 +199,24 @@ def _host_fixes(cfg: Any) -> list[str]:
     if cfg is None:
         return ["give the run's config (run directory with config.yaml) for values; in general: pin less "
                 "(roundpipe pin_model register or off), bf16 optimizer states, fewer parked micro-batches"]  # fmt: skip
-    from laden.memory.oom import host_oom_advice
+    from laden.engine.backend import resolve_backend
 
-    return host_oom_advice(cfg) or [
+    return resolve_backend(cfg).host_oom_fixes(cfg) or [
         "more host memory: the model's states are already at their smallest settings"
     ]
 
 
 def _pinning_fixes(cfg: Any) -> list[str]:
     fixes = ["the locked-memory limit (ulimit -l) or the host's free memory is below what pinning asks for"]
-    if cfg is not None and cfg.actor.backend.startswith("roundpipe"):
+    if cfg is not None and _backend_name(cfg) == "roundpipe":
         fixes.append(
             f"actor.roundpipe.pin_model={'register' if cfg.actor.roundpipe.pin_model == 'alloc' else 'off'} "
             f"(now {cfg.actor.roundpipe.pin_model})"
         )
     return fixes
+
+
+def _backend_name(cfg: Any) -> str:
+    from laden.engine.backend import resolve_backend
+
+    return resolve_backend(cfg).name

@@ -7,7 +7,7 @@ One table per phase (`laden.memory.estimate`): each component's bytes on one ran
 exact (what the engine allocates) or estimated, the phase's totals, and against each budget
 (default: this machine's GPU and host memory; without a GPU, `--gpu-mem` or none) whether it
 fits and, when it does not, the component that binds and the knob changes that fix it, with
-values for this config (`laden.memory.oom`). `--plot` draws each phase's GPU and host bytes as
+values for this config (the engine's backend object, `laden.engine.backend`). `--plot` draws each phase's GPU and host bytes as
 stacked bars, one segment per component, with the budgets as lines (needs matplotlib). `--gpus N`
 suggests the fastest `actor.backend` / `rollout.backend` predicted to fit N GPUs (`suggest_backends`);
 `--profile` runs each phase once at its worst case and prints the measured peaks beside the predicted

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from laden.memory.estimate import GIB, PhaseEstimate
+from laden.rollout.backend import resolve_rollout
 
 log = logging.getLogger("laden.profile")
 
@@ -114,14 +115,14 @@ def _reset_host_peak() -> int | None:
 def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> list[Any]:
     """Micro-batches of the full token budget, packed with the longest sequences (random tokens)."""
     from laden.data.batch import pack_samples
-    from laden.engine.runtime import min_micro_batches
+    from laden.engine.backend import resolve_backend
     from laden.memory.estimate import longest_sequence, tokens_per_microbatch
 
     tokens = tokens_per_microbatch(cfg)
     longest = min(tokens, longest_sequence(cfg))
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(max(1, min_micro_batches(cfg))):
+    for _ in range(max(1, resolve_backend(cfg).min_micro_batches(cfg))):
         lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest > 1 else [])
         samples = [(torch.randint(0, vocab_size, (n,), generator=gen).tolist(), [1] * n) for n in lengths]
         out.append(pack_samples(samples))
@@ -130,9 +131,11 @@ def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> lis
 
 def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     """Run each phase of `job` once at its worst case in this process and measure it (module docstring)."""
-    from laden.engine.runtime import batch_device, build_engine, load_model, seed_everything, start_runtime
+    from laden.engine.backend import resolve_backend
+    from laden.engine.runtime import batch_device, load_model, seed_everything, start_runtime
 
-    rt = start_runtime()
+    backend = resolve_backend(cfg)
+    rt = start_runtime(backend)
     if rt.world_size != 1:
         raise ValueError(
             f"laden plan --profile runs one process, and {rt.world_size} were launched; profile one rank's "
@@ -142,11 +145,11 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     device = torch.device(rt.device)
     results: list[Measured] = []
     with _Phase("training", device, gpu_from_zero=True) as phase:
-        model = load_model(cfg, rt)
-        engine = build_engine(cfg, model, rt, total_steps=1)
+        model = load_model(cfg, rt, backend)
+        engine = backend.build(cfg, model, total_steps=1, device=rt.device)
         del model
         vocab = _vocab(cfg)
-        mbs = [mb.to(batch_device(cfg, rt)) for mb in worst_case_micro_batches(cfg, vocab)]
+        mbs = [mb.to(batch_device(backend, rt)) for mb in worst_case_micro_batches(cfg, vocab)]
         for _ in range(TRAINING_STEPS):
             out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
             loss = float(out["loss"])
@@ -156,7 +159,7 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     log.info(
         "profile: %d training steps done (loss %.3f) in %.1f s", TRAINING_STEPS, loss, phase.result.seconds
     )
-    if job == "rl" and cfg.rollout.backend.startswith("native:"):
+    if job == "rl" and resolve_rollout(cfg).in_process:
         results += _profile_rollout(cfg, engine, device, vocab)
     return results
 

@@ -36,8 +36,9 @@ import torch
 from laden.config import LadenConfig
 from laden.data import PackedBatch, unpack
 from laden.data.batch import IGNORE_INDEX
+from laden.engine.backend import resolve_backend
 from laden.engine.checkpoint import keep_new_hyperparameters
-from laden.engine.runtime import batch_device, build_engine, load_model
+from laden.engine.runtime import batch_device, load_model
 from laden.model.value_head import to_value_model, token_values
 from laden.optim import OptimSettings
 from laden.rl.batches import pack_trajectories
@@ -130,12 +131,16 @@ class Critic:
         assert cfg.critic is not None
         self.section = cfg.critic
         self.cfg = critic_engine_config(cfg)
-        self.engine = build_engine(
-            self.cfg, to_value_model(load_model(self.cfg, rt)), rt, total_steps=total_steps
+        backend = resolve_backend(self.cfg)  # the critic's own engine settings
+        self.engine = backend.build(
+            self.cfg,
+            to_value_model(load_model(self.cfg, rt, backend)),
+            total_steps=total_steps,
+            device=rt.device,
         )
         self.optim = OptimSettings.from_config(self.cfg.actor.optimizer, total_steps)
         self.objective = ValueObjective(settings)
-        self.device = batch_device(self.cfg, rt)
+        self.device = batch_device(backend, rt)
         self.global_sum = global_sum
         """Sums a count over the data-parallel ranks (the loss normaliser)."""
 

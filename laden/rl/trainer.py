@@ -73,8 +73,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from laden.config import AllocationMode, LadenConfig, dump_config, format_config, run_dir
-from laden.config.usage import fields_without_effect
+from laden.config import LadenConfig, dump_config, format_config, run_dir
 from laden.data import GlobalBatchIterator, PackedBatch, load_records, longest_first
 from laden.engine import signals
 from laden.engine.checkpoint import (
@@ -83,28 +82,19 @@ from laden.engine.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from laden.engine.oom import PhaseOOMError, TrainingOOMError, is_host_oom, is_oom, release_cached_memory
 from laden.engine.rundir import RunDirectory
-from laden.engine.runtime import (
-    Runtime,
-    batch_device,
-    build_engine,
-    check_world_size,
-    engine_kind,
-    load_model,
-    min_micro_batches,
-    resolve_auto_knobs,
-    seed_everything,
-    start_runtime,
-)
-from laden.engine.safe_io import atomic_write_text
+from laden.engine.runtime import Runtime, batch_device, load_model, seed_everything
 from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.errors import RunFailedError
-from laden.memory.oom import PhaseOOMError, is_oom, release_cached_memory
 from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 from laden.plots import CHECKPOINT_INTERVAL_S
 from laden.rl.batches import pack_trajectories
+from laden.rollout.backend import resolve_rollout
+from laden.run_setup import start_run
+from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
 
 log = logging.getLogger("laden.rl")
@@ -193,12 +183,7 @@ def _part_means(trajs: Sequence[Any]) -> dict[str, float]:
 
 def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     """RL-tune `cfg.actor.path` on the prompts of `cfg.train_dataset`; see the module docstring."""
-    rt = start_runtime()
-    check_world_size(cfg, rt, "rl")
-    resolve_auto_knobs(cfg, rt)
-    if rt.is_main:
-        for line in fields_without_effect(cfg, job="rl", engine=engine_kind(cfg)):
-            log.warning("%s", line)
+    rt = start_run(cfg, "rl")
     _refuse_unimplemented(cfg, rt.world_size)
     run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
     rt.on_main(run.acquire)
@@ -212,34 +197,13 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
 
 
 def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
-    from laden.config.alloc import AllocationMode
-
     problems: list[str] = []
     if world_size > 1 and cfg.actor.dynamic_sampling:
         problems.append(
             f"actor.dynamic_sampling=true under {world_size} processes: refilling rejected groups would move the "
             "ranks' data positions apart; run it in one process or set actor.dynamic_sampling: false"
         )
-    backend = cfg.rollout.backend.split(":", 1)[0]
-    if backend == "native" and AllocationMode.parse(cfg.rollout.backend).tp > 1:
-        problems.append(
-            f"rollout.backend={cfg.rollout.backend!r}: laden rl runs a tensor-parallel native engine only "
-            "when every rank sends it the same requests, and its trainer ranks each generate their own share "
-            "of the batch; use t=1 (native:dN, one engine per process) for laden rl. The tensor-parallel "
-            "engine itself works (laden.rollout.build_rollout_engine under torchrun)"
-        )
-    if backend != "native" and world_size > 1:
-        problems.append(
-            f"rollout.backend={cfg.rollout.backend!r} under {world_size} processes: laden rl starts the servers from "
-            "one trainer process; run it in one process (a d>1 rollout allocation still serves every trainer "
-            "request), or use rollout.backend: native:dN with one engine per process"
-        )
-    if backend != "native" and cfg.actor.weight_update_mode != "disk":
-        problems.append(
-            f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode="
-            f"{cfg.actor.weight_update_mode!r}: laden rl hands servers their new weights as versioned "
-            "directories; set actor.weight_update_mode: disk"
-        )
+    problems += resolve_rollout(cfg).refusals(cfg, world_size=world_size)
     from laden.rl.settings import check_rl_fields_implemented
 
     for line in check_rl_fields_implemented(cfg):
@@ -264,30 +228,23 @@ def read_prompt_rows(cfg: LadenConfig, ds: Any, field: str) -> Any:
 
 
 def rollout_device(cfg: LadenConfig, rt: Runtime, *, device_count: int | None = None) -> torch.device:
-    """Where the native rollout engine runs. One process with an fsdp trainer and a second GPU declared
-    (`cluster.n_gpus_per_node: 2`): on the next GPU after the trainer's, generation and training on
-    separate GPUs (AReaL's `sglang:d1+fsdp:d1`). Otherwise on the trainer's device, colocated (it
-    sleeps while the trainer trains): under torchrun every rank keeps its engine on its own GPU, and
-    the roundpipe engine pools every visible GPU of its process."""
-    if rt.world_size > 1 or rt.device.type != "cuda" or cfg.rollout.backend.split(":", 1)[0] != "native":
-        return rt.device
-    declared = cfg.cluster.n_nodes * cfg.cluster.n_gpus_per_node
-    if AllocationMode.parse(cfg.actor.backend).backend != "fsdp" or declared < 2:
-        return rt.device
-    count = torch.cuda.device_count() if device_count is None else device_count
-    index = (rt.device.index or 0) + 1
-    if index >= count:
-        raise ValueError(
-            f"cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node} puts rollout.backend={cfg.rollout.backend!r} "
-            f"on a GPU of its own (cuda:{index}), but this process sees {count} GPU(s); make a second GPU "
-            "visible (CUDA_VISIBLE_DEVICES), or set cluster.n_gpus_per_node=1 to generate on the training GPU"
-        )
-    return torch.device("cuda", index)
+    """Where the rollout engine runs beside this trainer (`RolloutBackend.placement`)."""
+    return resolve_rollout(cfg).placement(
+        cfg, rt.device, world_size=rt.world_size, train=rt.backend, device_count=device_count
+    )
+
+
+def _phase_fixes(cfg: LadenConfig, phase: str, cause: BaseException) -> list[str]:
+    """The knob changes for `laden rl`'s `phase` running out of memory (`laden.memory.doctor`)."""
+    from laden.memory.doctor import phase_fixes
+
+    return phase_fixes(cfg, phase, host=is_host_oom(cause))
 
 
 class _Run:
     def __init__(self, cfg: LadenConfig, rt: Any, run: RunDirectory) -> None:
         self.cfg, self.rt, self.run = cfg, rt, run
+        self.rollout_backend = resolve_rollout(cfg)
         self.rollout_device = rollout_device(cfg, rt)
         self.counters = _Counters()
         self._kv_stays: bool | None = None
@@ -353,14 +310,16 @@ class _Run:
     async def _build_and_train(self, history, changes, progress: bool) -> RLResult:
         cfg, run = self.cfg, self.run
         t0 = time.perf_counter()
-        model = load_model(cfg, self.rt)
+        backend = self.rt.backend
+        model = load_model(cfg, self.rt, backend)
         t1 = time.perf_counter()
-        self.engine = build_engine(cfg, model, self.rt, total_steps=self.total_steps)
+        self.engine = backend.build(cfg, model, total_steps=self.total_steps, device=self.rt.device)
         log.info("policy %s loaded in %.1f s, %s engine built in %.1f s", cfg.actor.path, t1 - t0,
                  cfg.actor.backend, time.perf_counter() - t1)  # fmt: skip
         self.ref = None
         if cfg.actor.kl_ctl:  # the frozen initial policy, on the same engine (never stepped)
-            self.ref = build_engine(cfg, load_model(cfg, self.rt), self.rt, total_steps=self.total_steps)
+            self.ref = backend.build(cfg, load_model(cfg, self.rt, backend), total_steps=self.total_steps,
+                                     device=self.rt.device)  # fmt: skip
             log.info(
                 "reference model for actor.kl_ctl=%s: the initial policy (%s)",
                 cfg.actor.kl_ctl,
@@ -404,7 +363,9 @@ class _Run:
         """The export of a finished run that stopped before it was in place (killed, or the disk filled)."""
         log.warning("run directory %s holds a finished run without its export: exporting %s", self.run.path,
                     history.checkpoint)  # fmt: skip
-        engine = build_engine(self.cfg, load_model(self.cfg, self.rt), self.rt, total_steps=self.total_steps)
+        backend = self.rt.backend
+        engine = backend.build(self.cfg, load_model(self.cfg, self.rt, backend), total_steps=self.total_steps,
+                               device=self.rt.device)  # fmt: skip
         load_checkpoint(history.checkpoint, engine, rank=self.rt.rank)
         engine.export_hf(self.run.hf_path, tokenizer=self.tokenizer)
         self.rt.barrier()
@@ -734,7 +695,7 @@ class _Run:
             raise
         except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
             if is_oom(e):
-                oom = PhaseOOMError(self.cfg, phase="generation", step=b, cause=e)
+                oom = PhaseOOMError(phase="generation", step=b, cause=e, fixes=_phase_fixes(self.cfg, "generation", e))
                 oom.__cause__ = e
                 e = oom
             await queue.put(e)
@@ -837,7 +798,8 @@ class _Run:
             await self._push_weights(step)
         except Exception as exc:
             if is_oom(exc):
-                raise PhaseOOMError(self.cfg, phase="weight update", step=step, cause=exc) from exc
+                fixes = _phase_fixes(cfg, "weight update", exc)
+                raise PhaseOOMError(phase="weight update", step=step, cause=exc, fixes=fixes) from exc
             raise
         update_s = time.perf_counter() - t0
         rewards = torch.tensor([r for r, _, _ in everyone])
@@ -919,15 +881,13 @@ class _Run:
             )  # fmt: skip
 
     def _serves(self) -> bool:
-        """Whether the rollout engine is vLLM or SGLang servers (not the native engine in this process)."""
-        from laden.rollout.servers import SERVER_BACKENDS
-
-        return self.cfg.rollout.backend.split(":", 1)[0] in SERVER_BACKENDS
+        """Whether the rollout engine is servers of its own (vLLM, SGLang), not an engine in this process."""
+        return not self.rollout_backend.in_process
 
     def _sleep_releases_weights(self) -> bool:
-        """Whether the rollout engine frees its weights too when it sleeps during training: with the
-        roundpipe engine, which keeps the policy in host memory (the update after the step refills them)."""
-        return self.cfg.actor.backend.startswith("roundpipe:")
+        """Whether the rollout engine frees its weights too when it sleeps during training: beside a
+        trainer that keeps the policy in host memory (roundpipe; the update after the step refills them)."""
+        return self.rt.backend.keeps_policy_on_host
 
     def _update_source(self, dtype: torch.dtype | None = None, device: str | None = None):
         """What a weight update sends: every weight, or under `actor.use_lora`, to the native engine that
@@ -935,7 +895,7 @@ class _Run:
         `PartialUpdate` (servers reload whole directories; released weights need all)."""
         from laden.weights import PartialUpdate
 
-        partial = self.cfg.actor.use_lora and self.cfg.rollout.backend.startswith("native:")
+        partial = self.cfg.actor.use_lora and self.rollout_backend.accepts_partial_updates
         if partial and not (self._sleep_releases_weights() and self._sleeps_while_training()):
             return PartialUpdate(self.engine.named_weights(dtype, device=device, trained_only=True))
         return self.engine.named_weights(dtype, device=device)
@@ -1054,8 +1014,6 @@ class _Run:
         failure makes (up to the summation order). Otherwise, or when nothing is left to split, the error
         names the knob changes."""
         from laden.data.batch import split_documents
-        from laden.memory.oom import TrainingOOMError
-
         cfg = self.cfg
         while True:
             try:
@@ -1079,7 +1037,10 @@ class _Run:
                                     "layer recompute (on from now)", self._step_now)  # fmt: skip
                         continue
                 longest = max(max(mb.seqlens, default=0) for mb in mbs)
-                raise TrainingOOMError(cfg, step=self._step_now, tokens_per_mb=tokens, longest_seq=longest, cause=exc,
+                fixes = self.rt.backend.training_oom_fixes(
+                    cfg, host=is_host_oom(exc), tokens_per_mb=tokens, longest_seq=longest
+                )
+                raise TrainingOOMError(step=self._step_now, cause=exc, fixes=fixes,
                                        in_collectives=self.rt.world_size > 1) from exc  # fmt: skip
 
     def _advantages(
@@ -1133,8 +1094,8 @@ class _Run:
         fields = {"advantages": [advantages[id(t)] for t in trajs], "old_logprobs": [t.logprobs for t in trajs]}  # fmt: skip
         mbs, _ = pack_trajectories(
             trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
-            + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, min_micro_batches(self.cfg)),
-            algorithm=spec.packing_algorithm, device=batch_device(self.cfg, self.rt),
+            + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, self.rt.backend.min_micro_batches(self.cfg)),
+            algorithm=spec.packing_algorithm, device=batch_device(self.rt.backend, self.rt),
         )  # fmt: skip
         return mbs
 

@@ -32,7 +32,6 @@ import yaml
 from tqdm.auto import tqdm
 
 from laden.config import DatasetConfig, LadenConfig, dump_config, format_config, run_dir
-from laden.config.usage import fields_without_effect
 from laden.data import (
     GlobalBatchIterator,
     PackedBatch,
@@ -49,28 +48,23 @@ from laden.engine.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from laden.engine.oom import TrainingOOMError
 from laden.engine.rundir import History, RunDirectory
 from laden.engine.runtime import (
     OOMRetry,
     Runtime,
     batch_device,
-    build_engine,
-    check_world_size,
-    engine_kind,
     load_model,
     loss_tokens,
-    min_micro_batches,
-    resolve_auto_knobs,
     seed_everything,
     shard_for_rank,
-    start_runtime,
 )
-from laden.engine.safe_io import atomic_write_text
 from laden.engine.signals import StopRequests, agree_to_stop_or_save
-from laden.memory.oom import TrainingOOMError
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 from laden.plots import CHECKPOINT_INTERVAL_S, write_curves
+from laden.run_setup import start_run
+from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
 
 log = logging.getLogger("laden.sft")
@@ -133,18 +127,18 @@ def write_data_stats(ds: DatasetConfig, stats: Any, out_dir: Path, name: str) ->
 
 
 def step_micro_batches(
-    cfg: LadenConfig, samples, indices: Sequence[int], device: torch.device, tokens_per_mb: int
+    cfg: LadenConfig, rt: Runtime, samples, indices: Sequence[int], tokens_per_mb: int
 ) -> list[PackedBatch]:
-    """Pack the given samples into token-budget micro-batches on `device`."""
+    """Pack the given samples into token-budget micro-batches where the engine takes them."""
     seqlens = [len(samples[i][0]) for i in indices]
     bins = partition_microbatches(
         seqlens,
         max_tokens_per_mb=tokens_per_mb,
-        n_mbs=min_micro_batches(cfg),
+        n_mbs=rt.backend.min_micro_batches(cfg),
         algorithm=cfg.actor.mb_spec.packing_algorithm,
     )
     packed = [pack_samples([samples[indices[j]] for j in b]) for b in bins]
-    return [p.to(device, non_blocking=True) for p in packed]
+    return [p.to(batch_device(rt.backend, rt), non_blocking=True) for p in packed]
 
 
 def train_step(cfg: LadenConfig, rt: Runtime, engine, samples, indices: list[int], *, step: int):
@@ -159,7 +153,7 @@ def train_step(cfg: LadenConfig, rt: Runtime, engine, samples, indices: list[int
     mine = shard_for_rank(samples, indices, engine.dp_rank, engine.dp_size)
     retry = OOMRetry(cfg=cfg, rt=rt, recompute=getattr(engine, "enable_recompute", None))
     out, mbs = retry(
-        lambda tokens: step_micro_batches(cfg, samples, mine, batch_device(cfg, rt), tokens),
+        lambda tokens: step_micro_batches(cfg, rt, samples, mine, tokens),
         lambda mbs: engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens),
         step=step,
         tokens_per_mb=budget(cfg),
@@ -178,19 +172,14 @@ def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
         indices = shard_for_rank(
             valid, list(range(start, min(start + size, len(valid)))), engine.dp_rank, engine.dp_size
         )
-        mbs = step_micro_batches(cfg, valid, indices, batch_device(cfg, rt), budget(cfg))
+        mbs = step_micro_batches(cfg, rt, valid, indices, budget(cfg))
         loss += engine.eval_batch(mbs, global_num_loss_tokens=total_loss_tokens)["loss"].to(rt.device)
     return loss
 
 
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
-    rt = start_runtime()
-    check_world_size(cfg, rt, "sft")
-    resolve_auto_knobs(cfg, rt)
-    if rt.is_main:
-        for line in fields_without_effect(cfg, job="sft", engine=engine_kind(cfg)):
-            log.warning("%s", line)
+    rt = start_run(cfg, "sft")
     run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
     rt.on_main(run.acquire)
     try:
@@ -230,8 +219,8 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
         write_data_stats(cfg.train_dataset, stats, run.path, "train")
         if cfg.valid_dataset is not None:
             write_data_stats(cfg.valid_dataset, valid_stats, run.path, "valid")
-    model = load_model(cfg, rt)
-    engine = build_engine(cfg, model, rt, total_steps=total_steps)
+    model = load_model(cfg, rt, rt.backend)
+    engine = rt.backend.build(cfg, model, total_steps=total_steps, device=rt.device)
     log.info(
         "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, rt.device
     )
@@ -256,7 +245,7 @@ def _export_finished(cfg: LadenConfig, rt: Runtime, run: RunDirectory, history: 
     log.warning(
         "run directory %s holds a finished run without its export: exporting %s", run.path, history.checkpoint
     )
-    engine = build_engine(cfg, load_model(cfg, rt), rt, total_steps=total_steps)
+    engine = rt.backend.build(cfg, load_model(cfg, rt, rt.backend), total_steps=total_steps, device=rt.device)
     assert history.checkpoint is not None, "a finished run has its final checkpoint"
     load_checkpoint(history.checkpoint, engine, rank=rt.rank)
     engine.export_hf(run.hf_path, tokenizer=tokenizer)

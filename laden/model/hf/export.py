@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from laden.engine.safe_io import DiskFullError, atomic_write_text, fsync_dir, is_disk_full
+from laden.safe_io import DiskFullError, atomic_write_text, fsync_dir, is_disk_full
 
 __all__ = ["EXPORT_MANIFEST", "ShardWriter", "export_complete", "export_hf", "hf_state_names", "host_copy"]
 

@@ -1,0 +1,47 @@
+"""What `laden sft` and `laden rl` do before their first step, once: the engine's backend object from
+`actor.backend`, every `auto` knob set by the planner from this process's memory (before the runtime
+starts, so the runtime and the engines only ever see a finished config), the runtime, the launch
+checked against the allocation, and the fields that do nothing for this job and engine named."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from laden.config import LadenConfig
+from laden.config.usage import fields_without_effect
+from laden.engine.backend import resolve_backend
+from laden.engine.runtime import Runtime, check_world_size, start_runtime
+
+log = logging.getLogger("laden.runtime")
+
+
+def start_run(cfg: LadenConfig, job: str) -> Runtime:
+    """The runtime of a `job` ("sft" or "rl") run of `cfg`, with its engine's backend (`rt.backend`)."""
+    backend = resolve_backend(cfg)
+    main = int(os.environ.get("RANK", "0")) == 0
+    resolve_auto_knobs(cfg, _local_device(), log_lines=main)
+    rt = start_runtime(backend)
+    check_world_size(cfg, rt, job, backend)
+    if rt.is_main:
+        for line in fields_without_effect(cfg, job=job, engine=backend.name):
+            log.warning("%s", line)
+    return rt
+
+
+def resolve_auto_knobs(cfg: LadenConfig, device: torch.device, *, log_lines: bool = True) -> None:
+    """Every `auto` knob of `cfg` set from the planner's predictions for `device`'s memory, logged."""
+    from laden.memory.auto import resolve_auto, training_budget
+
+    for line in resolve_auto(cfg, training_budget(device)):
+        if log_lines:
+            log.info("%s", line)
+
+
+def _local_device() -> torch.device:
+    """The device this process will train on (torchrun's `LOCAL_RANK`-th GPU), before the runtime starts."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
