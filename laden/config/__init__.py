@@ -38,7 +38,8 @@ from laden.config.schema import (
     SGLangConfig,
     run_dir,
 )
-from laden.config.validate import validate_against_model, validate_config
+from laden.config.validate import validate_config
+from laden.config.validate_model import validate_against_model
 
 __all__ = [
     "BACKEND_DIMS",

@@ -59,7 +59,7 @@ from laden.config.areal_keys import (
     group_of,
 )
 from laden.config.schema import LadenConfig
-from laden.config.validate import read_model_config
+from laden.config.validate_model import read_model_config
 
 log = logging.getLogger(__name__)
 

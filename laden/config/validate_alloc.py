@@ -1,0 +1,140 @@
+"""Validation of where a run places its work: the actor's, rollout's and critic's parallel layouts.
+
+Each `backend` string (`fsdp:d4t2`, `sglang:d2`) must parse, fit the cluster's GPUs (server
+rollouts need GPUs of their own next to the actor's, the native engine shares the actor's), and
+the critic must train in the actor's processes with the actor's split of each batch. Settings of
+an engine the run does not use give a `UserWarning`. Error lines follow `laden.config.validate`'s
+form: `<dotted.field>=<value> <why>; <fix>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from laden.config.alloc import AllocationMode, check_alloc
+from laden.config.schema import LadenConfig
+
+__all__ = [
+    "SERVER_ROLLOUT_BACKENDS",
+    "alloc_errors",
+    "critic_errors",
+    "parse_or_none",
+    "warn_ignored_sections",
+]
+
+SERVER_ROLLOUT_BACKENDS = ("sglang", "vllm")
+"""Rollout backends that run as separate servers on GPUs of their own."""
+
+
+def parse_or_none(text: str) -> AllocationMode | None:
+    try:
+        return AllocationMode.parse(text)
+    except ValueError:
+        return None
+
+
+def alloc_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    errors = check_alloc(cfg.actor.backend, role="actor", field="actor.backend")
+    if rl:
+        errors += check_alloc(cfg.rollout.backend, role="rollout", field="rollout.backend")
+    if cfg.actor.optimizer.type == "adam_bf16" and cfg.actor.backend.startswith("megatron:"):
+        errors.append(
+            "actor.optimizer.type='adam_bf16' is not supported by the megatron backend; use adam or sgd"
+        )
+    if errors or cfg.cluster.n_nodes < 1 or cfg.cluster.n_gpus_per_node < 1:
+        return errors
+    return _gpu_total_errors(cfg, rl=rl)
+
+
+def _gpu_total_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    nodes, per_node = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    total = nodes * per_node
+    have = f"cluster.n_nodes * cluster.n_gpus_per_node = {nodes} * {per_node} = {total}"
+    actor = AllocationMode.parse(cfg.actor.backend)
+    errors = []
+    if actor.num_gpus > total:
+        errors.append(
+            f"actor.backend={cfg.actor.backend!r} needs {actor.num_gpus} GPUs but {have}; "
+            "lower its parallel sizes or raise cluster.n_gpus_per_node / cluster.n_nodes"
+        )
+    if not rl:
+        return errors
+    rollout = AllocationMode.parse(cfg.rollout.backend)
+    if rollout.backend in SERVER_ROLLOUT_BACKENDS:
+        need = actor.num_gpus + rollout.num_gpus
+        if need > total and actor.num_gpus <= total:
+            errors.append(
+                f"rollout.backend={cfg.rollout.backend!r} needs {rollout.num_gpus} GPUs of its own "
+                f"next to actor.backend={cfg.actor.backend!r} ({actor.num_gpus}): {need} GPUs but "
+                f"{have}; lower the parallel sizes, add GPUs, or use rollout.backend: native:d... "
+                "(it shares the training GPUs)"
+            )
+    elif rollout.num_gpus > total:
+        errors.append(
+            f"rollout.backend={cfg.rollout.backend!r} needs {rollout.num_gpus} GPUs but {have}; "
+            "lower its parallel sizes or add GPUs"
+        )
+    return errors
+
+
+def critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
+    """The critic trains in the actor's processes, on the same data split, unsharded over tensors."""
+    c = cfg.critic
+    if c is None:
+        return []
+    errors = check_alloc(c.backend, role="actor", field="critic.backend") if c.backend else []
+    critic, actor = parse_or_none(c.backend or cfg.actor.backend), parse_or_none(cfg.actor.backend)
+    if errors or critic is None or actor is None:
+        return errors  # actor.backend's own errors are reported by `alloc_errors`
+    shown = f"critic.backend={c.backend!r}" if c.backend else f"critic.backend='' ({cfg.actor.backend!r})"
+    if critic.backend in ("archon", "megatron"):
+        errors.append(
+            f"{shown}: the critic's value head does not run on the archon engine yet; set critic.backend: "
+            f"fsdp:d{critic.num_gpus}"
+        )
+    elif actor.tp > 1:
+        errors.append(
+            f"actor.backend={cfg.actor.backend!r} with a critic: the critic trains in the actor's processes and its "
+            "one-output value head has no tensor-parallel split; use t=1 in actor.backend (e.g. "
+            f"{actor.backend}:d{actor.dp * actor.tp}), or remove the critic section"
+        )
+    elif critic.tp > 1:
+        errors.append(
+            f"{shown} splits the critic over t={critic.tp} tensor-parallel ranks, but its one-output value head "
+            f"has no tensor-parallel split; set critic.backend: {critic.backend}:d{actor.dp}"
+            + (f"c{actor.cp}" if actor.cp > 1 else "")
+        )
+    elif (critic.dp, critic.cp, critic.num_gpus) != (actor.dp, actor.cp, actor.num_gpus):
+        errors.append(
+            f"{shown} must train in the actor's processes on the actor's share of each batch: d={actor.dp} and "
+            f"c={actor.cp} as actor.backend={cfg.actor.backend!r} has; set critic.backend: "
+            f"{critic.backend}:d{actor.dp}" + (f"c{actor.cp}" if actor.cp > 1 else "") + ", or leave it ''"
+        )
+    budget = None if c.mb_spec is None else c.mb_spec.max_tokens_per_mb
+    need = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+    if rl and budget is not None and budget < need:
+        errors.append(
+            f"critic.mb_spec.max_tokens_per_mb={budget} is smaller than train_dataset.max_length + "
+            f"gconfig.max_new_tokens = {need}; set it to at least {need}"
+        )
+    return errors
+
+
+def warn_ignored_sections(cfg: LadenConfig) -> None:
+    backend = cfg.actor.backend.partition(":")[0]
+    backend = "archon" if backend == "megatron" else backend  # megatron: modes run on the archon engine
+    for section in ("fsdp", "roundpipe", "archon"):
+        value = getattr(cfg.actor, section)
+        if backend != section and value != type(value)():
+            changed = [
+                f.name
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) != getattr(type(value)(), f.name)
+            ]
+            warnings.warn(
+                f"actor.{section}.{{{', '.join(changed)}}} are ignored because actor.backend="
+                f"{cfg.actor.backend!r} is not a {section} backend; remove them or switch backend",
+                UserWarning,
+                stacklevel=3,
+            )
