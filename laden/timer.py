@@ -1,6 +1,6 @@
 """`laden.timer.ModelTimer`: the timing helper at the import path of the API laden mirrors (see
-`laden.engine.roundpipe.timer`)."""
+`laden.roundpipe.timer`)."""
 
-from laden.engine.roundpipe.timer import IterTimer, LayerTimingContext, ModelTimer
+from laden.roundpipe.timer import IterTimer, LayerTimingContext, ModelTimer
 
 __all__ = ["IterTimer", "LayerTimingContext", "ModelTimer"]

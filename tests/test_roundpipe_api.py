@@ -588,3 +588,23 @@ def test_an_async_step_that_fails_while_the_next_call_runs_is_reraised_by_that_c
     with pytest.raises(RuntimeError, match="host job failed") as info:
         rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_seen_by_the_step)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_top_level_names_are_the_library_apis_and_the_engine_does_not_import_it():
+    """`laden`'s lazy names are exactly `laden.roundpipe.__all__`, and the engine package imports
+    without the API package (the dependency goes API -> engine only)."""
+    import subprocess
+    import sys
+
+    import laden
+    import laden.roundpipe
+
+    assert sorted(laden.__all__) == sorted([*laden.roundpipe.__all__, "__version__"])
+    for name in laden.roundpipe.__all__:
+        assert getattr(laden, name) is getattr(laden.roundpipe, name)
+    code = (
+        "import sys, laden.engine.roundpipe.engine; "
+        "print(sorted(m for m in sys.modules if m.startswith('laden.roundpipe')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -42,6 +42,7 @@ PRELOAD = [
     "laden.engine.fsdp",
     "laden.engine.archon",
     "laden.engine.roundpipe",
+    "laden.roundpipe",
     "laden.engine.checkpoint",
     "laden.sft.trainer",
     "laden.rl.trainer",

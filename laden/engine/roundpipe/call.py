@@ -81,8 +81,8 @@ class CallSpec:
     write_buffers: bool = True
     saved_buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     keep_outputs: bool = False  # the fused stage parks its outputs too (`return_outputs=True`)
-    timer: Any = None  # an `IterTimer` the passes time their layers into (`timer.py`), or None
-    capture: Any = None  # the Hugging Face output capture active around this call (`hf_capture.py`)
+    timer: Any = None  # an `IterTimer` the passes time their layers into (`laden.roundpipe.timer`), or None
+    capture: Any = None  # the Hugging Face output capture around this call (`laden.roundpipe.hf_capture`)
 
 
 @dataclass(eq=False)

@@ -144,8 +144,9 @@ class Pipeline:
         `carried`: tied parameters whose gradient stays on the device between the backward
         stages that use it (`carried_params`; the caller counts their landings accordingly).
         `write_buffers`, `saved_buffers`: see `CallSpec` and `buffers.py`. `timer`: an `IterTimer`
-        the layers' forward, recompute and backward spans are recorded into (`timer.py`); `capture`: the
-        Hugging Face output capture the layers' hooks append to (`hf_capture.py`).
+        the layers' forward, recompute and backward spans are recorded into
+        (`laden.roundpipe.timer`); `capture`: the Hugging Face output capture the layers' hooks
+        append to (`laden.roundpipe.hf_capture`).
         """
         self.jobs.raise_errors()
         before = self.jobs.last_optim()  # the call reports this job's failure, whenever it happens

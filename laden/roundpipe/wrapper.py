@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from laden.engine.roundpipe.api import ForwardsAttributes, MasterParameterViews, RoundPipe
 from laden.engine.roundpipe.context import OptimizerCtx
 from laden.engine.roundpipe.device import default_devices
-from laden.engine.roundpipe.run_config import RoundPipeRunConfig
-from laden.engine.roundpipe.timer import module_bytes
+from laden.roundpipe.api import ForwardsAttributes, MasterParameterViews, RoundPipe
+from laden.roundpipe.run_config import RoundPipeRunConfig
+from laden.roundpipe.timer import module_bytes
 
 
 class AutoRoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):

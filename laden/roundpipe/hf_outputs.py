@@ -63,7 +63,7 @@ def moe_output(model: Any, output: Any, router_logits: list[torch.Tensor], atten
     family's own forward returns them: the loss with labels gains `router_aux_loss_coef` times it."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-    from laden.engine.roundpipe.hf_capture import router_aux_loss
+    from laden.roundpipe.hf_capture import router_aux_loss
 
     aux = router_aux_loss(model, router_logits, attention_mask)
     loss = output.loss

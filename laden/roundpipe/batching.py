@@ -123,7 +123,7 @@ def merge_outputs(outputs: list[Any], merge: Any = True) -> Any:
 
     True: tensors with a batch dim are concatenated along dim 0, scalar tensors averaged,
     other values must agree. A function gets the list of outputs. A spec places markers
-    (`microbatch_spec.merge_leaf`). False: each leaf becomes a `PackedOutputs` list.
+    (`laden.engine.roundpipe.microbatch_spec.merge_leaf`). False: each leaf becomes a `PackedOutputs` list.
     """
     if merge is not True and callable(merge):
         return merge(list(outputs))

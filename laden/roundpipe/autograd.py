@@ -13,7 +13,7 @@ stage, as `forward_backward` does), so one forward per layer more than `forward_
 use `forward_backward` when the loss can be written as a `loss_fn`. The forward keeps its
 host inputs alive until the backward. The forward's RNG state is replayed for the backward
 call, so dropout masks match when one device runs every stage; buffers are read as they
-were before the forward and are not written again (`buffers.py`).
+were before the forward and are not written again (`laden.engine.roundpipe.buffers`).
 
 Differences from autograd, refused with a reason: an input that requires grad (RoundPipe
 differentiates the parameters only, `batching.split_microbatches`), a `step` between the
@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from laden.engine.roundpipe.call import Grain
 from laden.engine.roundpipe.plan import ModelExecutePlan
-from laden.engine.roundpipe.timer import IterTimer
+from laden.roundpipe.timer import IterTimer
 
 
 def _is_float(t: Any) -> bool:
@@ -185,7 +185,7 @@ def begin_graph(model: Any, inputs: list[tuple[tuple, dict[str, Any]]], cfg: Any
             "gradient back into micro-batches); call the model under torch.no_grad(), or train with "
             "forward_backward"
         )
-    from laden.engine.roundpipe.batching import num_tokens
+    from laden.roundpipe.batching import num_tokens
 
     pipe = model.pipe
     plan = cfg.execute_plan or ModelExecutePlan.auto(

@@ -41,23 +41,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from laden.engine.roundpipe import hf_capture
-from laden.engine.roundpipe.autograd import attach_graph, begin_graph, needs_graph
-from laden.engine.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
 from laden.engine.roundpipe.context import OptimizerCtx, doing_optimizer, note_step_submitted
 from laden.engine.roundpipe.distributed import host_grad_group
-from laden.engine.roundpipe.hf_outputs import (
+from laden.engine.roundpipe.host.store import PinMode
+from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
+from laden.engine.roundpipe.plan import ModelExecutePlan
+from laden.roundpipe import hf_capture
+from laden.roundpipe.autograd import attach_graph, begin_graph, needs_graph
+from laden.roundpipe.batching import merge_outputs, num_tokens, split_microbatches
+from laden.roundpipe.hf_outputs import (
     host_output,
     is_split_lm,
     moe_output,
     pop_hf_options,
     with_hf_labels,
 )
-from laden.engine.roundpipe.host.store import PinMode
-from laden.engine.roundpipe.pipeline import Pipeline, sum_losses
-from laden.engine.roundpipe.plan import ModelExecutePlan
-from laden.engine.roundpipe.run_config import RoundPipeRunConfig, resolve
-from laden.engine.roundpipe.timer import IterTimer, ModelTimer
+from laden.roundpipe.run_config import RoundPipeRunConfig, resolve
+from laden.roundpipe.timer import IterTimer, ModelTimer
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -277,7 +277,7 @@ class RoundPipe(ForwardsAttributes, MasterParameterViews, nn.Module):
         Runs on the weights the next `forward_backward` would use (after asynchronous steps,
         those of one update earlier; call `synchronize()` first for the newest). A causal LM
         returns a `CausalLMOutputWithPast` (`.logits`, and `.loss` when `labels` are passed;
-        `hf_outputs.py`). Buffers written in forward persist (`buffers.py`).
+        `hf_outputs.py`). Buffers written in forward persist (`laden.engine.roundpipe.buffers`).
         """
         cfg = resolve(roundpipe_run_config, self.model_run_config, num_devices=self.num_devices)
         split_lm = is_split_lm(self.pipe)
