@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from laden.config import LadenConfig
+from laden.config import LadenConfig, run_dir
 from laden.config.usage import fields_without_effect
 from laden.engine.backend import resolve_backend
+from laden.engine.rundir import RunDirectory
 from laden.engine.runtime import Runtime, check_world_size, start_runtime
 
 log = logging.getLogger("laden.runtime")
+T = TypeVar("T")
 
 
 def start_run(cfg: LadenConfig, job: str) -> Runtime:
@@ -29,6 +33,20 @@ def start_run(cfg: LadenConfig, job: str) -> Runtime:
         for line in fields_without_effect(cfg, job=job, engine=backend.name):
             log.warning("%s", line)
     return rt
+
+
+def in_run_directory(cfg: LadenConfig, rt: Runtime, train: Callable[[RunDirectory], T]) -> T:
+    """`train(run)` in the run directory of `cfg`, owned by this run while it trains (a second run on it
+    is refused), its failure recorded there (`error.log`, what `laden doctor` reads) and re-raised."""
+    run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
+    rt.on_main(run.acquire)
+    try:
+        return train(run)
+    except BaseException as exc:
+        run.record_failure(exc)
+        raise
+    finally:
+        run.release()
 
 
 def resolve_auto_knobs(cfg: LadenConfig, device: torch.device, *, log_lines: bool = True) -> None:

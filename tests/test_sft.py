@@ -401,7 +401,7 @@ def test_an_oom_at_one_sequence_per_micro_batch_is_retried_with_layer_recompute(
 def test_a_step_that_runs_out_of_memory_leaves_a_checkpoint_to_resume_from(tmp_path, monkeypatch):
     """oom_policy=raise: the error names the fixes, the steps before it are checkpointed, and a rerun
     resumes at the failed step and ends where a run that never failed ends (bitwise)."""
-    from laden.memory.oom import TrainingOOMError
+    from laden.engine.oom import TrainingOOMError
 
     never = run_sft(_cfg(tmp_path, "never"), progress=False)
     original, calls = FSDPEngine.forward_backward, []

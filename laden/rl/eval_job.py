@@ -39,8 +39,8 @@ async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
     from laden.data.overlap import prompt_overlap
     from laden.model.hf.loading import load_tokenizer
     from laden.rl.evaluate import eval_sampling, evaluate
+    from laden.rl.producer import read_prompt_rows
     from laden.rl.reward_setup import start_rewards
-    from laden.rl.trainer import read_prompt_rows
     from laden.rl.workflow import load_workflow, render_prompt
 
     tokenizer = load_tokenizer(cfg.actor.path)
@@ -108,7 +108,7 @@ def _prompt_tokens(render: Any, row: dict[str, Any], tokenizer: Any) -> int:
 
 def _train_records(cfg: Any) -> Any:
     """The training prompts for the overlap check, or None when there are none to read."""
-    from laden.rl.trainer import read_prompt_rows
+    from laden.rl.producer import read_prompt_rows
 
     path = cfg.train_dataset.path
     if not path or (not path.startswith("hf:") and not Path(path).expanduser().exists()):

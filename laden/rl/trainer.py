@@ -73,8 +73,8 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from laden.config import LadenConfig, dump_config, format_config, run_dir
-from laden.data import GlobalBatchIterator, PackedBatch, load_records, longest_first
+from laden.config import LadenConfig, dump_config, format_config
+from laden.data import GlobalBatchIterator, longest_first
 from laden.engine import signals
 from laden.engine.checkpoint import (
     checkpoint_meta,
@@ -82,20 +82,21 @@ from laden.engine.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from laden.engine.oom import PhaseOOMError, TrainingOOMError, is_host_oom, is_oom, release_cached_memory
+from laden.engine.oom import PhaseOOMError, is_oom
 from laden.engine.rundir import RunDirectory
-from laden.engine.runtime import Runtime, batch_device, load_model, seed_everything
+from laden.engine.runtime import Runtime, load_model, seed_everything
 from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.errors import RunFailedError
-from laden.model.dtypes import torch_dtype
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 from laden.plots import CHECKPOINT_INTERVAL_S
-from laden.rl.batches import pack_trajectories
+from laden.rl.data_ranks import DataRanks
+from laden.rl.held_out import HeldOut
+from laden.rl.policy_step import PolicyStep
+from laden.rl.producer import Producer, decode_batch, read_prompt_rows
+from laden.rl.weight_sync import WeightSync, phase_oom_fixes
 from laden.rollout.backend import resolve_rollout
-from laden.run_setup import start_run
-from laden.safe_io import atomic_write_text
-from laden.schedule import evaluation_due
+from laden.run_setup import in_run_directory, start_run
 
 log = logging.getLogger("laden.rl")
 
@@ -140,34 +141,6 @@ class RewardFailureError(RunFailedError):
     """More than `reward_error_tolerance` of a step's rewards failed; the message has the first error."""
 
 
-def encode_batch(groups: list[list[Any]], gen_s: float) -> dict[str, Any]:
-    """A generated batch (groups of `Trajectory`s) as JSON data, for a checkpoint (nothing is pickled)."""
-    from dataclasses import asdict
-
-    return {"gen_s": gen_s, "groups": [[_jsonable(asdict(t)) for t in g] for g in groups]}
-
-
-def decode_batch(data: dict[str, Any]) -> tuple[list[list[Any]], None, float, None]:
-    """`encode_batch`'s batch back as the producer's queue item."""
-    from laden.rl.workflow import Trajectory
-
-    groups = [[Trajectory(**{**t, "prompt_ids": tuple(t["prompt_ids"])}) for t in g] for g in data["groups"]]
-    return groups, None, float(data["gen_s"]), None
-
-
-def _jsonable(value: Any) -> Any:
-    """`value` with tuples, numpy and torch scalars and arrays as JSON types (a row's fields may hold them)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
-
-
 def _part_means(trajs: Sequence[Any]) -> dict[str, float]:
     """`reward/<name>`: each reward function's mean over `trajs`, when there are several (their NaN, a
     function that did not apply, left out)."""
@@ -185,15 +158,7 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     """RL-tune `cfg.actor.path` on the prompts of `cfg.train_dataset`; see the module docstring."""
     rt = start_run(cfg, "rl")
     _refuse_unimplemented(cfg, rt.world_size)
-    run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
-    rt.on_main(run.acquire)
-    try:
-        return asyncio.run(_Run(cfg, rt, run).main(progress))
-    except BaseException as exc:
-        run.record_failure(exc)
-        raise
-    finally:
-        run.release()
+    return in_run_directory(cfg, rt, lambda run: asyncio.run(_Run(cfg, rt, run).main(progress)))
 
 
 def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
@@ -212,21 +177,6 @@ def _refuse_unimplemented(cfg: LadenConfig, world_size: int) -> None:
         raise ValueError("; ".join(problems))
 
 
-DEFAULT_WORKFLOWS = ("laden.rl.workflow:RLVRWorkflow", "laden.rl.workflow:MultiTurnWorkflow")
-
-
-def read_prompt_rows(cfg: LadenConfig, ds: Any, field: str) -> Any:
-    """A dataset's rows, each checked once here: a JSON object with a prompt the workflow can render (laden's
-    own workflows; a custom one reads its own fields). A bad row stops the run naming its file and line, or
-    with `<field>.on_bad_row: skip` is left out (counted in the log)."""
-    from laden.data.rows import check_prompt_rows
-
-    records = load_records(ds.path, split=ds.split, on_bad_row=ds.on_bad_row, field=field)
-    if cfg.workflow in DEFAULT_WORKFLOWS:
-        records, _ = check_prompt_rows(records, on_bad_row=ds.on_bad_row, field=field)
-    return records
-
-
 def rollout_device(cfg: LadenConfig, rt: Runtime, *, device_count: int | None = None) -> torch.device:
     """Where the rollout engine runs beside this trainer (`RolloutBackend.placement`)."""
     return resolve_rollout(cfg).placement(
@@ -234,14 +184,7 @@ def rollout_device(cfg: LadenConfig, rt: Runtime, *, device_count: int | None = 
     )
 
 
-def _phase_fixes(cfg: LadenConfig, phase: str, cause: BaseException) -> list[str]:
-    """The knob changes for `laden rl`'s `phase` running out of memory (`laden.memory.doctor`)."""
-    from laden.memory.doctor import phase_fixes
-
-    return phase_fixes(cfg, phase, host=is_host_oom(cause))
-
-
-class _Run:
+class _Run(HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
     def __init__(self, cfg: LadenConfig, rt: Any, run: RunDirectory) -> None:
         self.cfg, self.rt, self.run = cfg, rt, run
         self.rollout_backend = resolve_rollout(cfg)
@@ -370,66 +313,6 @@ class _Run:
         engine.export_hf(self.run.hf_path, tokenizer=self.tokenizer)
         self.rt.barrier()
 
-    def _held_out(self) -> list[dict[str, Any]] | None:
-        """`valid_dataset`'s prompts that fit the engine's context, or None without one; the share of them that
-        are training prompts too is reported (a warning, and `valid_data_stats.json`)."""
-        self.valid_all = None
-        if self.cfg.valid_dataset is None:
-            return None
-        from laden.data.overlap import prompt_overlap
-
-        self.valid_all = read_prompt_rows(self.cfg, self.cfg.valid_dataset, "valid_dataset")
-        overlap = prompt_overlap(self.all_records, self.valid_all)
-        if overlap.num_shared and self.rt.is_main:
-            log.warning(
-                "valid_dataset %s: %s; held-out accuracy on them measures memorisation, not learning. Remove them "
-                "from one of the sets (examples/prepare_arith.py writes disjoint ones)",
-                self.cfg.valid_dataset.path, overlap.summary(),
-            )  # fmt: skip
-        kept, _ = self._prompts_that_fit(self.valid_all, "valid", overlap=overlap.num_shared)
-        return kept
-
-    def _prompts_that_fit(
-        self, records, which: str, *, overlap: int | None = None
-    ) -> tuple[list[dict[str, Any]], list[int]]:
-        """The records whose rendered prompt has at most `train_dataset.max_length` tokens (the
-        engine's context is that plus `gconfig.max_new_tokens`), and their prompts' token counts; the
-        count dropped is logged and written to `<which>_data_stats.json`. Records the default rendering
-        cannot read (a custom workflow's own keys) are kept as they are (counted as 0 tokens)."""
-        from laden.rl.workflow import render_prompt
-
-        limit = self.cfg.train_dataset.max_length
-        kept, lengths, dropped = [], [], 0
-        for record in records:
-            try:
-                n = len(render_prompt(dict(record), self.tokenizer).ids)
-            except (ValueError, KeyError, TypeError):
-                n = 0
-            if n > limit:
-                dropped += 1
-            else:
-                kept.append(record)
-                lengths.append(n)
-        field = "train_dataset" if which == "train" else "valid_dataset"
-        if not kept:
-            raise ValueError(
-                f"{field}.path={records.source!r}: all {dropped} prompts are longer than "
-                f"train_dataset.max_length={limit} tokens; raise it"
-            )
-        if dropped:
-            log.warning("%s: %d of %d prompts are longer than train_dataset.max_length=%d tokens and are skipped",
-                        field, dropped, dropped + len(kept), limit)  # fmt: skip
-        if self.rt.is_main:
-            stats = {
-                "records": dropped + len(kept),
-                "kept": len(kept),
-                "dropped_longer_than_max_length": dropped,
-            }
-            if overlap is not None:
-                stats["shared_with_train"] = overlap
-            atomic_write_text(self.run.path / f"{which}_data_stats.json", json.dumps(stats, indent=2) + "\n")
-        return kept, lengths
-
     def _resume(self, history, changes) -> int:
         if history.checkpoint is None or self.cfg.checkpoint.resume == "never":
             for line in changes:
@@ -460,29 +343,6 @@ class _Run:
         self.run.keep_metrics_through(step)
         log.info("resumed from %s (weight version %d)", history.checkpoint, self.engine.version)
         return step
-
-    def _rollout_engine(self, *, version: int):
-        """The rollout engine, holding its own copy of the policy in the compute dtype."""
-        from laden.rollout.factory import build_rollout_engine, native_engine_from_weights
-
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        if self._serves():  # vLLM / SGLang servers, started on actor.path (given the first weights by main)
-            engine = build_rollout_engine(cfg, tokenizer=self.tokenizer, initial_version=version)
-            log.info("rollout servers %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
-            return engine
-        device = self.rollout_device
-        if device != self.rt.device:
-            log.info("rollout engine %s on %s, the trainer on %s: generation and training run on separate GPUs",
-                     cfg.rollout.backend, device, self.rt.device)  # fmt: skip
-        # the trainer's weights (a resumed run's, or its own initialisation) before the first rollout
-        engine = native_engine_from_weights(
-            cfg, self.engine.named_weights(), device=device, tokenizer=self.tokenizer, version=version
-        )
-        log.info("rollout engine %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)
-        if self._rollout_rng is not None:  # resumed: sampling continues as it was
-            engine.load_sampling_state(self._rollout_rng)
-        return engine
 
     def _critic(self):
         """PPO's value model (`laden.rl.critic`) when the config has a `critic` section, else None."""
@@ -598,22 +458,6 @@ class _Run:
                 board.close()
         return rewards
 
-    async def _quiesce(self) -> None:
-        """Wait until the producer generates nothing: every batch it may start before the next step is
-        trained (at most `max_head_offpolicyness` ahead) is done, and it waits for the trainer or for room
-        in the queue. Then the engine's sampling state and the data position describe exactly what was
-        generated, so a checkpoint taken now (with the generated batches) resumes as the run goes on."""
-        while self._producing:
-            await asyncio.sleep(0.005)
-
-    async def _checkpoint(self, step: int, queue: asyncio.Queue) -> None:
-        """Checkpoint `step` with what the producer generated ahead of it (asynchronous runs): the batches
-        waiting in the queue, their data position and the sampling state after them."""
-        await self._quiesce()
-        pending = [item for item in list(queue._queue) if not isinstance(item, BaseException)]  # type: ignore[attr-defined]
-        data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
-        self._save(step, data_state, pending=[encode_batch(trajs, gen_s) for trajs, _, gen_s, _ in pending])
-
     def _postfix(self, record: dict[str, Any]) -> dict[str, str]:
         out = {"reward": f"{record['reward_mean']:.3f}"}
         if self._last_accuracy is not None:
@@ -623,121 +467,6 @@ class _Run:
         if self.counters.reward_errors:
             out["reward_errors"] = str(self.counters.reward_errors)
         return out
-
-    def _eval_due(self, step: int, elapsed_s: float) -> bool:
-        """Whether to evaluate after `step`: the last step, or as `evaluator` says (every rank decides as
-        rank 0, since `freq_secs` reads each one's clock)."""
-        if self.valid is None:
-            return False
-        due = evaluation_due(
-            self.cfg.evaluator, step=step, total_steps=self.total_steps, steps_per_epoch=self.batches.steps_per_epoch,
-            seconds_since_last=elapsed_s - self._last_eval_s,
-        )  # fmt: skip
-        return bool(self._gather(due)[0])
-
-    async def _evaluate(self, step: int, bar: Any) -> dict[str, float]:
-        """The held-out metrics of the weights after `step` (the rollout engine holds them), on every rank."""
-        from laden.rl.evaluate import evaluate
-
-        assert self.valid is not None
-        bar.set_description_str(f"rl (evaluating {len(self.valid)} held-out prompts)")
-        t0 = time.perf_counter()
-        # Nothing else generates meanwhile (the producer is quiesced) and the engine's random draws are put
-        # back after: a run trains the same with evaluations as without.
-        await self._quiesce()
-        sampling_state = getattr(self.rollout, "sampling_state", None)
-        before = sampling_state() if sampling_state is not None else None
-        try:
-            result = await evaluate(
-                self.rollout, self.valid, self.eval_workflow, rank=self.rt.rank, world_size=self.rt.world_size,
-                gather=self._gather,
-            )  # fmt: skip
-        finally:
-            if before is not None:
-                self.rollout.load_sampling_state(before)
-        bar.set_description_str("rl")
-        stale = {v for s in result.samples for v in s.versions} - {step}
-        if stale:  # the engine took every update up to this step and no later one
-            raise RuntimeError(
-                f"held-out completions after step {step} carry weight versions {sorted(stale)}"
-            )
-        self._check_reward_errors(
-            step,
-            int(result.metrics["eval/reward_errors"]),
-            len(result.samples),
-            result.first_error,
-            "held-out",
-        )
-        self._last_accuracy = result.metrics["eval/accuracy"]
-        metrics = {name: round(value, 6) for name, value in result.metrics.items()}
-        metrics["eval/time_s"] = round(time.perf_counter() - t0, 3)
-        log.info("step %d: held-out accuracy %.3f on %d prompts (%d completions, %.1f s)", step,
-                 metrics["eval/accuracy"], len(self.valid), len(result.samples), metrics["eval/time_s"])  # fmt: skip
-        return metrics
-
-    async def _produce(self, first: int, queue: asyncio.Queue, k: int) -> None:
-        """Batches `first`.. of trajectories, at most `k` ahead of the trainer (k = 0: after each update).
-        `self._producing` is true while a batch is generated (`_quiesce`)."""
-        b = first
-        try:
-            for b in range(first, self.total_steps + 1):
-                async with self.progress_cond:  # batch b starts only when step b - 1 - k is trained
-                    await self.progress_cond.wait_for(self._trained_through(b - 1 - k))
-                self._producing = True
-                t0 = time.perf_counter()
-                sampling_state = getattr(self.rollout, "sampling_state", None)
-                rng_before = None if sampling_state is None else sampling_state()
-                trajs = await self._collect_batch()
-                data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
-                self._producing = False
-                await queue.put((trajs, data_state, time.perf_counter() - t0, rng_before))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
-            if is_oom(e):
-                oom = PhaseOOMError(phase="generation", step=b, cause=e, fixes=_phase_fixes(self.cfg, "generation", e))
-                oom.__cause__ = e
-                e = oom
-            await queue.put(e)
-        finally:
-            self._producing = False
-
-    def _trained_through(self, step: int):
-        return lambda: self.steps_done >= step
-
-    async def _collect_batch(self) -> list[Any]:
-        """`batch_size` accepted groups (rejected ones are refilled from the next prompts; the rest of a
-        batch drawn for a refill is kept for the next, so no prompt is skipped)."""
-        want = self.cfg.train_dataset.batch_size
-        groups: list[list[Any]] = []
-        attempts = 0
-        rank, world = self.rt.rank, self.rt.world_size
-        while len(groups) < want:
-            if len(self._carry) < want - len(groups):
-                self._carry += list(next(self.batches))
-            need = want - len(groups)
-            indices, self._carry = self._carry[:need], self._carry[need:]
-            if world > 1:  # this rank's share of the global batch; no refill, so the ranks stay in step
-                indices, want = indices[rank::world], 0
-            attempts += len(indices)
-            episodes = await asyncio.gather(
-                *(self.workflow.arun_episode(self.rollout, dict(self.records[i])) for i in indices)
-            )
-            self.counters.episodes += len(indices)
-            for ep in episodes:
-                if ep:
-                    groups.append(ep)
-                else:
-                    self.counters.rejected += 1
-            if attempts >= 8 * want and len(groups) < want:
-                if not groups:
-                    raise RuntimeError(
-                        f"{attempts} prompts in a row were all rejected by the workflow (every group's rewards "
-                        "equal, with actor.dynamic_sampling); the reward cannot separate completions: check "
-                        "reward_fn, or set actor.dynamic_sampling: false"
-                    )
-                break
-        return groups
 
     async def _step(self, step: int, groups: list[list[Any]], gen_s: float, wait_s: float) -> dict[str, Any]:
         cfg = self.cfg
@@ -798,7 +527,7 @@ class _Run:
             await self._push_weights(step)
         except Exception as exc:
             if is_oom(exc):
-                fixes = _phase_fixes(cfg, "weight update", exc)
+                fixes = phase_oom_fixes(cfg, "weight update", exc)
                 raise PhaseOOMError(phase="weight update", step=step, cause=exc, fixes=fixes) from exc
             raise
         update_s = time.perf_counter() - t0
@@ -826,287 +555,6 @@ class _Run:
                 f"{tolerance:g} of them ({describe(reward_specs(self.cfg))}); the first error:\n{(first or '').rstrip()}"
             )
 
-    def _drop_newer_weight_versions(self, start: int) -> None:
-        """Weight versions a killed run published after its last checkpoint are written again (by
-        `actor.weight_update_mode: disk`, or by the disk fallback of an in-place update)."""
-        import shutil
-
-        from laden.weights import WeightUpdateMeta, list_versions, version_dir
-
-        if not self.rt.is_main:
-            return
-        cfg = self.cfg
-        root = WeightUpdateMeta.from_disk(cfg.experiment_name, cfg.trial_name, cfg.cluster.fileroot).path
-        if root is None or not root.exists():
-            return
-        for v in list_versions(root):
-            if v > start:
-                shutil.rmtree(version_dir(root, v))
-
-    def _sleeps_while_training(self) -> bool:
-        """Whether the rollout engine frees its KV cache during training: when it shares the trainer's
-        GPU (the native engine; servers run on GPUs of their own), nothing generates meanwhile
-        (`rollout.max_head_offpolicyness: 0`) and `native.free_kv_while_training` says so."""
-        if not (
-            self.rt.device.type == "cuda"
-            and self.rollout_device == self.rt.device
-            and self.cfg.rollout.max_head_offpolicyness == 0
-            and not self._serves()
-        ):
-            return False
-        mode = self.cfg.native.free_kv_while_training
-        if mode == "auto" and not self._sleep_releases_weights():
-            return self._kv_stays is not True
-        return mode != "never"
-
-    def _decide_kv_stays(self) -> None:
-        """`native.free_kv_while_training: auto`, after a step trained with the cache freed: the cache stays
-        from now on when that step's peak plus the cache fits in `HEADROOM` of the GPU on every rank (freeing
-        and allocating it again, with its CUDA graphs recaptured, costs time every step)."""
-        from laden.memory.auto import HEADROOM, process_gpu_bytes
-
-        device = self.rt.device
-        peak = torch.cuda.max_memory_reserved(device)
-        frees = getattr(self.rollout, "sleep_frees_bytes", None)
-        cache = frees() if frees is not None else None
-        budget = process_gpu_bytes(device) * HEADROOM
-        fits = cache is not None and peak + cache <= budget
-        self._kv_stays = not self.rt.any_rank(not fits)
-        if cache is not None:
-            log.info(
-                "native.free_kv_while_training=auto: training peak %.2f GiB + KV cache %.2f GiB %s %.0f%% of "
-                "the GPU (%.2f GiB): the cache %s during training", peak / 2**30, cache / 2**30,
-                "fit in" if fits else "exceed", HEADROOM * 100, budget / 2**30,
-                "stays" if self._kv_stays else "is freed",
-            )  # fmt: skip
-
-    def _serves(self) -> bool:
-        """Whether the rollout engine is servers of its own (vLLM, SGLang), not an engine in this process."""
-        return not self.rollout_backend.in_process
-
-    def _sleep_releases_weights(self) -> bool:
-        """Whether the rollout engine frees its weights too when it sleeps during training: beside a
-        trainer that keeps the policy in host memory (roundpipe; the update after the step refills them)."""
-        return self.rt.backend.keeps_policy_on_host
-
-    def _update_source(self, dtype: torch.dtype | None = None, device: str | None = None):
-        """What a weight update sends: every weight, or under `actor.use_lora`, to the native engine that
-        holds the others (loaded from `actor.path`), only the adapted projections, merged, as a
-        `PartialUpdate` (servers reload whole directories; released weights need all)."""
-        from laden.weights import PartialUpdate
-
-        partial = self.cfg.actor.use_lora and self.rollout_backend.accepts_partial_updates
-        if partial and not (self._sleep_releases_weights() and self._sleeps_while_training()):
-            return PartialUpdate(self.engine.named_weights(dtype, device=device, trained_only=True))
-        return self.engine.named_weights(dtype, device=device)
-
-    async def _push_weights(self, version: int) -> None:
-        """The trainer's weights to the rollout engine, as `actor.weight_update_mode` says.
-
-        `disk`: a version directory under the run directory (written atomically, shards of
-        `actor.weight_chunked_mem_mb`), which the engine loads. `xccl` with the native engine in this
-        process: the tensors are copied in place (one process needs no broadcast). An in-place
-        update that runs out of memory, under `oom_policy: auto` in one process, is made again
-        through disk (the engine then reads every tensor from the version directory, so a copy
-        the failure left half done is overwritten): the same weights, no GPU staging."""
-        from laden.weights import WeightUpdateMeta
-
-        cfg = self.cfg
-        if cfg.actor.weight_update_mode == "disk":
-            await self._push_through_disk(WeightUpdateMeta.from_config(cfg), version)
-            return
-        try:
-            await self.rollout.update_weights(self._update_source(), version=version)
-        except Exception as exc:
-            if not (
-                is_oom(exc) and cfg.oom_policy == "auto" and self.rt.world_size == 1 and not self._serves()
-            ):
-                raise
-            log.warning(
-                "weight update %d ran out of memory in place (%s); oom_policy=auto: making it again through "
-                "disk under the run directory", version, str(exc).splitlines()[0][:200],
-            )  # fmt: skip
-            release_cached_memory()
-            meta = WeightUpdateMeta.from_disk(
-                cfg.experiment_name, cfg.trial_name, cfg.cluster.fileroot,
-                weight_chunked_mem_mb=cfg.actor.weight_chunked_mem_mb,
-            )  # fmt: skip
-            await self._push_through_disk(meta, version)
-
-    async def _push_through_disk(self, meta: Any, version: int) -> None:
-        from laden.weights import version_dir, write_weights
-
-        cfg = self.cfg
-        root = meta.path
-        assert root is not None
-        named = self._update_source(torch_dtype(cfg.actor.dtype), device="cpu")
-        # a resumed run's first push: its checkpoint's version is on disk already
-        exists = version_dir(root, version).is_dir()
-
-        def publish() -> None:
-            if not exists and self.rt.is_main:
-                write_weights(named, root, version, shard_mb=cfg.actor.weight_chunked_mem_mb, keep_last=2)
-            elif not exists:  # sharded engines gather collectively: every rank iterates, rank 0 writes
-                for _ in named:
-                    pass
-            self.rt.barrier()
-
-        await asyncio.get_running_loop().run_in_executor(self.train_pool, publish)
-        # servers load a directory of safetensors; the native engine finds the version under the root
-        source = version_dir(root, version) if self._serves() else meta
-        await self.rollout.update_weights(source, version=version)
-
-    # ------------------------------------------------------------------ training (worker thread)
-
-    def _train_on(self, groups: list[list[Any]], shares: list[Any]) -> dict[str, float]:
-        """Advantages (over every rank's completions, `shares`), micro-batches, `ppo_n_minibatches`
-        optimizer steps (then the critic's); metrics as floats."""
-        cfg = self.cfg
-        trajs = [t for g in groups for t in g]
-        advantages, critic_targets, metrics = self._advantages(trajs, shares)
-        fewest_groups = min(len(sizes) for _, sizes in shares)
-        n = max(1, min(cfg.actor.ppo_n_minibatches, fewest_groups))
-        chunks = [groups[i::n] for i in range(n)]
-        # The trainer's log-probs (proximal / old) and the reference's, all under the weights before
-        # this step's first update: later minibatches' ratios then measure how far the policy moved.
-        chunk_mbs = [self._micro_batches([t for g in chunk for t in g], advantages) for chunk in chunks]
-        for mbs in chunk_mbs:
-            if cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob:
-                self._recompute_logprobs(mbs)
-            if self.ref is not None:
-                self._reference_logprobs(mbs)
-        for mbs in chunk_mbs:
-            normalizer = self._sum(self.objective.loss_normalizer(mbs))
-            loss = self._forward_backward(mbs, max(normalizer, 1))
-            step_out = self.engine.optimizer_step()
-            stats = self._global_stats(self.objective.pop_stats(), mbs)
-            values = {"loss": loss, **step_out, **stats}
-            for name, value in values.items():
-                metrics[name] = metrics.get(name, 0.0) + float(value) / len(chunks)
-        if self.critic is not None:
-            n = max(1, min(self.critic.section.ppo_n_minibatches, fewest_groups))
-            critic_chunks = [[t for g in groups[i::n] for t in g] for i in range(n)]
-            metrics.update(self.critic.update(critic_chunks, *critic_targets))
-        return metrics
-
-    def _global_stats(self, stats: dict[str, torch.Tensor], mbs: list[PackedBatch]) -> dict[str, float]:
-        """The objective's token means over every rank's loss tokens, and the global `num_loss_tokens`.
-        The loss runs where the model's last layers are (a pipeline's last stage, each context rank on
-        its slice of the tokens, every tensor rank on all of them), so each rank's means are weighted by
-        the loss tokens it saw; the processes of one data-parallel index repeat alike."""
-        local = {name: float(v) for name, v in stats.items()}
-        if self.rt.world_size == 1:
-            return local
-        everyone = [s for s in self._gather(local) if s]
-        seen = sum(s["num_loss_tokens"] for s in everyone)
-        out = {
-            name: sum(s[name] * s["num_loss_tokens"] for s in everyone if name in s) / max(seen, 1.0)
-            for name in dict.fromkeys(n for s in everyone for n in s)
-        }
-        out["num_loss_tokens"] = float(self._sum(sum(mb.num_loss_tokens for mb in mbs)))
-        return out
-
-    def _forward_backward(self, mbs: list[PackedBatch], normalizer: int) -> torch.Tensor:
-        """The policy's gradients of `mbs`. Under `oom_policy: auto` in one process, a step that runs out of
-        memory is made again on the same documents: each micro-batch split in two at a document boundary
-        (`split_documents`), as often as it takes, then with layer recompute. `forward_backward` starts
-        from fresh gradients and the loss is a sum over tokens, so the step is the one a run without the
-        failure makes (up to the summation order). Otherwise, or when nothing is left to split, the error
-        names the knob changes."""
-        from laden.data.batch import split_documents
-        cfg = self.cfg
-        while True:
-            try:
-                return self.engine.forward_backward(mbs, self.objective, normalizer=normalizer)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                release_cached_memory()
-                self.objective.pop_stats()  # the failed attempt's partial statistics
-                tokens = max(mb.num_tokens for mb in mbs)
-                if cfg.oom_policy == "auto" and self.rt.world_size == 1:
-                    split = [part for mb in mbs for part in split_documents(mb)]
-                    if len(split) > len(mbs):
-                        log.warning("step %d ran out of memory at %d tokens per micro-batch; retrying the same "
-                                    "documents in %d micro-batches", self._step_now, tokens, len(split))  # fmt: skip
-                        mbs = split
-                        continue
-                    recompute = getattr(self.engine, "enable_recompute", None)
-                    if recompute is not None and recompute():
-                        log.warning("step %d ran out of memory at one sequence per micro-batch; retrying with "
-                                    "layer recompute (on from now)", self._step_now)  # fmt: skip
-                        continue
-                longest = max(max(mb.seqlens, default=0) for mb in mbs)
-                fixes = self.rt.backend.training_oom_fixes(
-                    cfg, host=is_host_oom(exc), tokens_per_mb=tokens, longest_seq=longest
-                )
-                raise TrainingOOMError(step=self._step_now, cause=exc, fixes=fixes,
-                                       in_collectives=self.rt.world_size > 1) from exc  # fmt: skip
-
-    def _advantages(
-        self, trajs: list[Any], shares: list[Any]
-    ) -> tuple[dict[int, list[float]], Any, dict[str, float]]:
-        """(per-token advantages of this rank's completions by `id(traj)`, the critic's targets, metrics).
-
-        Without a critic GRPO's: one value per completion, from every rank's rewards (`shares`). With
-        one, GAE's (`laden.rl.gae`) on the critic's values, normalised over every rank's tokens; the
-        targets are then `(old values, returns)` by `id(traj)`."""
-        from laden.rl.advantages import grpo_advantages
-
-        rows = [x for r, _ in shares for x in r]
-        first = sum(len(r) for r, _ in shares[: self._dp_rank()])
-        shaping: dict[str, Any] = dict(
-            group_sizes=[n for _, sizes in shares for n in sizes], completion_lengths=[n for _, n, _ in rows],
-            has_eos=[e for _, _, e in rows], max_new_tokens=self.cfg.gconfig.max_new_tokens,
-        )  # fmt: skip
-        if self.critic is None:
-            adv_all = grpo_advantages([r for r, _, _ in rows], self.adv_settings, **shaping).tolist()
-            adv = adv_all[first : first + len(trajs)]
-            return {id(t): [a] * len(t.completion_ids) for t, a in zip(trajs, adv)}, None, {}
-        from laden.rl.gae import explained_variance, gae, last_token_rewards, normalize_tokens, shaped_rewards
-
-        rewards = shaped_rewards([r for r, _, _ in rows], self.adv_settings, **shaping)
-        values = self.critic.values(trajs)  # [C + 1] each
-        # The end of a completion is terminal, truncated or not (as verl, OpenRLHF and TRL count it):
-        # bootstrapping a truncated one from the critic's own value lets the values drift upward.
-        for v in values:
-            v[-1] = 0.0
-        raw, returns = gae(
-            last_token_rewards(rewards[first : first + len(trajs)], [len(t.completion_ids) for t in trajs]), values,
-            discount=self.cfg.actor.discount, gae_lambda=self.cfg.actor.gae_lambda,
-        )  # fmt: skip
-        everyone = [a for part in self._of_each_data_rank(raw) for a in part]
-        adv = normalize_tokens(everyone, self.adv_settings.adv_norm, group_sizes=shaping["group_sizes"])
-        old = [v[:-1] for v in values]
-        flat_old, flat_returns = torch.cat([*old, torch.zeros(0)]), torch.cat([*returns, torch.zeros(0)])
-        metrics = {
-            "value_mean": float(flat_old.mean()) if flat_old.numel() else math.nan,
-            "return_mean": float(flat_returns.mean()) if flat_returns.numel() else math.nan,
-            "explained_variance": explained_variance(flat_old, flat_returns),
-        }
-        by_id = {id(t): a.tolist() for t, a in zip(trajs, adv[first : first + len(trajs)])}
-        targets = ({id(t): v for t, v in zip(trajs, old)}, {id(t): r for t, r in zip(trajs, returns)})
-        return by_id, targets, metrics
-
-    def _micro_batches(self, trajs: Sequence[Any], advantages: dict[int, list[float]]) -> list[PackedBatch]:
-        """The policy's micro-batches: per-token `advantages` and the rollout's `old_logprobs`."""
-        spec = self.cfg.actor.mb_spec
-        fields = {"advantages": [advantages[id(t)] for t in trajs], "old_logprobs": [t.logprobs for t in trajs]}  # fmt: skip
-        mbs, _ = pack_trajectories(
-            trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
-            + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, self.rt.backend.min_micro_batches(self.cfg)),
-            algorithm=spec.packing_algorithm, device=batch_device(self.rt.backend, self.rt),
-        )  # fmt: skip
-        return mbs
-
-    def _recompute_logprobs(self, mbs: list[PackedBatch]) -> None:
-        """The trainer's own log-probs of the completions: `prox_logprobs` (decoupled loss) or, with
-        `recompute_logprob` alone, the `old_logprobs` the ratio is taken against."""
-        outs = self.engine.forward(mbs, outputs=("logprobs",), temperature=self.cfg.actor.temperature)
-        name = "prox_logprobs" if self.cfg.actor.use_decoupled_loss else "old_logprobs"
-        for i, (mb, out) in enumerate(zip(mbs, outs)):
-            mbs[i] = mb.with_fields(**{name: out["logprobs"].to(mb.labels.device)})
-
     def _write_curves(self, *, min_interval_s: float = 0.0) -> None:
         """`curves.png` in the run directory (`laden.plots`); a figure that cannot be drawn never stops the run."""
         from laden.plots import write_curves
@@ -1115,11 +563,6 @@ class _Run:
             write_curves(self.run.path, "rl", min_interval_s=min_interval_s)
         except Exception as exc:  # noqa: BLE001 - the curves are a view of metrics.jsonl, which is kept
             log.warning("curves.png was not written: %s: %s", type(exc).__name__, exc)
-
-    def _held_out_history(self) -> list[tuple[int, float]]:
-        """(step, `eval/accuracy`) of every evaluation logged in `metrics.jsonl` (every rank reads rank 0's)."""
-        rows = self.run.logged_rows() if self.rt.is_main else []
-        return [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r]
 
     def _rng_state(self, mine: Any = None) -> dict[str, Any]:
         """The native engines' sampling states (`NativeEngine.sampling_state`), every rank's (each
@@ -1132,52 +575,6 @@ class _Run:
         if every[0] is None:
             return {}
         return {"rollout_rng": every[0], "rollout_rng_ranks": every}
-
-    def _gather(self, obj: Any) -> list[Any]:
-        """`obj` of every rank, in rank order (the host group; `[obj]` in one process)."""
-        if self.rt.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.rt.world_size
-        torch.distributed.all_gather_object(out, obj, group=self.rt.host_group)
-        return out
-
-    def _dp_rank(self) -> int:
-        return getattr(self.engine, "dp_rank", 0) if self.rt.world_size > 1 else 0
-
-    def _dp_size(self) -> int:
-        return getattr(self.engine, "dp_size", self.rt.world_size) if self.rt.world_size > 1 else 1
-
-    def _by_data_rank(self, groups: list[list[Any]]) -> list[list[list[Any]]]:
-        """The groups each data-parallel rank trains on, in data-parallel order (the same list on every
-        rank). Every process generates its own share of the batch (`_collect_batch`), so that every
-        rollout engine works; the processes of one data-parallel index (its tensor, context and
-        pipeline ranks, which take the same inputs) then train on the union of theirs, in rank order."""
-        if self.rt.world_size == 1:
-            return [groups]
-        everyone = self._gather((self._dp_rank(), groups))
-        return [[g for d, part in everyone if d == i for g in part] for i in range(self._dp_size())]
-
-    def _of_each_data_rank(self, obj: Any) -> list[Any]:
-        """`obj` of every data-parallel rank, in order (from its first process; the others hold the same)."""
-        everyone = self._gather((self._dp_rank(), obj))
-        return [next(o for d, o in everyone if d == i) for i in range(self._dp_size())]
-
-    def _sum(self, value: int) -> int:
-        """A count of this rank's training data summed over the data-parallel ranks (the processes of one
-        data-parallel index hold the same data and count it once)."""
-        if self.rt.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, group=self.rt.host_group)
-        replicas = self.rt.world_size // self._dp_size()
-        return int(t.item()) // replicas
-
-    def _reference_logprobs(self, mbs: list[PackedBatch]) -> None:
-        """`ref_logprobs` of the completions under the reference model (the KL term)."""
-        assert self.ref is not None
-        outs = self.ref.forward(mbs, outputs=("logprobs",), temperature=self.cfg.actor.temperature)
-        for i, (mb, out) in enumerate(zip(mbs, outs)):
-            mbs[i] = mb.with_fields(ref_logprobs=out["logprobs"].to(mb.labels.device))
 
     def _save(
         self, step: int, data_state: dict[str, Any], rng: Any = None, pending: list[Any] | None = None

@@ -31,7 +31,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from laden.config import DatasetConfig, LadenConfig, dump_config, format_config, run_dir
+from laden.config import DatasetConfig, LadenConfig, dump_config, format_config
 from laden.data import (
     GlobalBatchIterator,
     PackedBatch,
@@ -63,7 +63,7 @@ from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 from laden.plots import CHECKPOINT_INTERVAL_S, write_curves
-from laden.run_setup import start_run
+from laden.run_setup import in_run_directory, start_run
 from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
 
@@ -180,15 +180,7 @@ def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
     rt = start_run(cfg, "sft")
-    run = RunDirectory(run_dir(cfg), is_main=rt.is_main)
-    rt.on_main(run.acquire)
-    try:
-        return _run(cfg, rt, run, progress)
-    except BaseException as exc:
-        run.record_failure(exc)
-        raise
-    finally:
-        run.release()
+    return in_run_directory(cfg, rt, lambda run: _run(cfg, rt, run, progress))
 
 
 def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SFTResult:
