@@ -14,3 +14,7 @@ class RunFailedError(RuntimeError):
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
+
+
+class RewardFailureError(RunFailedError):
+    """More than `reward_error_tolerance` of a `laden rl` step's rewards failed; the message has the first error."""
