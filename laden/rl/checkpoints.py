@@ -56,12 +56,11 @@ class Checkpoints(RunPart):
         return step
 
     def _rng_state(self, mine: Any = None) -> dict[str, Any]:
-        """The native engines' sampling states (`NativeEngine.sampling_state`), every rank's (each
+        """The rollout engines' sampling states (`RolloutEngine.sampling_state`), every rank's (each
         samples its own share of a batch), so a resumed run samples what it would have: the engine's
         now, or `mine` (a state taken earlier). Every rank calls it (`_save`)."""
-        sampling_state = getattr(self.rollout, "sampling_state", None)
-        if mine is None and sampling_state is not None:
-            mine = sampling_state()
+        if mine is None:
+            mine = self.rollout.sampling_state()
         every = self._gather(mine)
         if every[0] is None:
             return {}

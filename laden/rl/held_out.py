@@ -100,8 +100,7 @@ class HeldOut(RunPart):
         # Nothing else generates meanwhile (the producer is quiesced) and the engine's random draws are put
         # back after: a run trains the same with evaluations as without.
         await self._quiesce()
-        sampling_state = getattr(self.rollout, "sampling_state", None)
-        before = sampling_state() if sampling_state is not None else None
+        before = self.rollout.sampling_state()
         try:
             result = await evaluate(
                 self.rollout, self.valid, self.eval_workflow, rank=self.rt.rank, world_size=self.rt.world_size,

@@ -90,8 +90,7 @@ class Producer(RunPart):
                     await self.progress_cond.wait_for(self._trained_through(b - 1 - k))
                 self._producing = True
                 t0 = time.perf_counter()
-                sampling_state = getattr(self.rollout, "sampling_state", None)
-                rng_before = None if sampling_state is None else sampling_state()
+                rng_before = self.rollout.sampling_state()
                 trajs = await self._collect_batch()
                 data_state = {"batches": self.batches.state_dict(), "carry": list(self._carry)}
                 self._producing = False

@@ -94,8 +94,7 @@ class WeightSync(RunPart):
 
         device = self.rt.device
         peak = torch.cuda.max_memory_reserved(device)
-        frees = getattr(self.rollout, "sleep_frees_bytes", None)
-        cache = frees() if frees is not None else None
+        cache = self.rollout.sleep_frees_bytes()
         budget = process_gpu_bytes(device) * HEADROOM
         fits = cache is not None and peak + cache <= budget
         self._kv_stays = not self.rt.any_rank(not fits)

@@ -169,6 +169,19 @@ class RolloutEngine(Protocol):
         """Restore what `sleep` released (weights come back by `update_weights` if released)."""
         ...
 
+    def sleep_frees_bytes(self) -> int | None:
+        """The bytes `sleep` frees on the trainer's GPU (None: none, or unknown)."""
+        ...
+
+    def sampling_state(self) -> dict[str, Any] | None:
+        """The state its random draws continue from (for a checkpoint), or None when it cannot be saved
+        (servers sample with their own seeds)."""
+        ...
+
+    def load_sampling_state(self, state: dict[str, Any]) -> None:
+        """Continue from `sampling_state()`'s result: the same draws follow as after it was taken."""
+        ...
+
     @property
     def version(self) -> int:
         """The version of the weights the engine generates with now."""

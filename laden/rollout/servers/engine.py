@@ -293,6 +293,17 @@ class ServerEngine:
         await self._each_server(lambda http, url: self.dialect.release_memory(http, url, weights=weights))
         self._released_weights = self._released_weights or weights
 
+    def sleep_frees_bytes(self) -> int | None:
+        """None: the servers' memory is on GPUs of their own, not the trainer's."""
+        return None
+
+    def sampling_state(self) -> dict[str, Any] | None:
+        """None: each server samples with its own seed (`seed`), which a checkpoint cannot hold."""
+        return None
+
+    def load_sampling_state(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (`sampling_state` is None for servers)."""
+
     async def wake(self) -> None:
         """Allocate again what `sleep` released; resume if `sleep` paused and the weights are kept."""
         self._check_open("wake")
