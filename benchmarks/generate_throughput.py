@@ -37,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import QWEN3_SHAPES, device_idle, git_commit  # noqa: E402
 
+from laden.rollout.native.kernels.options import KernelOptions  # noqa: E402
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)  # fmt: skip
 
@@ -88,7 +90,7 @@ def run_native(model, reqs, args, device) -> dict[str, Any]:
         decode_steps=args.decode_steps, cuda_graphs=None if not args.no_graphs else False,
         decode_backend=args.decode_backend, seed=0, tensor_parallel=args.tensor_parallel,
         chain_windows=False if args.no_chain else None, fused_decode=False if args.no_fused else None,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_prefill_tokens=args.max_prefill_tokens, kernel_options=args.engine_kernel_options,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
 
@@ -246,6 +248,7 @@ def greedy_check(args, device) -> None:
         max_concurrent=len(prompts),
         max_model_len=max(map(len, prompts)) + n + 8,
         kv_cache_tokens=65536,
+        kernel_options=args.engine_kernel_options,
     )
     got = engine.generate_sync(
         [
@@ -300,34 +303,30 @@ def _build(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tp):
     return model.to(device)
 
 
-def set_kernel_options(options: list[str]) -> dict[str, Any]:
-    """`MODULE.NAME=VALUE` (a Python literal, or a bare word as a string) set on
-    `laden.rollout.native.kernels.MODULE`; only names the module already defines, so a typo is an error,
-    not an option that does nothing."""
+def kernel_options_from(options: list[str]) -> tuple[KernelOptions, dict[str, Any]]:
+    """`MODULE.NAME=VALUE` words (a Python literal, or a bare word as a string) as the engine's
+    `KernelOptions`, and the settings as given (recorded as `kernel_options`); only settings
+    `KernelOptions` has, so a typo is an error, not an option that does nothing."""
     import ast
-    import importlib
 
+    value_of = KernelOptions()
     done: dict[str, Any] = {}
     for option in options:
         target, sep, text = option.partition("=")
-        module_name, dot, name = target.rpartition(".")
-        if not sep or not dot:
+        if not sep or "." not in target:
             raise SystemExit(
                 f"--kernel-option {option!r}: expected MODULE.NAME=VALUE, e.g. triton_swiglu.IN_DECODE=True"
             )
         try:
-            module = importlib.import_module(f"laden.rollout.native.kernels.{module_name}")
-        except ImportError as e:
-            raise SystemExit(f"--kernel-option {option!r}: {e}") from e
-        if not hasattr(module, name):
-            raise SystemExit(f"--kernel-option {option!r}: laden.rollout.native.kernels.{module_name} has no {name}")
-        try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text  # a bare word: a string (triton_sampler.METHOD=cdf)
-        setattr(module, name, value)
+        try:
+            value_of = value_of.with_setting(target, value)
+        except ValueError as e:
+            raise SystemExit(f"--kernel-option {option!r}: {e}") from e
         done[target] = value
-    return done
+    return value_of, done
 
 
 def main() -> None:
@@ -363,11 +362,11 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="native tensor parallel size (run under torchrun)")
     ap.add_argument(
         "--kernel-option", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-        help="native: set a module constant of laden.rollout.native before the engine is built, e.g. "
+        help="native: a setting of the engine's KernelOptions (laden.rollout.native.kernels.options), e.g. "
         "triton_swiglu.IN_DECODE=True or triton_decode.PREFETCH_TABLE=True (recorded as kernel_options)",
     )  # fmt: skip
     args = ap.parse_args()
-    args.kernel_options = set_kernel_options(args.kernel_option)
+    args.engine_kernel_options, args.kernel_options = kernel_options_from(args.kernel_option)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.tensor_parallel, is_main = None, True
     if args.tp > 1:

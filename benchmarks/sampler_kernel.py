@@ -4,7 +4,7 @@ step's call and the logits' read bandwidth, per chunk length and warp count.
 One JSON line per (rows, method, chunk, warps): microseconds a call inside a CUDA graph of `--iters` calls,
 as the engine's decode graphs run it, over bf16 logits of Qwen3's vocabulary (151,936), every row
 sampling at temperature 1 (`--greedy`: argmax rows, which draw no random numbers). The chunk
-and the method (`race`, `cdf`: see `triton_sampler.METHOD`) change the draws, not their
+and the method (`race`, `cdf`: see `SamplerOptions.method`) change the draws, not their
 distribution.
 
     python benchmarks/sampler_kernel.py                                  # 64 and 256 rows, the grid
@@ -40,7 +40,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("sampler_kernel.py times the Triton sampler on a GPU; this machine has none")
 
-    from laden.rollout.native.kernels.triton_sampler import CHUNK, METHOD, NUM_WARPS, sample_fused
+    from laden.rollout.native.kernels.options import SamplerOptions
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
+
+    CHUNK, METHOD, NUM_WARPS = SamplerOptions().chunk, SamplerOptions().method, SamplerOptions().num_warps
 
     dev = torch.device("cuda")
     commit = git_commit()

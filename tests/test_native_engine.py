@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from laden.rollout import GenerationRequest, SamplingParams
 from laden.rollout.native import NativeEngine
-from laden.rollout.native.core import GenerationOOMError
+from laden.rollout.native.kernels.options import KernelOptions, SwigluOptions
+from laden.rollout.native.scheduler import GenerationOOMError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -256,7 +257,7 @@ def test_pause_update_resume_tags_each_token_with_its_version(chain):
             await asyncio.sleep(0)
             await asyncio.sleep(0.001)
         await engine.pause()
-        before = {s.request.rid: len(s.output) for s in engine.core.running}
+        before = {s.request.rid: len(s.output) for s in engine.core.scheduler.running}
         await engine.update_weights(new_state.items(), version=1)
         await engine.resume()
         results = [await first] + [r async for r in gen]
@@ -437,7 +438,9 @@ def test_projections_are_views_of_one_fused_tensor_and_updates_land_there(kind):
         assert r.output_ids == reference_greedy(reference, p, 6, set())
 
 
-def _rope_store_reference(qkv, positions, cos, sin, qn_w, kn_w, eps, k_cache, v_cache, slots, nh, nkv):
+def _rope_store_reference(
+    qkv, positions, cos, sin, qn_w, kn_w, eps, k_cache, v_cache, slots, nh, nkv, **launch
+):
     """`triton_qkv.rope_store` in plain torch: per-head RMSNorm of q and k (Qwen3), rotary
     embedding, k and v into the cache slots; returns q `[N, nh, D]`."""
     d = cos.shape[-1]
@@ -472,7 +475,7 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
     """The fused decode layer's own arithmetic on the CPU (fp32), its kernels replaced by plain
     torch: projections whose residual is added by the split-K kernel, or left to the RMSNorm after
     them (`_add_rms`, as cuBLAS's rows are), give the greedy tokens and log-probs of the standard
-    layers; with `triton_swiglu.IN_DECODE` the SwiGLU is the kernel's, once a layer."""
+    layers; with `SwigluOptions.in_decode` the SwiGLU is the kernel's, once a layer."""
     import sys
     import types
 
@@ -482,7 +485,7 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
 
     calls = {"add_rms": 0, "swiglu": 0}
 
-    def counted_swiglu(gu):
+    def counted_swiglu(gu, **launch):
         calls["swiglu"] += 1
         return _swiglu_reference(gu)
 
@@ -493,7 +496,7 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
         "laden.rollout.native.kernels.triton_linear": {"pick_config": lambda *a, **k: object() if split_k else None,
                                                "linear": linear},
         "laden.rollout.native.kernels.triton_qkv": {"rope_store": _rope_store_reference},
-        "laden.rollout.native.kernels.triton_swiglu": {"IN_DECODE": swiglu_kernel, "swiglu": counted_swiglu},
+        "laden.rollout.native.kernels.triton_swiglu": {"swiglu": counted_swiglu},
     }  # fmt: skip
     for name, attrs in fakes.items():
         module = types.ModuleType(name)
@@ -503,7 +506,8 @@ def test_the_fused_decode_layer_adds_each_residual_once(monkeypatch, projections
     prompts = _prompts(4)
     reqs = _requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True)
     plain = _engine(copy.deepcopy(model)).generate_sync(reqs)
-    engine = _engine(copy.deepcopy(model))
+    options = KernelOptions(swiglu=SwigluOptions(in_decode=swiglu_kernel))
+    engine = _engine(copy.deepcopy(model), kernel_options=options)
     engine.paged.fused_decode = True  # as on a GPU with Triton (the CPU engine never picks it)
     engine.paged._num_sms = 2
     add_rms = engine.paged._add_rms
@@ -547,7 +551,7 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
         "laden.rollout.native.kernels.triton_linear": {"pick_config": lambda *a, **k: None, "linear": None},
         "laden.rollout.native.kernels.triton_qkv": {"rope_store": failing("rope_store")},
         "laden.rollout.native.kernels.triton_sampler": {"sample_fused": failing("sample_fused")},
-        "laden.rollout.native.kernels.triton_swiglu": {"IN_DECODE": False, "swiglu": None},
+        "laden.rollout.native.kernels.triton_swiglu": {"swiglu": None},
     }
     for name, attrs in fakes.items():
         module = types.ModuleType(name)
@@ -556,16 +560,16 @@ def test_a_triton_kernel_that_does_not_build_falls_back_to_the_torch_paths(monke
     model = _model("qwen3")
     engine = _engine(copy.deepcopy(model))
     engine.paged.fused_decode = True  # as on a GPU with Triton (the CPU engine never picks it)
-    engine.core.fused_sampler = True
-    engine.core.sample_seed = torch.zeros(1, dtype=torch.int64)
-    engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+    engine.core.runner.fused_sampler = True
+    engine.core.runner.sample_seed = torch.zeros(1, dtype=torch.int64)
+    engine.core.runner.sample_offset = torch.zeros(1, dtype=torch.int64)
     prompts = _prompts(4)
     with caplog.at_level("WARNING"):
         results = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=9, ignore_eos=True))
     for p, r in zip(prompts, results):
         assert r.output_ids == reference_greedy(model, p, 9, set())
     assert calls == {"rope_store": 1, "sample_fused": 1}  # tried once each, then the torch paths
-    assert not engine.paged.fused_decode and not engine.core.fused_sampler
+    assert not engine.paged.fused_decode and not engine.core.runner.fused_sampler
     assert "fused decode layer does not build on this GPU (OutOfResources" in caplog.text
     assert "fused sampler does not build" in caplog.text
     # any other error is not swallowed
@@ -664,15 +668,15 @@ def test_sampling_state_continues_the_draws():
     model = _model("qwen3")
     a, b = _engine(copy.deepcopy(model), seed=3), _engine(copy.deepcopy(model), seed=4)
     for engine in (a, b):  # as on a GPU: the fused sampler's step counter
-        engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+        engine.core.runner.sample_offset = torch.zeros(1, dtype=torch.int64)
     prompts = _prompts(3)
     a.generate_sync(_requests(prompts, max_new_tokens=5, ignore_eos=True))
-    a.core.sample_offset.fill_(41)
+    a.core.runner.sample_offset.fill_(41)
     state = a.sampling_state()
     assert state["fused_step"] == 41
-    held = b.core.sample_offset
+    held = b.core.runner.sample_offset
     b.load_sampling_state(state)
-    assert b.core.sample_offset is held and int(held) == 41
+    assert b.core.runner.sample_offset is held and int(held) == 41
     ra = a.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))
     rb = b.generate_sync(_requests(prompts, max_new_tokens=6, ignore_eos=True))
     assert [r.output_ids for r in ra] == [r.output_ids for r in rb]

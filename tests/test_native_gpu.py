@@ -63,34 +63,32 @@ FUSED_IN_THE_INTERPRETER = """
 import copy, torch
 from test_native_engine import _engine, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 import laden.rollout.native.model as native_model
-from laden.rollout.native.kernels import triton_decode, triton_linear, triton_sampler, triton_swiglu
+from laden.rollout.native.kernels.options import KernelOptions
 
 native_model.SPLIT_K_DTYPES = (torch.float32,)  # the split-K linear in fp32 too
 model = _model("qwen3")
 prompts = _prompts(3)
 want = [reference_greedy(model, p, 4, set()) for p in prompts]
-options = [{}, {(triton_swiglu, "IN_DECODE"): True}, {(triton_decode, "HEADS_PER_PROGRAM"): 2},
-           {(triton_decode, "PREFETCH_TABLE"): True}, {(triton_sampler, "METHOD"): "cdf"}]
+options = [{}, {"triton_swiglu.IN_DECODE": True}, {"triton_decode.HEADS_PER_PROGRAM": 2},
+           {"triton_decode.PREFETCH_TABLE": True}, {"triton_sampler.METHOD": "cdf"}]
 options.append({key: value for opt in options for key, value in opt.items()})  # all of them together
 for opt in options:
-    saved = {key: getattr(*key) for key in opt}
-    for (module, name), value in opt.items():
-        setattr(module, name, value)
-    engine = _engine(copy.deepcopy(model), kv_cache_tokens=512)
+    kernel_options = KernelOptions()
+    for target, value in opt.items():
+        kernel_options = kernel_options.with_setting(target, value)
+    engine = _engine(copy.deepcopy(model), kv_cache_tokens=512, kernel_options=kernel_options)
     paged = engine.paged
     paged.fused_decode, paged._num_sms, paged.decode_backend = True, 1000, "triton"  # every projection split-K
-    engine.core.fused_sampler = True
-    engine.core.sample_seed = torch.zeros(1, dtype=torch.int64)
-    engine.core.sample_offset = torch.zeros(1, dtype=torch.int64)
+    engine.core.runner.fused_sampler = True
+    engine.core.runner.sample_seed = torch.zeros(1, dtype=torch.int64)
+    engine.core.runner.sample_offset = torch.zeros(1, dtype=torch.int64)
     got = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=4, ignore_eos=True))
     assert [r.output_ids for r in got] == want, (opt, [r.output_ids for r in got], want)
     sampled = engine.generate_sync(_requests(prompts, temperature=1.0, max_new_tokens=4, ignore_eos=True))
     for p, r in zip(prompts, sampled):
         ref = teacher_forced_logprobs(model, p, r.output_ids, 1.0)
         assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4), (opt, r.output_logprobs, ref)
-    assert paged.fused_decode and engine.core.fused_sampler
-    for (module, name), value in saved.items():
-        setattr(module, name, value)
+    assert paged.fused_decode and engine.core.runner.fused_sampler
 print("ok")
 """
 
@@ -269,23 +267,25 @@ KERNEL_OPTIONS["all"] = {k: v for opt in KERNEL_OPTIONS.values() for k, v in opt
 
 @gpu
 @pytest.mark.parametrize("name", list(KERNEL_OPTIONS))
-def test_kernel_options_bf16_return_the_models_logprobs(name, monkeypatch):
+def test_kernel_options_bf16_return_the_models_logprobs(name):
     """Each option compiled for the GPU (stages, register caps, split-K above 128 rows), 160 rows
     at the Qwen3-0.6B widths: greedy and sampled tokens' log-probs against the model's forward."""
-    import importlib
-
     from laden.rollout.native import NativeEngine
+    from laden.rollout.native.kernels.options import KernelOptions
 
+    kernel_options = KernelOptions()
     for target, value in KERNEL_OPTIONS[name].items():
-        module, _, attr = target.rpartition(".")
-        monkeypatch.setattr(importlib.import_module(f"laden.rollout.native.kernels.{module}"), attr, value)
+        kernel_options = kernel_options.with_setting(target, value)
     model = _wide_bf16_model("qwen3")
     prompts = _uneven_prompts(160)
     # compile=False: the decode step is the options' kernels either way (in CUDA graphs, as benchmarked)
-    engine = NativeEngine(model, max_concurrent=161, max_model_len=128, kv_cache_tokens=32768, compile=False)
+    engine = NativeEngine(
+        model, max_concurrent=161, max_model_len=128, kv_cache_tokens=32768, compile=False,
+        kernel_options=kernel_options,
+    )  # fmt: skip
     greedy = engine.generate_sync(_requests(prompts, greedy=True, max_new_tokens=24, ignore_eos=True))
     sampled = engine.generate_sync(_requests(prompts, temperature=1.0, max_new_tokens=24, ignore_eos=True))
-    assert engine.paged.fused_decode and engine.core.fused_sampler  # no kernel fell back
+    assert engine.paged.fused_decode and engine.core.runner.fused_sampler  # no kernel fell back
     engine.shutdown()
     for results in (greedy, sampled):
         for p, r in list(zip(prompts, results))[::8]:

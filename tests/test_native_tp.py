@@ -168,7 +168,7 @@ async def _pause_update_resume(engine: NativeEngine):
     while engine.tp.is_leader and len(decodes) < 3:
         await asyncio.sleep(0.001)
     await engine.pause()
-    before = {s.request.rid: len(s.output) for s in engine.core.running}
+    before = {s.request.rid: len(s.output) for s in engine.core.scheduler.running}
     await engine.update_weights(_state(_model("qwen3", seed=1)).items(), version=1)
     await engine.resume()
     results = [await first] + [r async for r in gen]

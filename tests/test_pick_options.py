@@ -80,13 +80,9 @@ def test_words_read_back_through_the_benchmarks_option_parser():
     }
     text = pick_options.words(options)
     assert text == "triton_decode.HEADS_PER_PROGRAM=2 triton_sampler.METHOD=cdf triton_swiglu.IN_DECODE=True"
-    from laden.rollout.native.kernels import triton_decode, triton_sampler, triton_swiglu
-
-    saved = (triton_decode.HEADS_PER_PROGRAM, triton_sampler.METHOD, triton_swiglu.IN_DECODE)
-    try:
-        assert generate.set_kernel_options(text.split()) == options
-    finally:
-        triton_decode.HEADS_PER_PROGRAM, triton_sampler.METHOD, triton_swiglu.IN_DECODE = saved
+    value, recorded = generate.kernel_options_from(text.split())
+    assert recorded == options
+    assert value.decode.heads_per_program == 2 and value.sampler.method == "cdf" and value.swiglu.in_decode
 
 
 # generate_throughput.py's stand-in: one native record per run at a speed set by its options

@@ -59,7 +59,10 @@ def test_linear_on_cuda(dtype):
 def test_picked_configs_on_the_engines_shapes(rows, n, k):
     """The narrow projections of Qwen3-0.6B / 1.7B (attention output, down) with their residual;
     the wide ones (fused q/k/v, gate/up) and more rows go to cuBLAS."""
-    from laden.rollout.native.kernels.triton_linear import MAX_ROWS, linear, pick_config
+    from laden.rollout.native.kernels.options import LinearOptions
+    from laden.rollout.native.kernels.triton_linear import linear, pick_config
+
+    MAX_ROWS = LinearOptions().max_rows
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     config = pick_config(rows, n, k, sms)
@@ -74,15 +77,16 @@ def test_picked_configs_on_the_engines_shapes(rows, n, k):
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
-def test_more_rows_than_one_tile_are_row_tiles(monkeypatch):
-    """With `MAX_ROWS` raised past 128 the rows are tiles of `MAX_BLOCK_M`, as the benchmark's grid
+def test_more_rows_than_one_tile_are_row_tiles():
+    """With `max_rows` raised past 128 the rows are tiles of `max_block_m`, as the benchmark's grid
     runs them, not one tile of every row."""
-    from laden.rollout.native.kernels import triton_linear
+    from laden.rollout.native.kernels.options import LinearOptions
+    from laden.rollout.native.kernels.triton_linear import pick_config
 
-    monkeypatch.setattr(triton_linear, "MAX_ROWS", 256)
-    assert triton_linear.pick_config(256, 1024, 3072, 132).block_m == triton_linear.MAX_BLOCK_M == 128
-    assert triton_linear.pick_config(100, 1024, 3072, 132).block_m == 128
-    assert triton_linear.pick_config(40, 1024, 3072, 132).block_m == 64
+    options = LinearOptions(max_rows=256)
+    assert pick_config(256, 1024, 3072, 132, options=options).block_m == options.max_block_m == 128
+    assert pick_config(100, 1024, 3072, 132, options=options).block_m == 128
+    assert pick_config(40, 1024, 3072, 132, options=options).block_m == 64
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
@@ -90,9 +94,11 @@ def test_tiles_shrink_to_the_gpus_shared_memory():
     """A GPU with less shared memory than an H200 (e.g. 99 KB a program on sm_86 / sm_89) gets fewer
     pipeline stages, then shallower K tiles; one where nothing fits gets cuBLAS. The decode
     kernel's tile halves likewise."""
-    from laden.rollout.native.kernels.triton_decode import TILE_TOKENS, tile_tokens_for
+    from laden.rollout.native.kernels.options import DecodeOptions
+    from laden.rollout.native.kernels.triton_decode import tile_tokens_for
     from laden.rollout.native.kernels.triton_linear import pick_config, shared_memory
 
+    TILE_TOKENS = DecodeOptions().tile_tokens
     h200, small = 232448, 101376
     big = pick_config(128, 1024, 3072, 132, h200)
     assert big is not None and big.num_stages == 4 and big.block_k == 128

@@ -110,7 +110,9 @@ def _at(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk(device: str) -> int:
-    from laden.rollout.native.kernels.triton_sampler import CHUNK
+    from laden.rollout.native.kernels.options import SamplerOptions
+
+    CHUNK = SamplerOptions().chunk
 
     return 16 if device == "cpu" else CHUNK
 
@@ -342,7 +344,10 @@ def check_frequencies(device: str, method: str = "race") -> None:
     """The kernel's own draws (CUDA only: the interpreter is too slow for enough of them) match
     softmax(logits / T): a small vocabulary, one of four chunks whose most likely token is the
     last, in the partial chunk, and a full 151,936 one, at three temperatures."""
-    from laden.rollout.native.kernels.triton_sampler import CHUNK, sample_fused
+    from laden.rollout.native.kernels.options import SamplerOptions
+    from laden.rollout.native.kernels.triton_sampler import sample_fused
+
+    CHUNK = SamplerOptions().chunk
 
     b, calls = 512, 50
     small = torch.randn(24, generator=_gen(8)) * 1.5

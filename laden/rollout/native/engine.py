@@ -1,18 +1,18 @@
 """`NativeEngine`: the embedded rollout engine (`rollout.backend: native:d1`), needing only PyTorch.
 
-It wraps `GenerationCore` (scheduling, paged KV cache, decode windows) in the async
+It wraps `GenerationCore` (a `Scheduler` and a `Runner`: paged KV cache, decode windows) in the async
 `RolloutEngine` protocol. All device work runs in one worker thread, one window at a time, so
 the event loop stays free for the caller (an RL trainer's rollout workflows) while the GPU
 decodes; `pause()` waits for the window in progress to end (a token boundary), and weight
 updates, `sleep` and `wake` run between windows in the same thread.
 
-Memory: on CUDA the engine reserves `mem_fraction_static` of the GPU's memory for its weights
+Memory (`sizing`): on CUDA the engine reserves `mem_fraction_static` of the GPU's memory for its weights
 plus the KV cache (SGLang's meaning of the knob); what a profiling pass at the largest prefill
 and decode batch needs for activations is kept out of the cache. On the CPU the cache holds
 `max_concurrent` sequences of `max_model_len` tokens unless `kv_cache_tokens` says otherwise.
 
 Weights: the engine's model is a `transformers` causal LM whose parameters it owns; an update
-copies the new tensors into them in place, by Hugging Face name (`laden.weights`), so there is
+copies the new tensors into them in place, by Hugging Face name (`weight_update`), so there is
 never a second copy of the model on the device. The sequences in flight at an update keep their
 tokens and leave the KV cache: their keys and values are recomputed under the new weights (one
 prefill of prompt plus tokens so far) when they continue, so a resumed completion is exactly
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,9 +43,14 @@ from torch import nn
 from laden.rollout.base import GenerationRequest, GenerationResult
 from laden.rollout.native.attention import pick_decode_backend
 from laden.rollout.native.core import GenerationCore
+from laden.rollout.native.kernels.options import KernelOptions
 from laden.rollout.native.kv_cache import KVCache
 from laden.rollout.native.model import PagedModel
+from laden.rollout.native.runner import Runner
+from laden.rollout.native.scheduler import Scheduler
+from laden.rollout.native.sizing import plan_blocks
 from laden.rollout.native.tensor_parallel import ShardLayout, TensorParallel
+from laden.rollout.native.weight_update import EngineWeights
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class NativeEngine:
         cuBLAS and the torch sampler (default: on CUDA with Triton, the standard layers, no tensor
         parallel). A kernel that does not build on the GPU (Triton's own error) turns its part off
         with a warning; the step runs again on the torch path.
+    kernel_options: the Triton kernels' launch settings (default: `KernelOptions()`, the measured ones).
 
     The q/k/v and gate/up parameters become views of one fused tensor per layer (one projection
     each); updates copied into them by name land there.
@@ -111,6 +116,7 @@ class NativeEngine:
         tensor_parallel: TensorParallel | None = None,
         chain_windows: bool | None = None,
         fused_decode: bool | None = None,
+        kernel_options: KernelOptions | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(
@@ -126,6 +132,7 @@ class NativeEngine:
         self.device = device
         tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
         self.tp = tp
+        self.kernel_options = kernel_options or KernelOptions()
         self.layout = None if tp is None else ShardLayout(model.config, rank=tp.rank, size=tp.size)
         self.paged = PagedModel(
             model,
@@ -134,11 +141,14 @@ class NativeEngine:
             compile=device.type == "cuda" if compile is None else compile,
             tensor_parallel=tp,
             fused_decode=fused_decode,
+            kernel_options=self.kernel_options,
         )
+        group_rank = 1
         if self.layout is not None:
             self.layout.shard_model(model)
             # xccl: one receiver per GPU of the rollout allocation (WeightUpdateMeta.from_fsdp_xccl)
-            self.weight_group_rank = 1 + dist.get_rank()
+            group_rank = 1 + dist.get_rank()
+        self.weights = EngineWeights(model, device, self.layout, group_rank)
         cfg = model.config
         block_size = block_size or (32 if device.type == "cuda" else 16)
         self.block_size = block_size
@@ -147,25 +157,29 @@ class NativeEngine:
         on_cuda = device.type == "cuda"
         self.decode_steps = decode_steps or (8 if on_cuda else 4)
         self.max_prefill_tokens = max_prefill_tokens or (32768 if on_cuda else 2048)
-        self._cache_kwargs = dict(
+        self.cache_kwargs = dict(  # the KV cache's layout (`KVCache`'s arguments)
             num_layers=cfg.num_hidden_layers, block_size=block_size, kv_heads=self.paged.num_kv_heads,
             head_dim=self.paged.head_dim, dtype=dtype, device=device,
         )  # fmt: skip
-        num_blocks = self._plan_blocks(kv_cache_tokens)
-        cache = KVCache(num_blocks=num_blocks, **self._cache_kwargs)  # type: ignore[arg-type]
-        self.core = GenerationCore(
-            self.paged, cache, max_concurrent=max_concurrent, decode_steps=self.decode_steps,
+        num_blocks = plan_blocks(self, kv_cache_tokens)
+        cache = KVCache(num_blocks=num_blocks, **self.cache_kwargs)  # type: ignore[arg-type]
+        scheduler = Scheduler(
+            cache, max_model_len=max_model_len, max_concurrent=max_concurrent, decode_steps=self.decode_steps,
             max_prefill_tokens=self.max_prefill_tokens, eos_token_ids=_eos_ids(model, tokenizer),
-            tokenizer=tokenizer, seed=seed, tensor_parallel=tp,
-            chain_windows=on_cuda if chain_windows is None else chain_windows,
+            tokenizer=tokenizer, mem_fraction_static=mem_fraction_static,
         )  # fmt: skip
+        runner = Runner(
+            self.paged, cache, seed=seed, tensor_parallel=tp, sampler_options=self.kernel_options.sampler
+        )
+        self.core = GenerationCore(
+            scheduler, runner, chain_windows=on_cuda if chain_windows is None else chain_windows
+        )
         self.core.may_chain = self._may_chain
-        self.core.mem_fraction_static = mem_fraction_static  # type: ignore[attr-defined]
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs:
             from laden.rollout.native.graphs import DecodeGraphs
 
-            self.core.graphs = DecodeGraphs.capture(self.core, max_batch=max_concurrent)
+            self.core.runner.graphs = DecodeGraphs.capture(self.core.runner, max_batch=max_concurrent)
         # the worker thread's current CUDA device is the engine's (Triton and graph capture use it)
         self._executor = ThreadPoolExecutor(
             max_workers=1,
@@ -179,7 +193,6 @@ class NativeEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._paused = False
         self._sleeping = False
-        self._weights_released = False
         self._closed = False
         self._waiters = 0  # callers waiting for the lock: the core launches no chained window meanwhile
         self._follower = None
@@ -192,76 +205,6 @@ class NativeEngine:
             num_blocks - 1, block_size, cache.nbytes / 2**30, (num_blocks - 1) * block_size, max_concurrent,
             self.paged.decode_backend, ", CUDA graphs" if self.cuda_graphs else "",
         )  # fmt: skip
-
-    # ----------------------------------------------------------------- sizing
-
-    def _plan_blocks(self, kv_cache_tokens: int | None) -> int:
-        bs = self.block_size
-        if kv_cache_tokens is not None:
-            blocks = math.ceil(kv_cache_tokens / bs) + 1
-        elif self.device.type != "cuda":
-            blocks = self.max_concurrent * (math.ceil(self.paged.max_model_len / bs) + 1) + 1
-        else:
-            blocks = self._profile_blocks()
-        return blocks if self.tp is None else self.tp.min_int(blocks)  # every rank: the same block ids
-
-    def _profile_blocks(self) -> int:
-        """Blocks that fit in `mem_fraction_static` of the GPU after weights and the activations of a
-        profiling pass at the largest prefill and decode batch."""
-        from laden.rollout.native.model import DecodeMeta, PrefillMeta
-
-        cfg: Any = self.model.config
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        probe = KVCache(num_blocks=2, **self._cache_kwargs)  # type: ignore[arg-type]
-        n = self.max_prefill_tokens
-        pos = torch.arange(n, device=dev) % self.paged.max_model_len
-        chunk = min(n, self.paged.max_model_len)
-        bounds = list(range(0, n, chunk)) + [n]
-        meta = PrefillMeta(
-            positions=pos, slots=torch.zeros(n, dtype=torch.long, device=dev),
-            cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev), bounds=bounds, max_len=chunk,
-            last=torch.tensor(bounds[1:], device=dev) - 1,
-        )  # fmt: skip
-        self.paged.prefill(torch.zeros(n, dtype=torch.long, device=dev), meta, probe.k, probe.v)
-        b = self.max_concurrent
-        mb = probe.blocks_for(self.paged.max_model_len)
-        dmeta = DecodeMeta(
-            positions=torch.zeros(b, dtype=torch.long, device=dev), slots=torch.zeros(b, dtype=torch.long, device=dev),
-            block_tables=torch.zeros(b, mb, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(b, dtype=torch.int32, device=dev),
-        )  # fmt: skip
-        logits = self.paged.decode(torch.zeros(b, dtype=torch.long, device=dev), dmeta, probe.k, probe.v)
-        # the sampler's [B, V] fp32 temporaries (log-probs, probabilities, the race, a sort)
-        extra = 6 * b * int(cfg.vocab_size) * 4
-        del logits, probe
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) + extra
-        free, physical = torch.cuda.mem_get_info(dev)
-        # the GPU's memory is what this process may use: all of it, or its set_per_process_memory_fraction
-        total = int(physical * _process_memory_fraction(dev))
-        budget = self.mem_fraction_static * total - peak
-        others = physical - free - torch.cuda.memory_reserved(dev)  # other processes on this GPU
-        allocated = torch.cuda.memory_allocated(dev)
-        budget = min(
-            budget,
-            free + torch.cuda.memory_reserved(dev) - allocated - extra - 2**30,
-            total - allocated - extra - 2**30,
-        )
-        per_block = KVCache.bytes_per_block(**{k: v for k, v in self._cache_kwargs.items() if k != "device"})  # type: ignore[arg-type]
-        blocks = int(budget // per_block)
-        need = self.paged.max_model_len // self.block_size + 2
-        if blocks < need:
-            raise RuntimeError(
-                f"the native engine's KV cache does not fit: native.mem_fraction_static={self.mem_fraction_static} of "
-                f"{total / 2**30:.1f} GiB leaves {max(budget, 0) / 2**30:.2f} GiB after the weights and activations "
-                f"({peak / 2**30:.2f} GiB; {others / 2**30:.1f} GiB used by other processes), under one sequence of "
-                f"{self.paged.max_model_len} tokens; raise native.mem_fraction_static, lower rollout.max_concurrent_rollouts "
-                "or the context length, or use more tensor parallel"
-            )
-        return blocks
 
     # ----------------------------------------------------------------- the protocol
 
@@ -281,8 +224,13 @@ class NativeEngine:
             self._resumed.set()
             self._work = asyncio.Event()
 
-    async def _run(self, fn, *args):
+    async def in_worker(self, fn, *args):
+        """`fn(*args)` in the engine's worker thread, where all of its device work runs (awaited)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def in_worker_now(self, fn, *args):
+        """`fn(*args)` in the engine's worker thread, from synchronous code (blocks until done)."""
+        return self._executor.submit(fn, *args).result()
 
     def _may_chain(self) -> bool:
         """Whether the core may launch a window before reading the one in flight (worker thread)."""
@@ -311,13 +259,13 @@ class NativeEngine:
 
     async def _flush(self) -> None:
         """Read the window in flight and hand out what finished in it (under the lock)."""
-        self._deliver(await self._run(self.core.drain))
+        self._deliver(await self.in_worker(self.core.drain))
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         """Results as they finish (see `RolloutEngine.generate`)."""
         if self._closed:
             raise RuntimeError("the native engine is closed")
-        if self._weights_released:
+        if self.weights.released:
             raise RuntimeError(
                 "the native engine's weights were released by sleep(weights=True): call "
                 "update_weights(source, version) after wake() before generating"
@@ -385,7 +333,7 @@ class NativeEngine:
                     await self._send("idle")  # the followers stop listening
                     return
                 try:
-                    results = await self._run(self.core.step)
+                    results = await self.in_worker(self.core.step)
                 except BaseException as e:  # noqa: BLE001 - reach every waiting caller
                     self.core.abort_all()  # nothing stays queued behind a request that cannot run
                     await self._send("error", f"{type(e).__name__}: {e}")
@@ -419,7 +367,7 @@ class NativeEngine:
         """Tensor parallel leader: a message to the followers, from the worker thread (ordered with the
         windows' messages). A no-op otherwise."""
         if self.tp is not None:
-            await self._run(self.core.send, kind, payload, results)
+            await self.in_worker(self.core.send, kind, payload, results)
 
     async def resume(self) -> None:
         if self._follower is not None:
@@ -444,96 +392,35 @@ class NativeEngine:
         self._ensure_loop_state()
         async with self._exclusive():
             await self._flush()
-            await self._run(self._load_weights, source, version)
+            await self.in_worker(self.apply_update, source, version)
 
-    def _load_weights(self, source: Any, version: int) -> None:
+    def apply_update(self, source: Any, version: int) -> None:
+        """In the worker thread, between windows: copy `source` into the weights (see
+        `EngineWeights.load`) and continue the sequences in flight under them."""
         self.core.send("update", version)  # tensor parallel leader: the followers update here too
-        if self._weights_released:
-            self._restore_weight_storage()
-        if self.layout is not None:
-            self._apply_sharded(source, self.named_parameters(), version)
-        else:
-            self._apply_source(source, self.named_parameters(), version)
+        was_released = self.weights.released
+        self.weights.load(source, version)
         # The cached keys and values of the sequences in flight came from the old weights: they are
         # prefilled again (prompt and tokens so far) under the new ones when they next run.
         self.core.requeue_running()
-        if self._weights_released:
+        graphs = self.core.runner.graphs
+        if was_released:
             self.paged.rebuild_rope()
-            self._weights_released = False
-            if self.core.graphs is not None and self.core.cache.allocated:
-                self.core.graphs.recapture()  # the graphs held the released weights' addresses
+            if graphs is not None and self.core.cache.allocated:
+                graphs.recapture()  # the graphs held the released weights' addresses
         self.core.version = version
-
-    def _apply_source(self, source: Any, params: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `source`'s tensors into `params` by name: a `WeightUpdateMeta` (disk: the directory of
-        `version`; xccl: a broadcast from the trainer, received bucket by bucket straight into the
-        parameters), a path (a disk root), or `(name, tensor)` pairs / a mapping (in place)."""
-        from pathlib import Path
-
-        from laden.weights import WeightUpdateMeta, fill_in_place, read_weights, receive_into
-
-        if isinstance(source, WeightUpdateMeta):
-            if source.type == "disk":
-                assert source.path is not None
-                fill_in_place(read_weights(source.path, version, device=self.device), params)
-            elif source.type == "xccl":
-                receive_into(self._weight_group(source), params)
-            else:
-                raise ValueError(
-                    "an inplace WeightUpdateMeta carries no tensors: pass the trainer's "
-                    "named_weights(...) to update_weights in the same process"
-                )
-        elif isinstance(source, (str, Path)):
-            fill_in_place(read_weights(source, version, device=self.device), params)
-        else:
-            fill_in_place(source, params)
-
-    def _apply_sharded(self, source: Any, params: dict[str, torch.Tensor], version: int) -> None:
-        """`_apply_source` under tensor parallel: the source gives whole tensors, one at a time (a
-        disk version, an xccl broadcast, pairs); this rank copies its slice of each in place."""
-        from pathlib import Path
-
-        from laden.weights import WeightUpdateMeta, fill_in_place, read_weights, receive
-
-        assert self.layout is not None
-        pairs: Any = source
-        if isinstance(source, WeightUpdateMeta) and source.type == "xccl":
-            pairs = receive(self._weight_group(source), expect=self.layout.full_specs(params))
-        elif isinstance(source, WeightUpdateMeta) and source.type == "disk":
-            assert source.path is not None
-            pairs = read_weights(source.path, version, device=self.device)
-        elif isinstance(source, WeightUpdateMeta):
-            raise ValueError(
-                "an inplace WeightUpdateMeta carries no tensors: pass the trainer's "
-                "named_weights(...) to update_weights in the same process"
-            )
-        elif isinstance(source, (str, Path)):
-            pairs = read_weights(source, version, device=self.device)
-        fill_in_place(self.layout.slices(pairs), params)
-
-    def _weight_group(self, meta: Any):
-        """The xccl group of `meta`, joined once as rank `weight_group_rank` (default 1)."""
-        from laden.weights import init_weight_group
-
-        key = (meta.master_addr, meta.master_port, meta.group_name)
-        groups = self.__dict__.setdefault("_weight_groups", {})
-        if key not in groups:
-            groups[key] = init_weight_group(meta, getattr(self, "weight_group_rank", 1), device=self.device)
-        return groups[key]
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """The engine's weights by Hugging Face name (what updates are copied into)."""
-        from laden.model.hf.export import hf_state_names
-
-        state = self.model.state_dict(keep_vars=True)
-        return {name: state[name].data for name in hf_state_names(self.model)}
+        return self.weights.named_parameters()
 
     def sampling_state(self) -> dict[str, Any]:
         """Where the engine's random draws stand: the torch sampler's generator and the fused
         sampler's step counter (its draws are keyed by the seed and that counter, on the device).
         `load_sampling_state` continues from it (a resumed run samples what it would have)."""
-        state: dict[str, Any] = {"generator": self.core.generator.get_state().tolist()}
-        offset = getattr(self.core, "sample_offset", None)
+        runner = self.core.runner
+        state: dict[str, Any] = {"generator": runner.generator.get_state().tolist()}
+        offset = getattr(runner, "sample_offset", None)
         if offset is not None:
             state["fused_step"] = int(offset.item())
         return state
@@ -542,8 +429,9 @@ class NativeEngine:
         """Continue from `sampling_state()`'s result (a bare list: a generator state alone)."""
         if isinstance(state, list):
             state = {"generator": state}
-        self.core.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
-        offset = getattr(self.core, "sample_offset", None)
+        runner = self.core.runner
+        runner.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        offset = getattr(runner, "sample_offset", None)
         if offset is not None and "fused_step" in state:
             offset.fill_(int(state["fused_step"]))  # in place: the CUDA graphs read this tensor
 
@@ -553,7 +441,7 @@ class NativeEngine:
         if self._follower is not None:
             self._follower.load_weights_now(named, version)
         else:
-            self._load_weights(named, version)
+            self.apply_update(named, version)
 
     async def sleep(self, *, weights: bool = False) -> None:
         if self._follower is not None:
@@ -568,33 +456,25 @@ class NativeEngine:
             self._sleeping = True
             assert self._resumed is not None
             self._resumed.clear()
-            await self._run(self._release, weights)
+            await self.in_worker(self.release_memory, weights)
 
     def sleep_frees_bytes(self) -> int:
         """The GPU bytes `sleep` frees besides the weights: the KV cache (the CUDA graphs' pool, small, is
         not counted)."""
         return self.core.cache.nbytes
 
-    def _release(self, weights: bool) -> None:
+    def release_memory(self, weights: bool) -> None:
+        """In the worker thread: free the KV cache and graphs (and the weights with `weights`)."""
         # Sequences in flight leave the cache (they keep their tokens and are prefilled again on wake).
         self.core.requeue_running()
-        if self.core.graphs is not None:
-            self.core.graphs.release()
+        if self.core.runner.graphs is not None:
+            self.core.runner.graphs.release()
         self.core.cache.release_tensors()
         if weights:
-            self._shapes = {}
-            for name, p in self.model.named_parameters():
-                self._shapes[name] = (p.shape, p.dtype)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.weights.release()
             self.paged.release_fused()
-            self._weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _restore_weight_storage(self) -> None:
-        for name, p in self.model.named_parameters():
-            shape, dtype = self._shapes[name]
-            p.data = torch.empty(shape, dtype=dtype, device=self.device)
 
     async def wake(self) -> None:
         if self._follower is not None:
@@ -605,7 +485,7 @@ class NativeEngine:
             await self._send("wake")
             if not self._sleeping:
                 return
-            await self._run(self._restore)
+            await self.in_worker(self.restore_memory)
             self._sleeping = False
             if not self._paused:
                 assert self._resumed is not None
@@ -613,10 +493,12 @@ class NativeEngine:
         if not self.core.idle and (self._driver is None or self._driver.done()):
             self._driver = asyncio.ensure_future(self._drive())
 
-    def _restore(self) -> None:
+    def restore_memory(self) -> None:
+        """In the worker thread: allocate the KV cache again (and recapture the graphs, unless the
+        weights are still released: the next update does)."""
         self.core.cache.allocate_tensors()
-        if self.core.graphs is not None and not self._weights_released:
-            self.core.graphs.recapture()
+        if self.core.runner.graphs is not None and not self.weights.released:
+            self.core.runner.graphs.recapture()
 
     async def close(self) -> None:
         """End generation: requests still in flight come back with stop reason `abort` and the tokens
@@ -646,17 +528,11 @@ class NativeEngine:
         """Free the device memory the engine holds (KV cache, graphs) and its worker thread, now."""
         self._closed = True
         self._executor.shutdown(wait=True)
-        if self.core.graphs is not None:
-            self.core.graphs.release()
-            self.core.graphs = None
+        if self.core.runner.graphs is not None:
+            self.core.runner.graphs.release()
+            self.core.runner.graphs = None
         if self.core.cache.allocated:
             self.core.requeue_running()
             self.core.cache.release_tensors()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _process_memory_fraction(device: torch.device) -> float:
-    """The share of the GPU this process may allocate (`torch.cuda.set_per_process_memory_fraction`; 1 if unset)."""
-    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return float(get(device)) if get is not None else 1.0

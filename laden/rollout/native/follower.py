@@ -14,6 +14,10 @@ while it has results to come and the leader runs (not paused, not asleep). At th
 halts (`idle`, `pause`, `sleep`, `error`) it stops otherwise, so no receive waits through a
 training step into a gloo or NCCL timeout; the leader's next message then waits for the
 follower's next call, which any later leader message has as its counterpart.
+
+It drives its engine through the engine's public methods only: `in_worker` / `in_worker_now` (the
+worker thread, where every device phase and `tp.receive` run), `core.check` and `core.follow`,
+and the worker-thread halves of the calls (`apply_update`, `release_memory`, `restore_memory`).
 """
 
 from __future__ import annotations
@@ -111,11 +115,11 @@ class Follower:
                 "load_weights on a tensor parallel follower while the engine runs: use await update_weights(...)"
             )
         engine = self.engine
-        message = engine._executor.submit(engine.tp.receive).result()
+        message = engine.in_worker_now(engine.tp.receive)
         for result in message.results:
             self._deliver(result)
         self._check_kind(message, "update")
-        engine._executor.submit(self._apply, message, _Call("update", None, source, version)).result()  # type: ignore[arg-type]
+        engine.in_worker_now(self._apply, message, _Call("update", None, source, version))  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- listening
 
@@ -142,11 +146,11 @@ class Follower:
         engine = self.engine
         try:
             while True:
-                message = await engine._run(engine.tp.receive)
+                message = await engine.in_worker(engine.tp.receive)
                 for result in message.results:
                     self._deliver(result)
                 if message.kind in ("prefill", "decode"):
-                    await engine._run(engine.core.follow, message)
+                    await engine.in_worker(engine.core.follow, message)
                     continue
                 if message.kind == "error":
                     self._fail(
@@ -173,7 +177,7 @@ class Follower:
         call = self.calls.popleft()
         try:
             self._check_kind(message, call.kind)
-            await self.engine._run(self._apply, message, call)
+            await self.engine.in_worker(self._apply, message, call)
         except BaseException as e:
             call.future.set_exception(e)
             raise
@@ -195,11 +199,11 @@ class Follower:
                     f"tensor parallel rank {self.rank} updated to version {call.version}, rank 0 to "
                     f"{message.payload}: every rank passes the same version"
                 )
-            engine._load_weights(call.source, message.payload)
+            engine.apply_update(call.source, message.payload)
         elif kind == "sleep" and not self.sleeping:
-            engine._release(message.payload)
+            engine.release_memory(message.payload)
         elif kind == "wake" and self.sleeping:
-            engine._restore()
+            engine.restore_memory()
         self.paused = {"pause": True, "resume": False}.get(kind, self.paused)
         self.sleeping = {"sleep": True, "wake": False}.get(kind, self.sleeping)
 

@@ -42,16 +42,17 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps (see the module docstring). Build with `capture(core, max_batch=)`."""
+    """Captured decode steps (see the module docstring) of `runner`'s model and sampling. Build with
+    `capture(runner, max_batch=)`."""
 
-    def __init__(self, core, max_batch: int) -> None:
-        self.core = core
-        self.model = core.model
+    def __init__(self, runner, max_batch: int) -> None:
+        self.runner = runner
+        self.model = runner.model
         self.max_batch = max_batch
         self.sizes = capture_sizes(max_batch)
-        dev = core.device
+        dev = runner.device
         n = max_batch
-        self.max_blocks = core.cache.blocks_for(self.model.max_model_len)
+        self.max_blocks = runner.cache.blocks_for(self.model.max_model_len)
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.generated = torch.zeros(n, dtype=torch.long, device=dev)
@@ -71,9 +72,10 @@ class DecodeGraphs:
         if self.model.decode_backend == "triton":  # the split partials of the largest launch
             from laden.rollout.native.kernels.triton_decode import workspace_rows
 
-            hq, d, page = self.model.num_heads, self.model.head_dim, core.cache.block_size
+            hq, d, page = self.model.num_heads, self.model.head_dim, runner.cache.block_size
+            options = self.model.kernel_options.decode
             rows = max(
-                workspace_rows(s, self.model.num_kv_heads, self.max_blocks, page, self.num_sms)
+                workspace_rows(s, self.model.num_kv_heads, self.max_blocks, page, self.num_sms, options)
                 for s in self.sizes
             )
             self.workspace = (
@@ -82,8 +84,8 @@ class DecodeGraphs:
             )
 
     @classmethod
-    def capture(cls, core, *, max_batch: int) -> DecodeGraphs:
-        graphs = cls(core, max_batch)
+    def capture(cls, runner, *, max_batch: int) -> DecodeGraphs:
+        graphs = cls(runner, max_batch)
         graphs.recapture()
         return graphs
 
@@ -105,7 +107,7 @@ class DecodeGraphs:
         return batch <= self.max_batch
 
     def _step(self, size: int) -> None:
-        model, bs = self.model, self.core.cache.block_size
+        model, bs = self.model, self.runner.cache.block_size
         rows = torch.arange(size, device=self.tokens.device)
         pos = self.positions[:size].clamp(max=model.max_model_len - 1)
         slots = self.table[:size][rows, pos // bs].long() * bs + pos % bs
@@ -113,9 +115,13 @@ class DecodeGraphs:
             positions=pos, slots=slots, block_tables=self.table[:size], context_lens=(pos + 1).to(torch.int32)
         )
         logits = model.decode(
-            self.tokens[:size], meta, self.core.cache.k, self.core.cache.v, cast=not self.core.fused_sampler
+            self.tokens[:size],
+            meta,
+            self.runner.cache.k,
+            self.runner.cache.v,
+            cast=not self.runner.fused_sampler,
         )
-        tokens, lp = self.core.next_tokens(logits, self._st(size), self.generated[:size])
+        tokens, lp = self.runner.next_tokens(logits, self._st(size), self.generated[:size])
         self.tokens[:size].copy_(tokens)
         self.out_lp[:size].copy_(lp)
         self.positions[:size].add_(1)
@@ -128,9 +134,14 @@ class DecodeGraphs:
         if self.workspace is not None:
             from laden.rollout.native.kernels.triton_decode import split_pages_for
 
-            page = self.core.cache.block_size
+            page = self.runner.cache.block_size
             self.model.split_pages = split_pages_for(
-                size, self.model.num_kv_heads, self.max_blocks, page, self.num_sms
+                size,
+                self.model.num_kv_heads,
+                self.max_blocks,
+                page,
+                self.num_sms,
+                self.model.kernel_options.decode,
             )
         self.model.workspace = self.workspace
         self.st.truncate, self.st.any_min_tokens = truncate, min_tokens
@@ -143,7 +154,7 @@ class DecodeGraphs:
                 self._step(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        gen = self.core.generator
+        gen = self.runner.generator
         if gen is not None and hasattr(graph, "register_generator_state"):
             graph.register_generator_state(gen)
         # thread_local: another thread (a colocated trainer) may use the GPU while this one captures

@@ -12,9 +12,9 @@ the rows whose next token is wanted go through the LM head.
 
 On CUDA with Triton a decode step runs laden's own layer (`fused_decode`): RMSNorm, the q/k/v
 projection, one kernel for the q/k norms, the rotary embedding and both cache writes
-(`triton_qkv`), paged attention, the output and down projections with their residuals through a
-split-K kernel where few rows would leave cuBLAS's tiles short of the SMs (`triton_linear`):
-about half the kernels a step of the compiled path, whose fixed costs bound the small batches.
+(`kernels.triton_qkv`), paged attention, the output and down projections with their residuals through a
+split-K kernel where few rows would leave cuBLAS's tiles short of the SMs (`kernels.triton_linear`):
+about half the kernels a step of the compiled path, whose fixed costs bound the small batches. The kernels' launch settings are the engine's `KernelOptions`.
 
 Under tensor parallel (`laden.rollout.native.tensor_parallel`) the model holds this rank's heads
 and MLP features; the output and down projections are all-reduced between the compiled pieces
@@ -38,6 +38,7 @@ from laden.rollout.native.attention import (
     prefill_attention,
     triton_available,
 )
+from laden.rollout.native.kernels.options import KernelOptions
 from laden.rollout.native.tensor_parallel import TensorParallel, local_heads
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -211,6 +212,7 @@ class PagedModel:
         compile: bool = False,
         tensor_parallel: TensorParallel | None = None,
         fused_decode: bool | None = None,
+        kernel_options: KernelOptions | None = None,
     ) -> None:
         config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -244,6 +246,7 @@ class PagedModel:
         self.scale = float(getattr(attn, "scaling"))  # noqa: B009
         self.max_model_len = max_model_len
         self.decode_backend: DecodeBackend = decode_backend
+        self.kernel_options = kernel_options or KernelOptions()
         self.split_pages: int | None = None  # Triton decode: pages per split (None: one split)
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build_rope()
@@ -444,7 +447,15 @@ class PagedModel:
         from laden.rollout.native.kernels.triton_linear import linear, pick_config
 
         config = (
-            pick_config(x.shape[0], w.shape[0], w.shape[1], self._num_sms, self._smem, x.element_size())
+            pick_config(
+                x.shape[0],
+                w.shape[0],
+                w.shape[1],
+                self._num_sms,
+                self._smem,
+                x.element_size(),
+                self.kernel_options.linear,
+            )  # fmt: skip
             if x.dtype in SPLIT_K_DTYPES
             else None
         )
@@ -467,8 +478,9 @@ class PagedModel:
         attention, the output projection, RMSNorm, one gate/up projection, SwiGLU, the down
         projection; each residual sum in the projection before it or in the RMSNorm after it."""
         from laden.rollout.native.kernels.triton_qkv import rope_store
-        from laden.rollout.native.kernels.triton_swiglu import IN_DECODE as swiglu_kernel
         from laden.rollout.native.kernels.triton_swiglu import swiglu
+
+        qkv_opt, swiglu_opt = self.kernel_options.qkv, self.kernel_options.swiglu
 
         fused = self.fused_weights()
         x = self.decoder.embed_tokens(input_ids)
@@ -483,12 +495,17 @@ class PagedModel:
                 qkv, meta.positions, self.cos, self.sin, qn.weight if qn is not None else None,
                 kn.weight if kn is not None else None, _eps(qn) if qn is not None else 0.0,
                 k_caches[i], v_caches[i], meta.slots, self.num_heads, self.num_kv_heads,
+                tile_elements=qkv_opt.tile_elements, num_warps=qkv_opt.num_warps,
             )  # fmt: skip
             o = self._decode_attention(q, k_caches[i], v_caches[i], meta).reshape(n, -1)
             x, pending = self._linear(o, a.o_proj.weight, a.o_proj.bias, residual=x)
             x, h = self._norm(x, pending, layer.post_attention_layernorm)
             gu = self._linear(h, f.gate_up)
-            act = swiglu(gu) if swiglu_kernel else self._swiglu(gu)
+            act = (
+                swiglu(gu, block=swiglu_opt.block, num_warps=swiglu_opt.num_warps)
+                if swiglu_opt.in_decode
+                else self._swiglu(gu)
+            )
             x, pending = self._linear(act, mlp.down_proj.weight, residual=x)
         return x if pending is None else x + pending
 
@@ -554,6 +571,7 @@ class PagedModel:
                 self.scale,
                 self.split_pages,
                 self.workspace,
+                options=self.kernel_options.decode,
             )
         if self.decode_backend == "varlen":
             cu_q = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)

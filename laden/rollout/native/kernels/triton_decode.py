@@ -6,7 +6,7 @@ full speed. One program handles one (sequence, KV head, split): the query heads 
 KV head (padded to 16 rows so the score and value products run on tensor cores) against one range
 of the sequence's pages, `tile_pages` pages (gathered through the block table) per iteration,
 with an online softmax in fp32. In an unsplit launch the loads of a row's last tile skip the
-tokens past its end (`MASK_LOADS`).
+tokens past its end (`DecodeOptions.mask_loads`).
 
 Splits are ranges of `split_pages` pages, fixed per launch: a sequence uses as many as its length
 needs and the programs of the others return at once. They give a small batch enough programs to
@@ -27,41 +27,9 @@ import triton
 import triton.language as tl
 
 from laden.rollout.native.attention import TRITON_INTERPRETED
+from laden.rollout.native.kernels.options import DecodeOptions
 
-# What the kernel runs with unless a caller says otherwise (measured on an H200 by
-# benchmarks/decode_kernel.py inside CUDA graphs, see RESULTS.md): tokens per iteration (halved
-# for fp32, whose tiles take twice the shared memory), warps, pipeline stages, the split length,
-# most splits, and the fewest programs (rows x KV heads) per SM at which one split per row is
-# fastest. 256-token splits were the fastest from 2 to 64 rows of workload B's lengths (16 rows:
-# 25 us against 38 unsplit and 26 in 512-token splits; 64 rows: 84 against 87); at 256 rows
-# (2,048 programs on 132 SMs) the unsplit kernel beat every split.
-TILE_TOKENS = 128
-NUM_WARPS = 4
-NUM_STAGES = 2
-SPLIT_TOKENS = 256
-MAX_SPLITS = 64
-UNSPLIT_PROGRAMS_PER_SM = 4
-# Whether the key and value loads of a row's last tile skip the tokens past its end (masked loads
-# zero-fill shared memory without touching HBM) instead of reading them and masking the scores:
-# None is "when one split a row" (measured: 71.4 against 73.5 us for workload A's 256 rows; split
-# launches of 16 and 64 rows were slower masked).
-MASK_LOADS: bool | None = None
-# Program order: True runs a row's KV heads in adjacent programs (they read neighbouring 256-byte
-# pieces of each cached token's keys), False one KV head of consecutive rows. Measured: 71.2
-# against 71.3 us for workload A's rows, 274.5 against 275.8 for B's, the split launches even.
-HEADS_INNER = True
-# Whether each iteration loads the next tile's block numbers (so the key and value addresses of a
-# tile are known an iteration early, for the pipeline) instead of its own. Not measured yet: off.
-PREFETCH_TABLE = False
-# KV heads a program attends (1 or 2): with 2, each iteration reads half as many tokens of both
-# heads (the same entries and shared memory), so a short row makes half as many programs, each
-# with twice the work to hide its start behind. Not measured yet: 1.
-HEADS_PER_PROGRAM = 1
-# Registers a thread may use (Triton's `maxnreg`; None: the compiler's choice). Compiled for sm_90
-# (tests/test_triton_compile.py) the default configuration takes 197 a thread: 25,216 a program of
-# 4 warps, so two programs fit an SM's 65,536, and the SM streams the cache for two. 128 fits three
-# (with 64-token tiles, four) at the price of a few spilled bytes. Not measured yet: None.
-MAX_REGISTERS: int | None = None
+_DEFAULT = DecodeOptions()  # the settings' meanings and measurements: `DecodeOptions`
 
 
 @triton.jit
@@ -191,34 +159,43 @@ def shared_memory_limit(device_index: int) -> int | None:
 
 
 def tile_tokens_for(
-    head_dim: int, element_size: int, num_stages: int, page: int, smem_limit: int | None
+    head_dim: int,
+    element_size: int,
+    num_stages: int,
+    page: int,
+    smem_limit: int | None,
+    tile_tokens: int = _DEFAULT.tile_tokens,
 ) -> int:
-    """Tokens per iteration: `TILE_TOKENS` (half in fp32, whose tiles take twice the room), halved
+    """Tokens per iteration: `tile_tokens` (half in fp32, whose tiles take twice the room), halved
     while the pipeline's key and value tiles would not fit 90% of `smem_limit` (GPUs with less
     shared memory than an H200's 227 KB), never below one page."""
-    tile = TILE_TOKENS if element_size <= 2 else TILE_TOKENS // 2
+    tile = tile_tokens if element_size <= 2 else tile_tokens // 2
     if smem_limit is not None:
         while tile > page and num_stages * 2 * tile * head_dim * element_size > 0.9 * smem_limit:
             tile //= 2
     return max(tile, page)
 
 
-def split_pages_for(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int | None:
+def split_pages_for(
+    batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int, options: DecodeOptions = _DEFAULT
+) -> int | None:
     """Pages per split for a launch of `batch` rows whose tables hold `max_pages` pages; None (one
-    split a row) when the rows alone make enough programs. Otherwise splits of `SPLIT_TOKENS`
-    (more when the table would need more than `MAX_SPLITS`), a whole number of tiles each: a
+    split a row) when the rows alone make enough programs. Otherwise splits of `split_tokens`
+    (more when the table would need more than `max_splits`), a whole number of tiles each: a
     row uses as many as its length needs, so short rows stay one program."""
-    if batch * kv_heads >= UNSPLIT_PROGRAMS_PER_SM * num_sms:
+    if batch * kv_heads >= options.unsplit_programs_per_sm * num_sms:
         return None
-    tile = max(1, TILE_TOKENS // page)
-    pages = max(SPLIT_TOKENS // page, -(-max_pages // MAX_SPLITS), 1)
+    tile = max(1, options.tile_tokens // page)
+    pages = max(options.split_tokens // page, -(-max_pages // options.max_splits), 1)
     return -(-pages // tile) * tile
 
 
-def workspace_rows(batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int) -> int:
+def workspace_rows(
+    batch: int, kv_heads: int, max_pages: int, page: int, num_sms: int, options: DecodeOptions = _DEFAULT
+) -> int:
     """Split rows (`batch x splits`) a launch of `batch` rows writes (sizes a graph's workspace);
     0 when it writes its output directly."""
-    split = split_pages_for(batch, kv_heads, max_pages, page, num_sms)
+    split = split_pages_for(batch, kv_heads, max_pages, page, num_sms, options)
     return 0 if split is None else batch * -(-max_pages // split)
 
 
@@ -240,6 +217,7 @@ def paged_decode(
     prefetch_table: bool | None = None,
     heads_per_program: int | None = None,
     max_registers: int | None = None,
+    options: DecodeOptions = _DEFAULT,
 ) -> torch.Tensor:
     """q `[B, Hq, D]`, caches `[NB, PAGE, Hkv, D]`, block_tables `[B, MB]` int32, context_lens `[B]`
     int32 (every length >= 1) -> `[B, Hq, D]` in q's dtype.
@@ -247,16 +225,17 @@ def paged_decode(
     `split_pages`: pages per split (None: one split for the whole table); it is rounded up to a
     whole number of tiles. `workspace`: preallocated flat fp32 buffers `(partials, lse)` of at
     least `B * splits * Hq * D` and `B * splits * Hq` elements (a CUDA graph keeps its own).
-    `mask_loads` / `heads_inner` / `prefetch_table` / `heads_per_program` / `max_registers`: see
-    `MASK_LOADS`, `HEADS_INNER`, `PREFETCH_TABLE`, `HEADS_PER_PROGRAM` and `MAX_REGISTERS` (None:
-    those defaults); `tile_tokens` counts the tokens of one KV head an iteration reads."""
+    `num_warps` / `num_stages` / `mask_loads` / `heads_inner` / `prefetch_table` /
+    `heads_per_program` / `max_registers`: see `DecodeOptions` (None: `options`' value);
+    `tile_tokens` counts the tokens of one KV head an iteration reads (None: `options.tile_tokens`,
+    fitted to the GPU's shared memory)."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
     max_pages = block_tables.shape[1]
-    num_warps = NUM_WARPS if num_warps is None else num_warps  # the module's, read now (benchmarks set them)
-    num_stages = NUM_STAGES if num_stages is None else num_stages
-    heads = HEADS_PER_PROGRAM if heads_per_program is None else heads_per_program
+    num_warps = options.num_warps if num_warps is None else num_warps
+    num_stages = options.num_stages if num_stages is None else num_stages
+    heads = options.heads_per_program if heads_per_program is None else heads_per_program
     if heads not in (1, 2) or hkv % heads:
         raise ValueError(f"heads_per_program={heads} must be 1 or 2 and divide the {hkv} KV heads")
     if tile_tokens is None:
@@ -266,7 +245,9 @@ def paged_decode(
                 q.device.index if q.device.index is not None else torch.cuda.current_device()
             )
         # the same entries an iteration (and shared memory) as one head's tile
-        tile_tokens = max(page, tile_tokens_for(d, q.element_size(), num_stages, page, limit) // heads)
+        tile_tokens = max(
+            page, tile_tokens_for(d, q.element_size(), num_stages, page, limit, options.tile_tokens) // heads
+        )
     tile_pages = max(1, tile_tokens // page)
     split = max_pages if split_pages is None else max(1, min(split_pages, max_pages))
     split = -(-split // tile_pages) * tile_pages
@@ -284,11 +265,11 @@ def paged_decode(
             lse = workspace[1][: b * hq * splits].view(b, hq, splits)
         strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     if mask_loads is None:
-        mask_loads = MASK_LOADS if MASK_LOADS is not None else splits == 1
-    heads_inner = HEADS_INNER if heads_inner is None else heads_inner
-    prefetch_table = PREFETCH_TABLE if prefetch_table is None else prefetch_table
+        mask_loads = options.mask_loads if options.mask_loads is not None else splits == 1
+    heads_inner = options.heads_inner if heads_inner is None else heads_inner
+    prefetch_table = options.prefetch_table if prefetch_table is None else prefetch_table
     programs = hkv // heads
-    registers = MAX_REGISTERS if max_registers is None else max_registers
+    registers = options.max_registers if max_registers is None else max_registers
     launch = {} if not registers or TRITON_INTERPRETED else {"maxnreg": registers}  # 0: no cap
     _paged_decode_split[(programs, b, splits) if heads_inner else (b, programs, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse,

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from laden.rollout.native.kernels.options import LinearOptions
+
 
 @dataclass(frozen=True, slots=True)
 class LinearConfig:
@@ -39,18 +41,7 @@ class LinearConfig:
     num_stages: int = 4
 
 
-# Rows up to which the kernel may be used (above: cuBLAS), and the share of the SMs below which
-# cuBLAS's tiles of the output leave the GPU idle (then the kernel splits K until the programs fill
-# it). Measured on an H200 (benchmarks/skinny_gemm.py, RESULTS.md): the narrow projections (the
-# attention output, 1024 x 2048, and the down projection, 1024 x 3072) took cuBLAS 7 to 14 us and
-# this kernel 5.4 to 6.7 us for 1 to 128 rows in 4 splits; the wide ones (q/k/v fused, 4096 x 1024,
-# and gate/up, 6144 x 1024) were as fast or faster in cuBLAS.
-MAX_ROWS = 128
-MAX_BLOCK_M = 128  # more rows than this are more row tiles (`benchmarks/skinny_gemm.py`'s grid does the same)
-NARROW_TILES_PER_SM = 0.5
-BLOCK_N = 32
-BLOCK_K = 128
-MIN_SPLIT_K = 256
+_DEFAULT = LinearOptions()  # the settings' meanings and measurements: `LinearOptions`
 
 
 @triton.jit
@@ -117,20 +108,29 @@ def shared_memory(config: LinearConfig, element_size: int = 2) -> int:
 
 
 def pick_config(
-    m: int, n: int, k: int, num_sms: int, smem_limit: int | None = None, element_size: int = 2
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    smem_limit: int | None = None,
+    element_size: int = 2,
+    options: LinearOptions = _DEFAULT,
 ) -> LinearConfig | None:
     """The launch for `m` rows of a `[n, k]` weight, or None where cuBLAS is the better choice: more
-    than `MAX_ROWS` rows, or an output wide enough that cuBLAS's tiles fill the GPU. Splits: the
-    fewest (a power of two) that bring the programs to 90% of the SMs, each at least `MIN_SPLIT_K`
+    than `options.max_rows` rows, or an output wide enough that cuBLAS's tiles fill the GPU. Splits: the
+    fewest (a power of two) that bring the programs to 90% of the SMs, each at least `min_split_k`
     deep. On a GPU with less shared memory than the tiles need (`smem_limit`, bytes a program may
     use) the pipeline gets fewer stages, then shallower K tiles."""
-    tiles = triton.cdiv(n, BLOCK_N)
-    if not 1 <= m <= MAX_ROWS or tiles >= NARROW_TILES_PER_SM * num_sms:
+    o = options
+    tiles = triton.cdiv(n, o.block_n)
+    if not 1 <= m <= o.max_rows or tiles >= o.narrow_tiles_per_sm * num_sms:
         return None
     splits = 1
-    while tiles * splits < 0.9 * num_sms and k // (splits * 2) >= MIN_SPLIT_K:
+    while tiles * splits < 0.9 * num_sms and k // (splits * 2) >= o.min_split_k:
         splits *= 2
-    config = LinearConfig(min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m))), BLOCK_N, BLOCK_K, splits)
+    config = LinearConfig(
+        min(o.max_block_m, max(16, triton.next_power_of_2(m))), o.block_n, o.block_k, splits
+    )
     if smem_limit is None:
         return config
     while shared_memory(config, element_size) > 0.9 * smem_limit:
@@ -165,7 +165,7 @@ def linear(
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
         config = pick_config(m, n, k, sms) or LinearConfig(
-            max(16, triton.next_power_of_2(min(m, MAX_ROWS))), BLOCK_N, BLOCK_K, 1
+            max(16, triton.next_power_of_2(min(m, _DEFAULT.max_rows))), _DEFAULT.block_n, _DEFAULT.block_k, 1
         )
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):

@@ -11,7 +11,7 @@ result once: the rotated q (returned for attention) and the keys and values (int
 
 One program handles one token and one block of `BLOCK_H` consecutive heads of the projection's
 row, which holds the token's `nh` q heads, then `nkv` k heads, then `nkv` v heads: a
-`[BLOCK_H, D]` tile (about `TILE_ELEMENTS` values) in which each row knows which kind of head it
+`[BLOCK_H, D]` tile (about `QKVOptions.tile_elements` values) in which each row knows which kind of head it
 is. q and k rows are normalised in fp32 (the statistics of one head are its own row) and rotated;
 `rotate_half`'s partner of element `d` is element `(d + D/2) % D` of the same row, negated in the
 first half, so it is a second, permuted load of the row (from L1) rather than a shuffle. v rows
@@ -34,10 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Values per program: a [BLOCK_H, D] tile of this size (8 heads of 128) keeps 16-byte bf16 loads
-# in every thread of four warps and gives a decode batch of a few tokens several programs each.
-TILE_ELEMENTS = 1024
-NUM_WARPS = 4
+from laden.rollout.native.kernels.options import QKVOptions
+
+_DEFAULT = QKVOptions()  # the settings' meanings: `QKVOptions`
 
 
 @triton.jit
@@ -96,6 +95,8 @@ def rope_store(
     nkv: int,
     *,
     block_heads: int | None = None,
+    tile_elements: int = _DEFAULT.tile_elements,
+    num_warps: int = _DEFAULT.num_warps,
 ) -> torch.Tensor:
     """qkv `[N, (nh + 2 * nkv) * D]` (one fused projection, rows of stride-1 elements), positions
     `[N]`, cos/sin `[L, D]` tables (Hugging Face's `rotate_half` convention), q/k norm weights
@@ -104,7 +105,7 @@ def rope_store(
 
     Writes each token's normalised, rotated k heads and its v heads into `slots` of the caches;
     every other slot is left as it was. D must be a power of two >= 16. `block_heads`: heads per
-    program, a power of two (None: `TILE_ELEMENTS // D`, at most all of them)."""
+    program, a power of two (None: `tile_elements // D`, at most all of them)."""
     d = cos.shape[-1]
     heads = nh + 2 * nkv
     if d < 16 or d & (d - 1):
@@ -143,7 +144,7 @@ def rope_store(
     q = torch.empty(n, nh, d, device=qkv.device, dtype=qkv.dtype)
     if n == 0:
         return q
-    block_h = block_heads or min(triton.next_power_of_2(heads), max(1, TILE_ELEMENTS // d))
+    block_h = block_heads or min(triton.next_power_of_2(heads), max(1, tile_elements // d))
     if block_h & (block_h - 1):
         raise ValueError(f"block_heads must be a power of two, got {block_h}")
     _rope_store[(n, triton.cdiv(heads, block_h))](
@@ -151,6 +152,6 @@ def rope_store(
         float(eps),
         qkv.stride(0), cos.stride(0), sin.stride(0),
         NH=nh, NKV=nkv, D=d, BLOCK_H=block_h, HAS_NORM=q_norm_w is not None,
-        num_warps=max(1, min(NUM_WARPS, block_h * d // 256)),
+        num_warps=max(1, min(num_warps, block_h * d // 256)),
     )  # fmt: skip
     return q

@@ -45,17 +45,9 @@ import triton
 import triton.language as tl
 
 from laden.rollout.native.attention import TRITON_INTERPRETED
+from laden.rollout.native.kernels.options import SamplerOptions
 
-# Logits per program of the first kernel (a power of two, at least 16) and its warps: 4096 over
-# 4 warps is four 1024-wide tiles, eight logits a thread in each (one 16-byte load in bf16).
-CHUNK = 4096
-NUM_WARPS = 4
-# How sampled rows draw: "race" (the exponential race above: one Philox number and one logarithm a
-# logit) or "cdf" (the inverse of the row's cumulative distribution at one Philox uniform a row: the
-# first kernel then only sums exponentials, and the merge scans the chunk sums and re-reads the one
-# chunk the uniform falls in). Both draw from softmax(logits / T); the tokens differ. "cdf" is not
-# measured yet (`benchmarks/sampler_kernel.py --methods race cdf`): "race" stays the default.
-METHOD = "race"
+_DEFAULT = SamplerOptions()  # the settings' meanings: `SamplerOptions`
 
 
 @triton.jit
@@ -215,7 +207,7 @@ def _merge_cdf(
     n_chunks, V, stride_l,
     CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """`METHOD = "cdf"`: the row's log-sum-exp from its chunks; greedy rows take the first argmax,
+    """`method="cdf"`: the row's log-sum-exp from its chunks; greedy rows take the first argmax,
     sampled rows the first token whose cumulative weight passes `U * total`: the chunk from the
     chunks' weights `s exp(m - M)`, the token from that chunk's exponentials, re-read."""
     row = tl.program_id(0)
@@ -249,9 +241,9 @@ def sample_fused(
     seed: torch.Tensor,
     offset: torch.Tensor,
     *,
-    chunk: int = CHUNK,
-    num_warps: int = NUM_WARPS,
-    method: str | None = None,
+    chunk: int = _DEFAULT.chunk,
+    num_warps: int = _DEFAULT.num_warps,
+    method: str = _DEFAULT.method,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits [B, V]` (bf16, fp16 or fp32, unit stride along V) -> (`tokens [B]` int64,
     `logprobs [B]` fp32), as `sampler.sample` without top-k / top-p / min-token masking.
@@ -259,13 +251,12 @@ def sample_fused(
     `temperature [>= B]` fp32 (1 where greedy) and `greedy [>= B]` bool: only the first B rows are
     read. `seed [1]` and `offset [1]` int64 on the device: the Philox key and the step counter,
     which the call advances by one on the device. `chunk`: logits per program (a power of two, at
-    least 16; the draws depend on it). `method`: "race" or "cdf" (None: `METHOD`)."""
+    least 16; the draws depend on it). `method`: "race" or "cdf" (`SamplerOptions.method`)."""
     b, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("sample_fused needs logits with unit stride along the vocabulary")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, at least 16, got {chunk}")
-    method = METHOD if method is None else method
     if method not in ("race", "cdf"):
         raise ValueError(f"method must be 'race' or 'cdf', got {method!r}")
     n_chunks = triton.cdiv(v, chunk)

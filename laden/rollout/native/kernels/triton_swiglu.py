@@ -15,14 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns per program and warps: 1024 over 4 warps is eight bf16 values a thread (one 16-byte load
-# from each half).
-BLOCK = 1024
-NUM_WARPS = 4
-# Whether the fused decode layer uses this kernel instead of the compiled torch SwiGLU (read when a
-# step is traced or captured). Not measured yet against inductor's kernel: off until it is
-# (`benchmarks/swiglu_kernel.py`).
-IN_DECODE = False
+from laden.rollout.native.kernels.options import SwigluOptions
+
+_DEFAULT = SwigluOptions()  # the settings' meanings: `SwigluOptions`
 
 
 @triton.jit
@@ -37,7 +32,9 @@ def _swiglu(GU, OUT, half, stride_g, stride_o, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + col, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-def swiglu(gu: torch.Tensor, *, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def swiglu(
+    gu: torch.Tensor, *, block: int = _DEFAULT.block, num_warps: int = _DEFAULT.num_warps
+) -> torch.Tensor:
     """`gu [N, 2I]` (unit stride along the features) -> `silu(gu[:, :I]) * gu[:, I:]`, `[N, I]` in
     gu's dtype."""
     n, width = gu.shape
