@@ -45,7 +45,7 @@ def results(lines: list[str], workload: str | None, batch: int | None) -> list[t
 
 
 def words(options: Options) -> str:
-    """`--kernel-option`'s words for `options` (strings bare: `set_kernel_options` reads them back)."""
+    """`--kernel-option`'s words for `options` (strings bare: `kernel_options_from` reads them back)."""
     return " ".join(f"{k}={v if isinstance(v, str) else repr(v)}" for k, v in sorted(options.items()))
 
 

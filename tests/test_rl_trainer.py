@@ -60,6 +60,7 @@ def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
     """A completion whose oldest token is more than k versions old is never trained on."""
     import torch
 
+    from laden.engine.backend import resolve_backend
     from laden.engine.runtime import Runtime
     from laden.rl.workflow import Trajectory
 
@@ -297,6 +298,7 @@ def test_roundpipe_and_archon_actors_train_like_an_fsdp_one(tmp_path):
     micro-batches are packed on the host, where that engine takes them."""
     import torch
 
+    from laden.engine.backend import resolve_backend
     from laden.engine.runtime import Runtime, batch_device
 
     steps = {}
@@ -310,8 +312,9 @@ def test_roundpipe_and_archon_actors_train_like_an_fsdp_one(tmp_path):
             for name in ("loss", "grad_norm", "entropy"):
                 assert math.isclose(step[name], fsdp[name], rel_tol=1e-4, abs_tol=1e-4), (other, name)
     on_gpu = Runtime(rank=0, world_size=1, device=torch.device("cuda", 0))
-    assert batch_device(_cfg(tmp_path, "actor.backend=roundpipe:d1"), on_gpu) == torch.device("cpu")
-    assert batch_device(_cfg(tmp_path), on_gpu) == torch.device("cuda", 0)
+    roundpipe = resolve_backend(_cfg(tmp_path, "actor.backend=roundpipe:d1"))
+    assert batch_device(roundpipe, on_gpu) == torch.device("cpu")
+    assert batch_device(resolve_backend(_cfg(tmp_path)), on_gpu) == torch.device("cuda", 0)
 
 
 def test_roundpipe_num_microbatch_splits_the_rl_step_and_changes_nothing_else(tmp_path, monkeypatch):
@@ -353,14 +356,16 @@ def test_roundpipe_num_microbatch_splits_the_rl_step_and_changes_nothing_else(tm
 def test_where_the_native_engine_generates(tmp_path, actor, rollout, world_size, gpus, expected):
     import torch
 
+    from laden.engine.backend import resolve_backend
     from laden.engine.runtime import Runtime
 
     cfg = _cfg(
         tmp_path, f"actor.backend={actor}", f"rollout.backend={rollout}", f"cluster.n_gpus_per_node={gpus}"
     )
-    rt = Runtime(rank=0, world_size=world_size, device=torch.device("cuda", 0))
+    backend = resolve_backend(cfg)
+    rt = Runtime(rank=0, world_size=world_size, device=torch.device("cuda", 0), backend=backend)
     assert rl_trainer.rollout_device(cfg, rt, device_count=2) == torch.device(expected)
-    on_cpu = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
+    on_cpu = Runtime(rank=0, world_size=1, device=torch.device("cpu"), backend=backend)
     assert rl_trainer.rollout_device(cfg, on_cpu, device_count=2) == torch.device("cpu")
     if expected == "cuda:1":
         with pytest.raises(ValueError, match=r"cluster.n_gpus_per_node=2 .* sees 1 GPU\(s\)"):
@@ -370,7 +375,7 @@ def test_where_the_native_engine_generates(tmp_path, actor, rollout, world_size,
 def test_each_rank_resumes_its_own_sampling_state(caplog):
     import logging
 
-    own = rl_trainer._own_rng
+    from laden.rl.checkpoints import _own_rng as own
     assert own({"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]]}, 1, 2) == [2]
     assert own({"rollout_rng": [1]}, 0, 1) == [1]  # a checkpoint written before the states of every rank
     state = {"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]], "episodes": 3}

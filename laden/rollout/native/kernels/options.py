@@ -143,11 +143,12 @@ class KernelOptions:
         `ValueError` naming the settings there are for an unknown one."""
         module, dot, name = target.rpartition(".")
         kernel = module.removeprefix("triton_")
-        part = getattr(self, kernel, None) if module.startswith("triton_") and dot else None
+        part: Any = getattr(self, kernel, None) if module.startswith("triton_") and dot else None
         fields = [f.name for f in dataclasses.fields(part)] if part is not None else []
         if name.lower() not in fields:
             raise ValueError(f"kernel option {target!r} does not exist; there are {', '.join(self.names())}")
-        return dataclasses.replace(self, **{kernel: dataclasses.replace(part, **{name.lower(): value})})
+        changed: dict[str, Any] = {kernel: dataclasses.replace(part, **{name.lower(): value})}
+        return dataclasses.replace(self, **changed)
 
     @classmethod
     def names(cls) -> list[str]:
