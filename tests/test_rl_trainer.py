@@ -60,7 +60,6 @@ def test_stale_completions_are_dropped_and_counted(tmp_path, monkeypatch):
     """A completion whose oldest token is more than k versions old is never trained on."""
     import torch
 
-    from laden.engine.backend import resolve_backend
     from laden.engine.runtime import Runtime
     from laden.rl.workflow import Trajectory
 
@@ -376,6 +375,7 @@ def test_each_rank_resumes_its_own_sampling_state(caplog):
     import logging
 
     from laden.rl.checkpoints import _own_rng as own
+
     assert own({"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]]}, 1, 2) == [2]
     assert own({"rollout_rng": [1]}, 0, 1) == [1]  # a checkpoint written before the states of every rank
     state = {"rollout_rng": [1], "rollout_rng_ranks": [[1], [2]], "episodes": 3}
