@@ -30,7 +30,6 @@ the engine as above and sends each window's device phases; the other ranks run t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +42,7 @@ from torch import nn
 from laden.rollout.base import GenerationRequest, GenerationResult
 from laden.rollout.native.attention import pick_decode_backend
 from laden.rollout.native.core import GenerationCore
+from laden.rollout.native.driver import EngineDriver
 from laden.rollout.native.kernels.options import KernelOptions
 from laden.rollout.native.kv_cache import KVCache
 from laden.rollout.native.model import PagedModel
@@ -65,7 +65,7 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-class NativeEngine:
+class NativeEngine(EngineDriver):
     """The embedded rollout engine (see the module docstring).
 
     model: a Qwen3 / Qwen2 / Llama / Mistral `*ForCausalLM`, already on its device and in its
@@ -217,50 +217,6 @@ class NativeEngine:
         """Longest prompt plus completion the engine holds (a prompt must be shorter)."""
         return self.paged.max_model_len
 
-    def _ensure_loop_state(self) -> None:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-            self._resumed = asyncio.Event()
-            self._resumed.set()
-            self._work = asyncio.Event()
-
-    async def in_worker(self, fn, *args):
-        """`fn(*args)` in the engine's worker thread, where all of its device work runs (awaited)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def in_worker_now(self, fn, *args):
-        """`fn(*args)` in the engine's worker thread, from synchronous code (blocks until done)."""
-        return self._executor.submit(fn, *args).result()
-
-    def _may_chain(self) -> bool:
-        """Whether the core may launch a window before reading the one in flight (worker thread)."""
-        return self._waiters == 0 and not (self._paused or self._sleeping or self._closed)
-
-    @contextlib.asynccontextmanager
-    async def _exclusive(self):
-        """The engine's lock, for a caller other than the driver: while it waits, the window in
-        flight is the last one launched, so it gets the lock within one window."""
-        assert self._lock is not None
-        self._waiters += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self._waiters -= 1
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-    def _deliver(self, results: list[GenerationResult]) -> None:
-        for r in results:
-            waiting = self._queues.get(r.rid)
-            if waiting is not None:
-                waiting.put_nowait(r)
-
-    async def _flush(self) -> None:
-        """Read the window in flight and hand out what finished in it (under the lock)."""
-        self._deliver(await self.in_worker(self.core.drain))
-
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         """Results as they finish (see `RolloutEngine.generate`)."""
         if self._closed:
@@ -322,33 +278,6 @@ class NativeEngine:
             self._lock = self._resumed = self._work = None
             self._driver = None
 
-    async def _drive(self) -> None:
-        assert self._lock is not None and self._resumed is not None
-        while not self._closed:
-            await self._resumed.wait()
-            async with self._lock:
-                if self._paused or self._sleeping:
-                    continue
-                if self.core.idle:
-                    await self._send("idle")  # the followers stop listening
-                    return
-                try:
-                    results = await self.in_worker(self.core.step)
-                except BaseException as e:  # noqa: BLE001 - reach every waiting caller
-                    self.core.abort_all()  # nothing stays queued behind a request that cannot run
-                    await self._send("error", f"{type(e).__name__}: {e}")
-                    for q in set(self._queues.values()):
-                        q.put_nowait(e)
-                    return
-                # Tensor parallel: the followers' copies of these results ride on the next message; when
-                # nothing is left it is sent now, before a caller sees them (and may end the event loop).
-                done = self.tp is not None and self.core.idle
-                if done:
-                    await self._send("idle")
-            self._deliver(results)
-            if done:
-                return  # no await since the lock was released: no request was queued meanwhile
-
     async def pause(self) -> None:
         if self._follower is not None:
             await self._follower.call("pause")
@@ -360,14 +289,6 @@ class NativeEngine:
         async with self._exclusive():  # the window in progress ends first
             await self._flush()
             await self._send("pause")
-
-    async def _send(
-        self, kind: str, payload: Any = None, results: list[GenerationResult] | None = None
-    ) -> None:
-        """Tensor parallel leader: a message to the followers, from the worker thread (ordered with the
-        windows' messages). A no-op otherwise."""
-        if self.tp is not None:
-            await self.in_worker(self.core.send, kind, payload, results)
 
     async def resume(self) -> None:
         if self._follower is not None:
