@@ -1,4 +1,4 @@
-"""`laden sft | rl | eval | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | eval | init | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -119,16 +119,26 @@ def cmd_rl(args: argparse.Namespace) -> int:
             line += f", held-out accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"
         if result.reward_errors:
             line += f"; {result.reward_errors} of {result.completions} rewards failed (scored 0; see error text in the log)"
-        _done(f"{line}; run directory {result.run_dir}")
+        _done(f"{line}\n{_results(result.run_dir)}")
     return 0
+
+
+def _results(run_dir: Path) -> str:
+    """Where a finished run's results are: its directory and what it holds of metrics, curves and model."""
+    held = [
+        name for name in ("metrics.jsonl", "curves.png", "hf/") if (Path(run_dir) / name.rstrip("/")).exists()
+    ]
+    return f"results in {run_dir}: " + ", ".join(held or ["checkpoints/"])
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from laden.rl.eval_job import run_eval
+    from laden.run_setup import resolve_model_paths
 
-    record = run_eval(_load(args, "rl"), model_dir=args.model, checkpoint=args.checkpoint)
+    cfg = resolve_model_paths(_load(args, "rl"))  # a Hub id in actor.path: its local snapshot
+    record = run_eval(cfg, model_dir=args.model, checkpoint=args.checkpoint)
     print(json.dumps(record))
     return 0
 
@@ -164,21 +174,47 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr)
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from laden.init_config import init_config
+
+    out = Path(args.out or f"laden_{args.job}.yaml")
+    try:
+        lines = init_config(args.job, model=args.model, data=args.data, valid=args.valid, out=out)
+    except FileExistsError as exc:
+        print(f"laden: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in lines:
+        print(line)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from laden.config import config_reference_markdown, format_config
 
-    if args.action == "docs":
-        print(config_reference_markdown())
-        return 0
-    print(format_config(_load(args, args.job)), end="")
+    text = (
+        config_reference_markdown() + "\n" if args.action == "docs" else format_config(_load(args, args.job))
+    )
+    _print_to_pipe(text)
     return 0
+
+
+def _print_to_pipe(text: str) -> None:
+    """`text` on stdout; a reader that closes the pipe early (`| head`) ends the output quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from laden.memory.estimate import plan_phases
     from laden.memory.plan import default_budgets, parse_size, plot, render
+    from laden.run_setup import resolve_model_paths
 
-    cfg = _load(args, args.job or "any")
+    # A Hub id: its config and tokenizer suffice for the plan (the weights too for --profile).
+    cfg = resolve_model_paths(_load(args, args.job or "any"), weights=bool(args.profile))
     job = args.job or ("rl" if cfg.train_dataset.type == "rl" else "sft")
     gpu, host = default_budgets()
     if args.gpu_mem is not None:
@@ -251,9 +287,39 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+HELP = """\
+laden fine-tunes (SFT) and RL-tunes causal language models on one GPU or many, including models whose
+training state does not fit on the GPU, and sets the memory knobs before a run instead of after a crash.
+
+The commands you run:
+  laden sft --config X.yaml [key=value ...]   supervised fine-tuning (no --config: a tiny example on this machine)
+  laden rl  --config X.yaml [key=value ...]   RL (GRPO/PPO family) with held-out evaluation
+  laden init sft|rl --model M --data D        a commented config for your model and data, checked
+  laden plan --config X.yaml                  predicted GPU and host memory per phase, and the fixes
+  laden doctor [RUN_DIR]                      what this machine has, or why a run failed
+
+Where results go: cluster.fileroot/experiment_name/trial_name/ holds config.yaml, metrics.jsonl,
+curves.png, checkpoints/ and hf/ (the trained model, loadable with transformers). Rerunning the same
+command resumes from the newest checkpoint.
+"""
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from laden.run_export import export_run
+
+    out = export_run(args.run_dir, step=args.step, out_dir=args.out)
+    _done(f"exported to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="laden", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from laden import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="laden", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"laden {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="YAML config; omitted: the embedded tiny example")
@@ -281,8 +347,23 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--checkpoint", default=None, help="a run's checkpoint, RUN_DIR/checkpoints/step_N")
     evaluate.set_defaults(func=cmd_eval)
 
+    init = sub.add_parser("init", help="write a short commented config for your model and data (checked)")
+    init.add_argument("job", choices=["sft", "rl"])
+    init.add_argument(
+        "--model", default=None, help="a model directory or Hub id (default: the bundled tiny model)"
+    )
+    init.add_argument(
+        "--data", default=None, help="training data: a file, a directory, or hf:NAME (default: bundled)"
+    )
+    init.add_argument("--valid", default=None, help="held-out data (rl: evaluated every epoch)")
+    init.add_argument("--out", default=None, help="the config file to write (default: laden_<job>.yaml)")
+    init.set_defaults(func=cmd_init)
+
     config = sub.add_parser("config", help="show the resolved config, or the field reference")
-    config.add_argument("action", choices=["show", "docs"])
+    config.add_argument(
+        "action", nargs="?", choices=["show", "docs"], default="show",
+        help="show (default): the resolved config; docs: the field reference (Markdown)",
+    )  # fmt: skip
     config.add_argument("--job", choices=["sft", "rl", "any"], default="any", help="which rules to check")
     with_config(config)
     config.set_defaults(func=cmd_config)
@@ -310,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
         "path", nargs="?", default=None, help="a failed run's directory, or a file with a traceback"
     )
     doctor.set_defaults(func=cmd_doctor)
+
+    export = sub.add_parser(
+        "export",
+        help="write a Hugging Face model directory (and a LoRA run's adapter) from a run's checkpoint",
+    )
+    export.add_argument("run_dir", help="a laden run directory (holding checkpoints/step_N)")
+    export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
+    export.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf_steps/step_N)")
+    export.set_defaults(func=cmd_export)
     return parser
 
 
