@@ -1,7 +1,9 @@
-"""What `laden sft` and `laden rl` do before their first step, once: the engine's backend object from
-`actor.backend`, every `auto` knob set by the planner from this process's memory (before the runtime
-starts, so the runtime and the engines only ever see a finished config), the runtime, the launch
-checked against the allocation, and the fields that do nothing for this job and engine named."""
+"""What `laden sft` and `laden rl` do before their first step, once: a Hub id in `actor.path` /
+`critic.path` replaced by its local snapshot in the Hugging Face cache (fetched if need be), the
+engine's backend object from `actor.backend`, every `auto` knob set by the planner from this process's
+memory (before the runtime starts, so the runtime and the engines only ever see a finished config), the
+runtime, the launch checked against the allocation, and the fields that do nothing for this job and
+engine named."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ T = TypeVar("T")
 
 def start_run(cfg: LadenConfig, job: str) -> Runtime:
     """The runtime of a `job` ("sft" or "rl") run of `cfg`, with its engine's backend (`rt.backend`)."""
-    backend = resolve_backend(cfg)
     main = int(os.environ.get("RANK", "0")) == 0
+    resolve_model_paths(cfg, show_progress=main)
+    backend = resolve_backend(cfg)
     resolve_auto_knobs(cfg, _local_device(), log_lines=main)
     rt = start_runtime(backend)
     check_world_size(cfg, rt, job, backend)
@@ -47,6 +50,22 @@ def in_run_directory(cfg: LadenConfig, rt: Runtime, train: Callable[[RunDirector
         raise
     finally:
         run.release()
+
+
+def resolve_model_paths(cfg: LadenConfig, *, weights: bool = True, show_progress: bool = True) -> LadenConfig:
+    """`cfg` with a Hub id in `actor.path` / `critic.path` replaced by its local snapshot (fetched into the
+    Hugging Face cache unless there; `weights=False`: config and tokenizer only), so every later reader
+    sees a local directory. Local paths are kept as they are."""
+    from laden.model.hf.hub import resolve_model_path
+
+    a = cfg.actor
+    a.path = resolve_model_path(a.path, revision=a.revision, weights=weights, show_progress=show_progress)
+    c = cfg.critic
+    if c is not None and c.path:
+        c.path = resolve_model_path(
+            c.path, revision=c.revision, weights=weights, show_progress=show_progress, field="critic.path"
+        )
+    return cfg
 
 
 def resolve_auto_knobs(cfg: LadenConfig, device: torch.device, *, log_lines: bool = True) -> None:

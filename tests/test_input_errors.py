@@ -314,7 +314,7 @@ def test_rollout_head_rule_only_for_rl(tmp_path):
 def test_model_path_without_a_readable_config_json_is_a_config_error(tmp_path):
     (error,) = _config_errors([f"actor.path={tmp_path / 'missing'}"])
     assert error.startswith(f"actor.path={str(tmp_path / 'missing')!r} does not exist")
-    assert "huggingface-cli download" in error
+    assert "hf download <id> --local-dir DIR" in error
     (error,) = _config_errors([f"actor.path={tmp_path}"])
     assert error.startswith(f"actor.path={str(tmp_path)!r} has no config.json")
     (tmp_path / "config.json").write_text("{not json")

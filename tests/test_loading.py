@@ -163,11 +163,11 @@ def test_config_without_weights_needs_init_from_config(tiny_dir):
     assert "actor.init_from_config: true" in message
 
 
-def test_missing_path_says_local_directories_only(tmp_path):
+def test_missing_path_that_is_no_hub_id_says_it_does_not_exist(tmp_path):
     missing = tmp_path / "Qwen" / "Qwen3-8B"
-    with pytest.raises(ValueError, match="local directories") as info:
+    with pytest.raises(ValueError, match="does not exist and is not a Hub id") as info:
         load_causal_lm(str(missing), dtype=torch.float32)
-    assert str(missing) in str(info.value)
+    assert str(missing) in str(info.value) and "hf download <id> --local-dir DIR" in str(info.value)
 
 
 def test_directory_without_config_is_rejected(tmp_path):

@@ -225,7 +225,9 @@ class ActorConfig:
     """The trained model and its training engine."""
 
     path: str = ""
-    """Hugging Face model directory (weights, config.json, tokenizer)."""
+    """Hugging Face model directory (weights, config.json, tokenizer), or a Hub id `org/name`, fetched into the Hugging Face cache when the run starts (`HF_HUB_OFFLINE=1`: the cache only)."""
+    revision: str = ""
+    """Branch, tag or commit of the Hub model when `path` is a Hub id; '' = main."""
     init_from_config: bool = False
     """Initialise weights randomly from `path`/config.json (seeded) instead of loading them."""
     backend: str = "fsdp:d1"
@@ -340,7 +342,9 @@ class CriticConfig:
     """PPO's value model (AReaL's `critic`): the actor's architecture with a one-output head, trained with the clipped value loss; its values give GAE advantages (`actor.discount`, `actor.gae_lambda`), normalised by `actor.adv_norm` over tokens. Unset fields follow the actor's; attention kernel and model patches always do."""
 
     path: str = ""
-    """Hugging Face model directory whose decoder the critic starts from (the value head starts at zero); '' = `actor.path`."""
+    """Hugging Face model directory (or Hub id `org/name`) whose decoder the critic starts from (the value head starts at zero); '' = `actor.path`."""
+    revision: str = ""
+    """Branch, tag or commit of the Hub model when `path` is a Hub id; '' = main."""
     init_from_config: bool | None = None
     """Initialise the decoder randomly from `path`/config.json (seeded) instead of loading its weights; null = `actor.init_from_config`."""
     backend: str = ""

@@ -3,12 +3,14 @@
 `validate_against_model` takes the head counts (the engines call it with the loaded model's);
 `model_errors` reads them from `actor.path`/config.json (as JSON: no weights, no torch), so
 `laden config show` and every rank of a job report a head split that does not divide before
-anything is loaded. A .gguf file is checked only once it is loaded.
+anything is loaded. A .gguf file, and a Hub id (`org/name`, `is_hub_id`) that is not a local path, are
+checked only once loaded: the Hub model is fetched when the run starts (`laden.model.hf.hub`), not here.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,9 @@ from laden.config.alloc import head_rule_errors
 from laden.config.schema import LadenConfig
 from laden.config.validate_alloc import parse_or_none
 
-__all__ = ["model_errors", "read_model_config", "validate_against_model"]
+__all__ = ["is_hub_id", "model_errors", "read_model_config", "validate_against_model"]
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 def validate_against_model(
@@ -63,14 +67,17 @@ def model_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
 
 
 def read_model_config(path: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(`config.json` of the model at `path`, None), (None, None) for a .gguf file, or (None, error line)."""
+    """(`config.json` of the model at `path`, None), (None, None) for a .gguf file or a Hub id that is not a
+    local path, or (None, error line)."""
     field = f"actor.path={path!r}"
     directory = Path(path).expanduser()
     if not directory.exists():
+        if is_hub_id(path):
+            return None, None  # fetched from the Hub (or its cache) when the run starts
         return None, (
-            f"{field} does not exist; laden loads local directories only (model hubs are not reachable): "
-            "download the model (e.g. `huggingface-cli download <repo> --local-dir <dir>`) and set "
-            "actor.path to that directory"
+            f"{field} does not exist and is not a Hub id (org/name); set actor.path to a Hugging Face model "
+            "directory, a .gguf file or a Hub id such as Qwen/Qwen3-0.6B (a Hub model can also be downloaded "
+            "first: `hf download <id> --local-dir DIR`, then actor.path=DIR)"
         )
     if directory.is_file():
         if directory.suffix == ".gguf":
@@ -98,6 +105,13 @@ def read_model_config(path: str) -> tuple[dict[str, Any] | None, str | None]:
             f"{field}: {file} holds a {type(config).__name__}, not a JSON object; re-download the model",
         )
     return config, None
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether `path` is shaped like a Hugging Face Hub repository id (`org/name`, the Hub's naming rules)."""
+    return (
+        bool(_HUB_ID.fullmatch(path)) and "--" not in path and ".." not in path and not path.endswith(".git")
+    )
 
 
 def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:

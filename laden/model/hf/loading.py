@@ -1,10 +1,12 @@
 """Loading Hugging Face causal LMs and tokenizers from local directories.
 
-laden never talks to a model hub (the machines it runs on usually cannot reach one): every
-path is a local directory, opened with `local_files_only=True`, and a missing directory is
-reported as such instead of as a failed download. A directory with a `config.json` but no
-weights is initialised from the config when `actor.init_from_config` is set, seeded so that
-every rank (and every rerun) builds the same weights without touching the global RNG.
+transformers never talks to a model hub here: every path is a local directory, opened with
+`local_files_only=True`, and a missing directory is reported as such instead of as a failed download.
+A Hub id (`org/name`) that is not a local path is first fetched into the Hugging Face cache by
+`laden.model.hf.hub` (the trainers do that once when the run starts, so here it is already local).
+A directory with a `config.json` but no weights is initialised from the config when
+`actor.init_from_config` is set, seeded so that every rank (and every rerun) builds the same weights
+without touching the global RNG.
 
 GGUF checkpoints load through transformers' own GGUF reader (dequantised to `dtype`), which
 needs the optional `gguf` package. The whole model is materialised on the CPU first and then
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from laden.model.attention import AttnImpl, set_attention
+from laden.model.hf.hub import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +73,12 @@ _SIZE_FIELDS = (
 )
 """config.json fields that must be positive integers where present (and not null)."""
 _RESTORE = (
-    "restore the model's original config.json (e.g. `huggingface-cli download <repo> config.json --local-dir "
-    "<dir>`) or correct the field"
+    "restore the model's original config.json (e.g. `hf download <repo> config.json --local-dir <dir>`) or "
+    "correct the field"
 )
 _REDOWNLOAD = (
     "the file is damaged or incomplete (an interrupted download or copy): download it again (e.g. "
-    "`huggingface-cli download <repo> --local-dir <dir>`, which resumes and checks what it fetches)"
+    "`hf download <repo> --local-dir <dir>`, which resumes and checks what it fetches)"
 )
 
 
@@ -86,12 +89,12 @@ def has_weight_files(directory: str | Path) -> bool:
 
 def _resolve(path: str | Path, gguf_file: str | None) -> tuple[Path, str | None]:
     """The model directory and GGUF file name; `path` may point at a `.gguf` file directly."""
-    p = Path(path).expanduser()
+    p = Path(resolve_model_path(str(path))).expanduser()  # a Hub id: its snapshot in the HF cache
     if not p.exists():
         raise ValueError(
-            f"actor.path={str(path)!r} does not exist; laden loads local directories only (model hubs "
-            "are not reachable): download the model (e.g. `huggingface-cli download <repo> --local-dir "
-            "<dir>`) and set actor.path to that directory"
+            f"actor.path={str(path)!r} does not exist and is not a Hub id (org/name); set it to a Hugging "
+            "Face model directory, a .gguf file or a Hub id (or download one first: `hf download <id> "
+            "--local-dir DIR`, then actor.path=DIR)"
         )
     if p.is_file():
         if p.suffix != ".gguf":
