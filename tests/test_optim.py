@@ -278,7 +278,7 @@ def test_build_optimizer_kinds():
     p = torch.zeros(3, requires_grad=True)
     adam = build([p], type="adam", lr=1e-3, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6)
     assert isinstance(adam, torch.optim.AdamW)
-    assert adam.defaults["foreach"] and not adam.defaults["fused"]  # CPU params: foreach
+    assert adam.defaults["fused"] and not adam.defaults["foreach"]  # fp32 CPU params: fused
     assert (adam.defaults["betas"], adam.defaults["eps"], adam.param_groups[0]["weight_decay"]) == (
         (0.8, 0.9),
         1e-6,

@@ -5,7 +5,7 @@
 - `named_state` / `load_named_state`: optimizer state by parameter name, the checkpoint layout.
 - `Adam`: `roundpipe.optim.Adam`'s arguments (the RoundPipe-compatible API's host Adam/AdamW).
 - `AdamWBF16`: `actor.optimizer.type: adam_bf16` (8 bytes per param, Kahan-compensated).
-- `HostAdamW`, `adamw_step_`, `adamw_bf16_kahan_step_`: the CPU update of the offloaded
+- `HostAdamW`, `adamw_step_`, `adamw_bf16_kahan_step_`, `adamw_fused_cpu_`: the CPU update of the offloaded
   engines (a vectorized C++ kernel built on first use, with a PyTorch fallback).
 """
 
@@ -20,7 +20,13 @@ from laden.optim.build import (
     is_no_decay,
     param_groups_with_decay,
 )
-from laden.optim.cpu_adam import HostAdamW, adamw_bf16_kahan_step_, adamw_step_, backend_name
+from laden.optim.cpu_adam import (
+    HostAdamW,
+    adamw_bf16_kahan_step_,
+    adamw_fused_cpu_,
+    adamw_step_,
+    backend_name,
+)
 from laden.optim.settings import OptimSettings
 from laden.optim.state import init_state, load_named_state, named_state
 
@@ -32,6 +38,7 @@ __all__ = [
     "ShardedStep",
     "adamw_bf16_kahan_step_",
     "adamw_foreach_",
+    "adamw_fused_cpu_",
     "adamw_kahan_foreach_",
     "adamw_scalars",
     "adamw_step_",

@@ -2,7 +2,9 @@
 
 Every engine builds its optimizer here, from one `OptimSettings`; only where the states live
 differs. On the device, `adam` is `torch.optim.AdamW`, fused when every param is on CUDA (one
-kernel for the whole step) and foreach otherwise, and `adam_bf16` is `AdamWBF16`; on the host
+kernel for the whole step) or every param is an fp32 CPU tensor (PyTorch's fused CPU kernel:
+5x faster than foreach on 32M params, `benchmarks/RESULTS.md`), foreach otherwise (mixed
+devices, bf16 states on the CPU), and `adam_bf16` is `AdamWBF16`; on the host
 (the roundpipe engine's master weights) both are `HostAdamW`'s vectorized update with the same
 math; the `fsdp` engine's host-state modes use `ShardedAdamW`. `sgd` is `torch.optim.SGD`
 everywhere (its weight decay is the coupled L2 form). Biases and 1-D params (norm weights) get no weight decay
@@ -165,8 +167,11 @@ def build_optimizer(
 
 
 def _torch_kind(flat: list[torch.Tensor]) -> dict[str, Any]:
-    """Fused AdamW when every param is on CUDA (one kernel for the step), foreach otherwise."""
-    return {"fused": True} if all(p.device.type == "cuda" for p in flat) else {"foreach": True}
+    """Fused AdamW when every param is on CUDA (one kernel for the step) or every param is fp32 on
+    the CPU (one pass over memory, like the host C++ kernel); foreach otherwise."""
+    on_cuda = all(p.device.type == "cuda" for p in flat)
+    fp32_on_cpu = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in flat)
+    return {"fused": True} if on_cuda or fp32_on_cpu else {"foreach": True}
 
 
 class WarmupDecay:

@@ -7,12 +7,18 @@ Two backends compute the same math:
 - "cpp": the fused, vectorized, OpenMP kernels of `csrc/cpu_adam.cpp`, built lazily on first
   use (`cpu_adam_ext.py`). One pass over memory per tensor; it can also write the bf16 upload
   copy of the updated fp32 param in that pass. The GIL is released while it runs.
-- "torch": `torch._foreach_*` ops (`adamw_foreach.py`), used when the build fails (no
-  compiler, no ninja; a warning says why, once) or when `LADEN_CPU_ADAM=torch`.
+- "torch": used when the build fails (no compiler, no ninja; a warning says why, once) or
+  when `LADEN_CPU_ADAM=torch`. fp32 states run PyTorch's fused CPU AdamW
+  (`torch._fused_adamw_`, what `torch.optim.AdamW(fused=True)` calls): as fast as the cpp
+  kernel and its params equal the cpp kernel's bit for bit, where the `torch._foreach_*` math
+  (`adamw_foreach.py`) is 5-10x slower (`benchmarks/RESULTS.md`, "Host AdamW: fused"). A bf16
+  grad costs one fp32 copy first; the bf16 upload copy a second pass. bf16 + Kahan states
+  have no fused PyTorch kernel and keep the foreach math (about 30x slower than cpp).
   `LADEN_CPU_ADAM=cpp` makes a failed build an error instead of a fallback.
 
-The cpp kernels take contiguous CPU tensors; a call with anything else (a strided view, a
-CUDA tensor) takes the torch path for that call, so the functional API works everywhere.
+The cpp and fused kernels take contiguous CPU tensors (the fused one silently computes wrong
+values on a strided view); a call with anything else (a strided view, a CUDA tensor) takes
+the foreach path for that call, so the functional API works everywhere.
 
 `HostAdamW` keeps one step counter per parameter, so `step_params(layer_params)` can update
 a layer as soon as its gradients are complete, in any order, and a full round of partial
@@ -30,7 +36,7 @@ import torch
 
 from laden.optim import cpu_adam_ext
 from laden.optim.adam_bf16 import normalize_step_state, validate_adamw_hparams
-from laden.optim.adamw_foreach import AdamWScalars, adamw_foreach_, adamw_kahan_foreach_, adamw_scalars
+from laden.optim.adamw_foreach import adamw_foreach_, adamw_kahan_foreach_, adamw_scalars
 
 Backend = Literal["cpp", "torch"]
 _ENV = "LADEN_CPU_ADAM"
@@ -136,7 +142,41 @@ def adamw_step_(
         )  # fmt: skip
         return
     outs = [param_out_bf16] if param_out_bf16 is not None else None
+    if _kernel_ready(*tensors):
+        h = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+        adamw_fused_cpu_([param], [grad], [exp_avg], [exp_avg_sq], step=step, **h, params_out_bf16=outs)
+        return
     adamw_foreach_([param], [grad], [exp_avg], [exp_avg_sq], s, params_out_bf16=outs)
+
+
+@torch.no_grad()
+def adamw_fused_cpu_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    params_out_bf16: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """One AdamW step on contiguous fp32 CPU params and moments with PyTorch's fused CPU kernel.
+
+    Grads fp32 or bf16 (a bf16 grad is copied to fp32 first: the kernel takes the param's
+    dtype); `params_out_bf16` receives the updated params in bf16 after the update.
+    """
+    steps = [torch.tensor(float(step))] * len(params)  # read, not incremented, by the kernel
+    fp32_grads = [g.float() for g in grads]
+    torch._fused_adamw_(
+        list(params), fp32_grads, list(exp_avgs), list(exp_avg_sqs), [], steps, amsgrad=False,
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False,
+    )  # fmt: skip
+    if params_out_bf16:
+        torch._foreach_copy_(list(params_out_bf16), list(params))
 
 
 @torch.no_grad()
@@ -320,21 +360,25 @@ class HostAdamW(torch.optim.Optimizer):
                 adamw_step_(p, g, m, v, **h, param_out_bf16=out, num_threads=self.num_threads, backend="cpp")
 
     def _step_torch(self, work: list[tuple]) -> None:
-        # One foreach call per (group, step count, has bf16 copy): the scalars are shared.
-        batches: dict[tuple[int, int, bool], list[tuple]] = {}
+        # One call per (group, step count, has bf16 copy, contiguous): the scalars are shared.
+        batches: dict[tuple[int, int, bool, bool], list[tuple]] = {}
         for item in work:
-            p, _, out, group, state = item
-            batches.setdefault((id(group), state["step"], out is not None), []).append(item)
-        for items in batches.values():
-            _, _, out0, group, state0 = items[0]
-            s: AdamWScalars = adamw_scalars(**self._hparams(group, state0["step"]))
+            p, g, out, group, state = item
+            ready = _kernel_ready(
+                p, g, state["exp_avg"], state["exp_avg_sq"], *([out] if out is not None else [])
+            )
+            batches.setdefault((id(group), state["step"], out is not None, ready), []).append(item)
+        for (_, step, has_out, ready), items in batches.items():
+            h = self._hparams(items[0][3], step)
             params = [it[0] for it in items]
             grads = [it[1] for it in items]
             m = [it[4]["exp_avg"] for it in items]
             v = [it[4]["exp_avg_sq"] for it in items]
+            outs = [it[2] for it in items] if has_out else None
             if self.state_dtype == torch.bfloat16:
                 comps = [it[4]["comp"] for it in items]
-                adamw_kahan_foreach_(params, comps, grads, m, v, s)
+                adamw_kahan_foreach_(params, comps, grads, m, v, adamw_scalars(**h))
+            elif ready:
+                adamw_fused_cpu_(params, grads, m, v, **h, params_out_bf16=outs)
             else:
-                outs = [it[2] for it in items] if out0 is not None else None
-                adamw_foreach_(params, grads, m, v, s, params_out_bf16=outs)
+                adamw_foreach_(params, grads, m, v, adamw_scalars(**h), params_out_bf16=outs)
