@@ -33,7 +33,7 @@ from fsdp_common import (  # noqa: E402
     reset_host_peak,
 )
 
-from laden.engine.fsdp import init_distributed  # noqa: E402
+from laden.engine.parallel.launch import init_distributed  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from fsdp_common import (  # noqa: E402
     random_micro_batches,
 )
 
-from laden.engine.fsdp import init_distributed  # noqa: E402
+from laden.engine.parallel.launch import init_distributed  # noqa: E402
 
 VARIANTS = {
     "resident": {},

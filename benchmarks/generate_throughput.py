@@ -279,7 +279,7 @@ def greedy_check(args, device) -> None:
 
 def _start_tensor_parallel(args, device: torch.device) -> tuple[torch.device, bool]:
     """torchrun's processes as one native engine of `args.tp` ranks; (this rank's device, rank 0?)."""
-    from laden.engine.fsdp.launch import init_distributed
+    from laden.engine.parallel.launch import init_distributed
     from laden.rollout.native.tensor_parallel import tensor_parallel_groups
 
     if args.systems != ["native"] or args.greedy_check is not None:

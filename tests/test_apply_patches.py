@@ -198,7 +198,7 @@ def test_patched_model_under_fsdp2_trains_like_the_plain_model(world_of_one, eag
     """Lean norms and MLPs, sink projections, fused rotary (eager kernels) and tiled MLPs on a tiny
     Qwen3, then FSDP2 (laden's per-layer `fully_shard`): two SGD steps give the unwrapped plain
     model's losses and gradients (fp32), through the lean and fused functions on gathered weights."""
-    from laden.engine.fsdp.parallelize import apply_fsdp
+    from laden.engine.parallel.parallelize import apply_fsdp
 
     plain = _model()
     want = _train(copy.deepcopy(plain))
@@ -223,7 +223,7 @@ def test_patched_model_under_tensor_parallelism_trains_like_the_plain_model(worl
     """The same under laden's tensor-parallel plan (DTensor norms and projections, a 1-rank mesh):
     lean norms run on DTensors (their fused calls eager), the rotary on the local q and k, the MLPs
     tiled; the lean MLP and sink projections are skipped as the report says."""
-    from laden.engine.fsdp.parallelize import apply_tensor_parallel
+    from laden.engine.parallel.parallelize import apply_tensor_parallel
 
     plain = _model()
     want = _train(copy.deepcopy(plain))

@@ -9,7 +9,8 @@ from tiny import tiny_qwen3_config
 from workers import run_workers
 
 from laden.data.batch import pack_samples
-from laden.engine.fsdp import FSDPEngine, build_device_mesh, init_distributed
+from laden.engine.fsdp import FSDPEngine
+from laden.engine.parallel.launch import build_device_mesh, init_distributed
 from laden.optim import OptimSettings
 
 VOCAB = 96
@@ -192,7 +193,7 @@ def test_a_process_group_started_by_init_distributed_ends_at_exit(monkeypatch):
 
     import torch.distributed as dist
 
-    from laden.engine.fsdp import launch
+    from laden.engine.parallel import launch
 
     hooks: list = []
     monkeypatch.setattr(launch.atexit, "register", hooks.append)

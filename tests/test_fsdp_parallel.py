@@ -9,8 +9,8 @@ from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, spli
 from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
-from laden.engine.fsdp.ulysses import shard_packed_row
-from laden.engine.fsdp.vocab_parallel import vocab_parallel_cross_entropy, vocab_shard_range
+from laden.engine.parallel.ulysses import shard_packed_row
+from laden.engine.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_shard_range
 
 # (model overrides, engine options): kv % 2 == 0 splits the KV heads; kv == 1 < 2 repeats the
 # one KV head; the last case adds activation checkpointing (its recompute re-runs the collectives).
@@ -94,7 +94,7 @@ def check_vocab_parallel(results):
 
 
 def test_head_rule_is_checked_with_the_valid_sizes():
-    from laden.engine.fsdp.parallelize import check_head_rule
+    from laden.engine.parallel.parallelize import check_head_rule
 
     model = tiny_model()  # 4 heads, 2 KV heads
     with pytest.raises(

@@ -4,7 +4,7 @@ within each; experts over `e`.
 Layout. The world is `p x d x c x t` processes on a `("pp", "edp", "ep", "cp", "tp")` device mesh (pipeline
 outermost, tensor parallel innermost on the closest GPUs, then expert parallel for its all-to-alls);
 the data-parallel axis `dp = edp x ep` is flattened from the middle two. With `t > 1`
-the fsdp engine's tensor-parallel plans split every layer first (`apply_tensor_parallel`: the hidden
+the tensor-parallel plans of `laden.engine.parallel.parallelize` split every layer first (`apply_tensor_parallel`: the hidden
 states between stages stay replicated, the head is split on the vocabulary and the cross-entropy is
 vocab-parallel), and FSDP2 then shards the 2-D parameters over `dp`. Every process builds the whole model, keeps the
 steps of its pipeline stage(s) (`laden.engine.archon.pipeline`: cut by parameter bytes plus kept
@@ -40,7 +40,7 @@ three kinds of parallelism at once (each needs the mesh, the stage map and the e
 stage code lives in `pipeline.py` and the experts in `laden.model.moe`.
 
 With `c > 1` each rank of a stage holds a `1/c` slice of every micro-batch and attention runs
-Ulysses all-to-alls (`laden.engine.fsdp.ulysses`); FSDP shards over `dp x c`, the loss is summed over both,
+Ulysses all-to-alls (`laden.engine.parallel.ulysses`); FSDP shards over `dp x c`, the loss is summed over both,
 and `forward` all-gathers the slices into whole rows.
 
 Not here yet: experts split over the tensor ranks (the hybrid form's `ffn:...t`), the host-state optimizers of the
@@ -72,6 +72,12 @@ from laden.engine.archon.pipeline import (
 )
 from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
 from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
+from laden.engine.parallel.objective import TokenOutputs
+from laden.engine.parallel.offload import StorageOffload
+from laden.engine.parallel.padding import padding_batch
+from laden.engine.parallel.parallelize import apply_tensor_parallel, check_head_rule
+from laden.engine.parallel.params import cast_params_, local_shard, own_slice
+from laden.engine.parallel.ulysses import enable_ulysses, gather_row, shard_batch
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from laden.model.moe import expert_shard
 from laden.model.objective import CrossEntropy
@@ -105,8 +111,6 @@ class ArchonEngine:
         router_aux_loss_coef: float = 0.0,
         capacity_factor: float | None = None,
     ) -> None:
-        from laden.engine.fsdp.load import cast_params_
-
         self._check_layout(dp, pp, ep, tp, cp, schedule, virtual_stages)
         self.optim_settings = optim or OptimSettings()
         self.compute_dtype = dtype
@@ -124,8 +128,6 @@ class ArchonEngine:
         self._record_names(model)
         self.moe_stats = self._setup_moe(model, router_aux_loss_coef, capacity_factor)
         if tp > 1:
-            from laden.engine.fsdp.parallelize import apply_tensor_parallel
-
             apply_tensor_parallel(model, self.mesh["tp"], moe_apart=True)
         cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
         if gradient_checkpointing:
@@ -221,9 +223,6 @@ class ArchonEngine:
         from laden.model.split import split_causal_lm
 
         if self.cp > 1:
-            from laden.engine.fsdp.parallelize import check_head_rule
-            from laden.engine.fsdp.ulysses import enable_ulysses
-
             check_head_rule(model, self.cp, axis_name="context parallel")
             enable_ulysses(model, self.mesh["cp"].get_group())
         else:
@@ -366,8 +365,6 @@ class ArchonEngine:
     def _prepared(self, micro_batches: Sequence[PackedBatch]) -> list[PackedBatch]:
         """On the device, padded to the count every data-parallel rank runs (and the schedule takes),
         and, under a pipeline, to one length (padding micro-batches: one padding document)."""
-        from laden.engine.fsdp.engine import _padding_batch
-
         mbs = [mb.to(self.device, non_blocking=True) for mb in micro_batches]
         if not self.distributed:
             if not mbs:
@@ -376,13 +373,11 @@ class ArchonEngine:
         count = torch.tensor([len(mbs)], dtype=torch.int64)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.host_group)
         target = padded_count(int(count.item()), name=self.schedule_name, num_ranks=self.pp)  # host values
-        mbs += [_padding_batch().to(self.device) for _ in range(target - len(mbs))]
+        mbs += [padding_batch().to(self.device) for _ in range(target - len(mbs))]
         if self.pp > 1:
             length = max(mb.num_tokens for mb in mbs)
             mbs = [pad_to(mb, length) for mb in mbs]
-        if self.cp > 1:  # this rank's slice of every row (`laden.engine.fsdp.ulysses`)
-            from laden.engine.fsdp.ulysses import shard_batch
-
+        if self.cp > 1:  # this rank's slice of every row (`laden.engine.parallel.ulysses`)
             mbs = [shard_batch(mb, cp_rank=self.cp_rank, cp_size=self.cp) for mb in mbs]
         return mbs
 
@@ -602,13 +597,11 @@ class ArchonEngine:
         temperature: float = 1.0,
     ) -> list[dict[str, torch.Tensor]]:
         """Per micro-batch, each requested output as a `[T]` fp32 host tensor (every rank gets them)."""
-        from laden.engine.fsdp.engine import _TokenOutputs
-
         self._check_onloaded("forward")
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be positive")
         keys = tuple(outputs)
-        fn = _TokenOutputs(outputs=keys, temperature=temperature, chunk_size=self.loss_chunk_size)
+        fn = TokenOutputs(outputs=keys, temperature=temperature, chunk_size=self.loss_chunk_size)
         mbs = self._prepared(micro_batches)
         results = list(self._forward_only(mbs, fn, 1.0, keys))
         return [{k: self._whole_row(v, mb.num_tokens).float().cpu() for k, v in r.items()}
@@ -618,8 +611,6 @@ class ArchonEngine:
         """A micro-batch's per-token values without padding: the context slices all-gathered first."""
         if self.cp == 1:
             return values[:num_tokens]
-        from laden.engine.fsdp.ulysses import gather_row
-
         return gather_row(values, self.mesh["cp"].get_group(), num_tokens)
 
     def _forward_only(
@@ -739,8 +730,6 @@ class ArchonEngine:
 
     def offload(self) -> None:
         """Parameters (local shards), gradients and optimizer states to host buffers. Idempotent."""
-        from laden.engine.fsdp.offload import StorageOffload
-
         if self._offloaded:
             return
         self._reshard()
@@ -761,13 +750,13 @@ class ArchonEngine:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            yield _local(p)
+            yield local_shard(p)
             if p.grad is not None:
-                yield _local(p.grad)
+                yield local_shard(p.grad)
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    yield _local(value)
+                    yield local_shard(value)
 
     # ------------------------------------------------------------- checkpoints
 
@@ -788,7 +777,6 @@ class ArchonEngine:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load the shared layout (this rank's part, or full plain tensors), in place where it already is."""
-        from laden.engine.fsdp.checkpoint import _own_slice
         from laden.optim import load_named_state
 
         self._check_onloaded("load_state_dict")
@@ -800,13 +788,13 @@ class ArchonEngine:
             )
         for name, p in named.items():
             target = self._as_dtensor(p)
-            src = _own_slice(state["model"][name], target)
-            src, dst = _local(src), _local(target)
+            src = own_slice(state["model"][name], target)
+            src, dst = local_shard(src), local_shard(target)
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(self._expert_slice(src, dst, p))
         names = {id(p): n for n, p in named.items()}
         saved = state["optimizer"]
-        local_states = {n: {k: self._expert_slice(_local(_own_slice(v, self._as_dtensor(named[n]))), None, named[n])
+        local_states = {n: {k: self._expert_slice(local_shard(own_slice(v, self._as_dtensor(named[n]))), None, named[n])
                             for k, v in entry.items()} for n, entry in saved["state"].items() if n in named}  # fmt: skip
         # The param groups differ between stages and layouts (a stage without norms has no no-decay group):
         # their hyper-parameters come from this run's settings, the schedule's position from the checkpoint.
@@ -829,7 +817,7 @@ class ArchonEngine:
     ) -> torch.Tensor:
         """A full expert tensor (from a layout without expert parallel) cut to this rank's shard."""
         shard = expert_shard(param)
-        local = _local(param)
+        local = local_shard(param)
         if shard is None or value.dim() == 0 or value.shape[shard.dim] == local.shape[shard.dim]:
             return value
         return value.narrow(shard.dim, shard.offset, local.shape[shard.dim])
@@ -878,10 +866,6 @@ class ArchonEngine:
         return sorted(order, key=lambda item: item[0] != "model")  # weights first, as written elsewhere
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _run_under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """`module`'s forward (this instance's) under autocast to `dtype`."""
     forward = module.forward
@@ -899,6 +883,6 @@ def _release_others(model: nn.Module, kept: set[int]) -> None:
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) not in kept and not p.is_meta:
                 meta = torch.empty_like(
-                    _local(p), device="meta"
+                    local_shard(p), device="meta"
                 )  # a DTensor (tensor parallel): its shard's shape
                 module._parameters[name] = nn.Parameter(meta, p.requires_grad)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
-from laden.engine.fsdp.loss import apply_objective
+from laden.engine.parallel.objective import apply_objective
 
 Schedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 SCHEDULES: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")

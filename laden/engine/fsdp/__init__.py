@@ -1,13 +1,13 @@
 """The `fsdp` actor backend: FSDP2 data, tensor and Ulysses context parallel training.
 
 `FSDPEngine` is the engine (also laden's single-process engine: `fsdp:d1` without torchrun
-runs it without a process group); `init_distributed` and `build_device_mesh` start the
-process group from torchrun's environment and lay out the `(dp, cp, tp)` mesh;
-`build_fsdp_engine` maps the resolved `actor.*` config onto the engine.
+runs it without a process group); `build_fsdp_engine` maps the resolved `actor.*` config onto
+the engine. The process group and the `(dp, cp, tp)` mesh it runs on, its tensor-parallel
+plans, Ulysses context parallel and offload are shared with the archon engine and live in
+`laden.engine.parallel`.
 """
 
 from laden.engine.fsdp.engine import FSDPEngine
 from laden.engine.fsdp.factory import build_fsdp_engine
-from laden.engine.fsdp.launch import ParallelMesh, build_device_mesh, init_distributed
 
-__all__ = ["FSDPEngine", "ParallelMesh", "build_device_mesh", "build_fsdp_engine", "init_distributed"]
+__all__ = ["FSDPEngine", "build_fsdp_engine"]

@@ -11,7 +11,7 @@ the storage dtype (fp32), so resumed training is exact.
 
 `load_engine_state` accepts the layout with DTensors or with plain full tensors (a checkpoint
 written by a single-process engine and read with `torch.load`): for a sharded parameter each
-rank copies its own slice of a full tensor, without a collective.
+rank copies its own slice of a full tensor, without a collective (`laden.engine.parallel.params.own_slice`).
 
 `save_dcp` / `load_dcp` write and read any nested dict of tensors, DTensors and plain values
 with `torch.distributed.checkpoint`, under a process group or in one plain process (quietly).
@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from laden.engine.parallel.params import local_shard, own_slice
 from laden.optim import load_named_state, named_state
 
 
@@ -67,12 +66,12 @@ def load_engine_state(
     params = trained_parameters(model)
     _check_names(set(params), set(state["model"]))
     for name, p in params.items():
-        src, dst = _local(_own_slice(state["model"][name], p)), _local(p)
+        src, dst = local_shard(own_slice(state["model"][name], p)), local_shard(p)
         if src.data_ptr() != dst.data_ptr():  # not loaded in place: write it back
             dst.copy_(src)
     saved_optim = state["optimizer"]
     local_states = {
-        name: {key: _own_slice(value, params[name]) for key, value in entry.items()}
+        name: {key: own_slice(value, params[name]) for key, value in entry.items()}
         for name, entry in saved_optim["state"].items()
         if name in params
     }
@@ -96,20 +95,6 @@ def _check_names(expected: set[str], saved: set[str]) -> None:
             f"unexpected {unexpected[:5]}; resume with the model (and actor.use_lora settings) the checkpoint "
             "was written for"
         )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a DTensor (sharing storage), a plain tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _own_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`value`, a state laid out like `param`; a full plain tensor of a sharded `param` becomes this
-    rank's slice of it (what DTensor's placements give this rank; no collective)."""
-    if isinstance(value, DTensor) or not isinstance(param, DTensor) or value.shape != param.shape:
-        return value
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def save_dcp(state: Mapping[str, Any], path: str | Path) -> None:

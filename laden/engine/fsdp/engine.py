@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +43,27 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from laden.data.batch import IGNORE_INDEX, PackedBatch
+from laden.data.batch import PackedBatch
 from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
 from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
 from laden.engine.fsdp import load
 from laden.engine.fsdp.checkpoint import engine_state, load_engine_state
-from laden.engine.fsdp.launch import SHARD_AXIS, build_device_mesh
 from laden.engine.fsdp.loss import ObjectiveRoot
-from laden.engine.fsdp.offload import StorageOffload
-from laden.engine.fsdp.parallelize import apply_fsdp, apply_tensor_parallel, check_head_rule, decoder_layers
-from laden.engine.fsdp.ulysses import gather_row, shard_batch
+from laden.engine.parallel.launch import SHARD_AXIS, build_device_mesh, start_single_process_group
+from laden.engine.parallel.objective import TokenOutputs
+from laden.engine.parallel.offload import StorageOffload
+from laden.engine.parallel.padding import ZeroFields, padding_batch
+from laden.engine.parallel.parallelize import (
+    apply_fsdp,
+    apply_tensor_parallel,
+    check_head_rule,
+    decoder_layers,
+)
+from laden.engine.parallel.params import cast_params_, local_shard
+from laden.engine.parallel.ulysses import enable_ulysses, gather_row, shard_batch
 from laden.model.lora import adapted_modules, merged_weights, peft_adapter_state
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
-from laden.model.objective import CrossEntropy, token_outputs
+from laden.model.objective import CrossEntropy
 from laden.optim import OptimSettings, ShardedStep, build_optimizer, clip_grad_norm_, param_groups_with_decay
 
 log = logging.getLogger("laden.fsdp")
@@ -96,7 +104,7 @@ class FSDPEngine:
         self.offload_params = offload_params
         self.device = device or default_device()
         if offload_params and not dist.is_initialized():
-            _start_single_process_group()
+            start_single_process_group()
         self.distributed = dist.is_initialized()
         if not self.distributed and dp * tp * cp > 1:
             raise ValueError(
@@ -143,10 +151,8 @@ class FSDPEngine:
                 f"a LoRA model (actor.use_lora) cannot train with tensor parallelism (t={self.tp}): its plans "
                 "shard plain nn.Linear projections; use t=1"
             )
-        load.cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
+        cast_params_(model, self.storage_dtype, frozen_dtype=self.compute_dtype)
         if self.cp > 1:
-            from laden.engine.fsdp.ulysses import enable_ulysses
-
             check_head_rule(model, self.cp, axis_name="context parallel")
             assert self.mesh is not None  # cp > 1 needs a process group (checked in __init__)
             enable_ulysses(model, self.mesh.group("cp"))
@@ -282,12 +288,12 @@ class FSDPEngine:
 
     def _local_batch(self, mb: PackedBatch | None) -> PackedBatch:
         """This rank's part of `mb` on the device (its context slice under cp); `None`: padding."""
-        batch = _padding_batch() if mb is None else mb
+        batch = padding_batch() if mb is None else mb
         batch = batch.to(self.device, non_blocking=True)
         if self.mesh is not None and self.cp > 1:
             batch = shard_batch(batch, cp_rank=self.mesh.local_rank("cp"), cp_size=self.cp)
         if mb is None:  # an objective reading a field gets zeros (no loss token reads them anyway)
-            batch = replace(batch, fields=_ZeroFields(batch.labels))
+            batch = replace(batch, fields=ZeroFields(batch.labels))
         return batch
 
     def _check_onloaded(self, what: str) -> None:
@@ -391,7 +397,7 @@ class FSDPEngine:
         self._check_onloaded("forward")
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be positive")
-        fn = _TokenOutputs(outputs=tuple(outputs), temperature=temperature, chunk_size=self.loss_chunk_size)
+        fn = TokenOutputs(outputs=tuple(outputs), temperature=temperature, chunk_size=self.loss_chunk_size)
         results = []
         self.root.eval()
         try:
@@ -469,7 +475,7 @@ class FSDPEngine:
 
     def offload(self) -> None:
         """Copy parameters (local shards), gradients and optimizer states to host buffers and release
-        their device storage (`laden.engine.fsdp.offload`). Idempotent."""
+        their device storage (`laden.engine.parallel.offload`). Idempotent."""
         if self._offloaded:
             return
         self._reshard()
@@ -485,13 +491,13 @@ class FSDPEngine:
 
     def _state_tensors(self) -> Iterator[torch.Tensor]:
         for p in self.model.parameters():
-            yield _local(p)
+            yield local_shard(p)
             if p.grad is not None:
-                yield _local(p.grad)
+                yield local_shard(p.grad)
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    yield _local(value)
+                    yield local_shard(value)
 
     # ------------------------------------------------------------- checkpoints
 
@@ -508,61 +514,7 @@ class FSDPEngine:
         self._version = load_engine_state(self.model, self.optimizer, self.scheduler, state)
 
 
-@dataclass(frozen=True, slots=True)
-class _TokenOutputs:
-    """`forward`'s per-token outputs as an objective-shaped callable (run inside the root's forward)."""
-
-    outputs: tuple[str, ...]
-    temperature: float
-    chunk_size: int
-
-    def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> dict:
-        return token_outputs(
-            hidden,
-            head_weight,
-            batch.labels,
-            self.outputs,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-        )
-
-
-class _ZeroFields(dict):
-    """The fields of a padding micro-batch: any name reads as zeros laid out like the labels."""
-
-    def __init__(self, labels: torch.Tensor) -> None:
-        super().__init__()
-        self._labels = labels
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        return torch.zeros(self._labels.shape, dtype=torch.float32, device=self._labels.device)
-
-
-def _padding_batch() -> PackedBatch:
-    """One ignored token: runs forward/backward (matching collectives) and adds zero loss."""
-    return PackedBatch(
-        input_ids=torch.zeros(1, dtype=torch.long),
-        position_ids=torch.zeros(1, dtype=torch.long),
-        labels=torch.full((1,), IGNORE_INDEX, dtype=torch.long),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
-        max_seqlen=1,
-        num_loss_tokens=0,
-        seqlens=[1],
-    )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a DTensor (sharing storage); a plain tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _full_tensor(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     full = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # a collective for DTensors
     cast = dtype if full.is_floating_point() else full.dtype
     return full.to(device=device or full.device, dtype=cast)  # one copy at most: cast and move together
-
-
-def _start_single_process_group() -> None:
-    """A world of one on a private in-memory store, so FSDP's offload policy can run in one process."""
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -38,15 +38,6 @@ def release_params_to_meta(model: nn.Module) -> None:
             module._parameters[name] = replaced[id(param)]
 
 
-def cast_params_(model: nn.Module, dtype: torch.dtype, *, frozen_dtype: torch.dtype | None = None) -> None:
-    """Cast floating parameters (not buffers: RoPE tables keep their precision) in place; frozen ones
-    (`requires_grad=False`: LoRA's base weights) to `frozen_dtype` when given (no optimizer reads them)."""
-    for param in model.parameters():
-        target = dtype if param.requires_grad or frozen_dtype is None else frozen_dtype
-        if param.is_floating_point() and param.dtype != target:
-            param.data = param.data.to(target)
-
-
 def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of all materialised buffers, persistent or not (small: RoPE tables, masks)."""
     return {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}

@@ -11,13 +11,9 @@ Per rank, depending on the mesh:
 - context parallel: `batch` is the rank's contiguous slice of the padded row (tokens, labels,
   fields) with the full row's `cu_seqlens` (Ulysses attention gathers the sequence per head
   group), so the objective sees `[T/c, H]` hidden states and `[T/c]` labels and fields;
-- tensor parallel: hidden states are replicated and the LM head is split on the vocabulary.
-  `CrossEntropy` runs as the vocab-parallel chunked cross-entropy (three small all-reduces per
-  chunk, no gathered weight). Any other objective gets the full head weight
-  (`DTensor.full_tensor()`, differentiable: its backward hands each rank its rows' gradient).
-  That costs one all-gather of the `[V, H]` head per micro-batch and a full `[V, H]` copy on
-  every rank while the objective runs: fine for RL objectives next to the rollout's cost, and
-  the reason SFT keeps the vocab-parallel path;
+- tensor parallel: hidden states are replicated and the LM head is split on the vocabulary;
+  `CrossEntropy` runs vocab-parallel, any other objective on the gathered head
+  (`laden.engine.parallel.objective.apply_objective`, which says what each costs);
 - otherwise: the objective as given, on the plain (gathered) head weight.
 
 Labels are already shifted per document (`PackedBatch`), which is what lets a row be cut
@@ -31,12 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from laden.data.batch import PackedBatch
-from laden.engine.fsdp.vocab_parallel import vocab_parallel_cross_entropy, vocab_shard_range
+from laden.engine.parallel.objective import apply_objective
 from laden.model.attention import lm_head_weight, packed_forward_hidden
-from laden.model.objective import CrossEntropy
 
 
 class ObjectiveRoot(nn.Module):
@@ -66,32 +60,3 @@ class ObjectiveRoot(nn.Module):
             # sgemm. The objective sees what the roundpipe engine's head sees: compute-dtype tensors.
             hidden, weight = hidden.to(self.head_dtype), weight.to(self.head_dtype)
         return apply_objective(objective, hidden, weight, batch, tp_group=self.tp_group)
-
-
-def apply_objective(
-    objective: Any, hidden: torch.Tensor, weight: torch.Tensor, batch: PackedBatch, *, tp_group: Any = None
-) -> Any:
-    """`objective(hidden, head_weight, batch)`, with a vocabulary-split head weight (tensor parallel) as the
-    module docstring says: the vocab-parallel cross-entropy, else the gathered head."""
-    if not isinstance(weight, DTensor):
-        return objective(hidden, weight, batch)
-    if isinstance(objective, CrossEntropy) and tp_group is not None:
-        return _vocab_parallel_cross_entropy(hidden, weight, batch, objective, tp_group)
-    return objective(hidden, weight.full_tensor(), batch)  # [V, H] on every rank: see the docstring
-
-
-def _vocab_parallel_cross_entropy(
-    hidden: torch.Tensor, weight: DTensor, batch: PackedBatch, objective: CrossEntropy, tp_group: Any
-) -> torch.Tensor:
-    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    start, _ = vocab_shard_range(weight.shape[0], tp_rank, tp_size)
-    # `chunked=False` asks for the full logits: one chunk of every token gives exactly that.
-    chunk_size = objective.chunk_size if objective.chunked else max(hidden.shape[0], 1)
-    return vocab_parallel_cross_entropy(
-        hidden,
-        weight.to_local(),  # [V / tp, H]
-        batch.labels,
-        vocab_start=start,
-        group=tp_group,
-        chunk_size=chunk_size,
-    )

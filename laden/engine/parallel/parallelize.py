@@ -50,8 +50,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"{type(model).__name__} has no `model.layers` list of decoder blocks; the fsdp backend "
-            "supports Hugging Face decoder-only causal LMs (Llama, Qwen2/3, Mistral layouts)"
+            f"{type(model).__name__} has no `model.layers` list of decoder blocks; the fsdp and archon "
+            "engines support Hugging Face decoder-only causal LMs (Llama, Qwen2/3, Mistral layouts)"
         )
     return layers
 

@@ -1,4 +1,4 @@
-"""`offload()` / `onload()` of the `fsdp` engine: storages copied to host buffers and released in place.
+"""`offload()` / `onload()` of the fsdp and archon engines: storages copied to host buffers and released in place.
 
 Between uses (while a colocated rollout engine generates) the engine gives back the device
 memory of its parameters (the local shards of DTensors), gradients and optimizer states.
