@@ -268,6 +268,8 @@ class ActorConfig:
     """Linear layers to adapt with `use_lora`, by name (e.g. [q_proj, v_proj]); [] or [all-linear] = every linear layer but the output head."""
     peft_type: str = "lora"
     """The parameter-efficient method of `use_lora`; only `lora` is implemented."""
+    lora_path: str | None = None
+    """A peft adapter directory (`adapter_config.json` + `adapter_model.safetensors`, e.g. a laden export's `hf/adapter/`) whose weights the adapters start from, with `use_lora`: continues training it (its rank must equal `lora_rank`, and `lora_alpha` its alpha); None = fresh adapters (B = 0)."""
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
     """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
     weight_chunked_mem_mb: int = 1024
@@ -432,7 +434,9 @@ class CheckpointConfig:
     resume: Literal["auto", "never"] = "auto"
     """`auto`: resume from the newest checkpoint in the run directory; `never`: start fresh."""
     export_hf: bool = True
-    """Export a Hugging Face model directory at the end of training."""
+    """Export a Hugging Face model directory at the end of training, to `hf/` in the run directory (`save_pretrained`'s layout; a LoRA run's adapters in `hf/adapter/`)."""
+    export_hf_freq_steps: int | None = None
+    """Also export every this many optimizer steps, to `hf_steps/step_N/` in the run directory, each kept (like Hugging Face Trainer's `checkpoint-N/`: a model's size on disk each); `laden export RUN_DIR --step N` writes the same from a checkpoint later. None = only the final export."""
     save_every_minutes: float | None = 30.0
     """Also write a checkpoint when this many minutes passed since the last one (a kill loses at most that
     much); None = only every `save_freq_steps` and at the end."""

@@ -141,6 +141,7 @@ _RANGES: dict[str, str] = {
     "cluster.n_nodes": "pos",
     "cluster.n_gpus_per_node": "pos",
     "checkpoint.save_freq_steps": "pos",
+    "checkpoint.export_hf_freq_steps": "pos",
     "checkpoint.keep_last": "pos",
 }
 _RANGES |= {"eval_" + d: kind for d, kind in _RANGES.items() if d.startswith("gconfig.")}

@@ -28,6 +28,8 @@ projections: everything but the embedding, the head and the norms).
 The export (`laden.model.hf.export.export_hf`) writes the merged model and, in its `adapter/`
 directory, the adapters as peft saves them (`PeftModel.from_pretrained(base, "<export>/adapter")`
 rebuilds the trained model from `actor.path`; a server that serves LoRA adapters can load it).
+`actor.lora_path` starts a run's adapters from such a directory (`load_adapter`) instead of B = 0,
+to continue training it.
 
 Costs: the lean gated MLP (`laden.model.patches.lean_mlp`) leaves adapted MLPs alone (their
 projections are no plain `nn.Linear`), so their activations are Hugging Face's; and every merged
@@ -37,9 +39,12 @@ view costs one `[out, r] x [r, in]` product per adapted projection. Tensor paral
 
 from __future__ import annotations
 
+import json
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +56,7 @@ __all__ = [
     "adapted_modules",
     "adapter_config",
     "apply_lora",
+    "load_adapter",
     "merged_weights",
     "peft_adapter_state",
 ]
@@ -76,6 +82,8 @@ class LoraSettings:
     """Adapters add `(alpha / rank) * B @ A` to their projection (`actor.lora_alpha`)."""
     target_modules: tuple[str, ...] = ()
     """Module names to adapt (`actor.target_modules`); empty or with `all-linear`: all but the head."""
+    adapter_path: str | None = None
+    """A peft adapter directory to start from (`actor.lora_path`); None = fresh adapters."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -86,9 +94,15 @@ class LoraSettings:
     @classmethod
     def from_actor(cls, actor: Any) -> LoraSettings | None:
         """The settings of `actor` (an `ActorConfig`), or None without `actor.use_lora`."""
+        path = getattr(actor, "lora_path", None)
         if not actor.use_lora:
+            if path:
+                warnings.warn(f"actor.lora_path={path!r} is ignored: actor.use_lora is false", stacklevel=2)
             return None
-        return cls(rank=actor.lora_rank, alpha=actor.lora_alpha, target_modules=tuple(actor.target_modules))
+        return cls(
+            rank=actor.lora_rank, alpha=actor.lora_alpha, target_modules=tuple(actor.target_modules),
+            adapter_path=path,
+        )  # fmt: skip
 
     @property
     def all_linear(self) -> bool:
@@ -128,7 +142,43 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seed: int) -> int:
     adapters = {id(p) for m in layers.values() for ab in (m.lora_A, m.lora_B) for p in ab.parameters()}
     for p in model.parameters():  # peft froze the base already; nothing else may train
         p.requires_grad_(id(p) in adapters)
+    if settings.adapter_path is not None:
+        load_adapter(model, settings.adapter_path, settings)
     return len(layers)
+
+
+def load_adapter(model: nn.Module, path: str | Path, settings: LoraSettings) -> None:
+    """Copy the adapters of peft's adapter directory `path` into `model`'s (injected by `apply_lora`),
+    checking that it holds every adapter with this run's rank and alpha (the scale `alpha / r` decides
+    what the adapters mean)."""
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(
+            f"actor.lora_path={str(path)!r} has no adapter_config.json and adapter_model.safetensors; point it at "
+            "a peft adapter directory, e.g. a laden export's hf/adapter/"
+        )
+    saved = json.loads(config_file.read_text())
+    if saved.get("r") != settings.rank or float(saved.get("lora_alpha", -1)) != settings.alpha:
+        raise ValueError(
+            f"actor.lora_path={str(path)!r} holds adapters of rank {saved.get('r')} and alpha "
+            f"{saved.get('lora_alpha')}, but actor.lora_rank={settings.rank} and actor.lora_alpha={settings.alpha}; "
+            "set them to the adapter's values"
+        )
+    theirs = load_file(str(weights_file))
+    mine = {name: t for name, t in peft_adapter_state(dict(model.named_parameters())) if t.requires_grad}
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    if missing or extra:
+        raise ValueError(
+            f"actor.lora_path={str(path)!r} does not adapt the layers this run adapts ({len(missing)} missing, e.g. "
+            f"{missing[:1]}; {len(extra)} not adapted here, e.g. {extra[:1]}); set actor.target_modules to the "
+            f"adapter's target_modules {saved.get('target_modules')!r}"
+        )
+    with torch.no_grad():
+        for name, param in mine.items():
+            param.copy_(theirs[name])
 
 
 def _check_adapted(model: nn.Module, layers: dict[str, Any], settings: LoraSettings) -> None:

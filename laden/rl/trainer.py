@@ -94,6 +94,7 @@ from laden.rl.policy_step import PolicyStep
 from laden.rl.producer import Producer, read_prompt_rows
 from laden.rl.weight_sync import WeightSync, phase_oom_fixes
 from laden.rollout.backend import resolve_rollout
+from laden.run_export import step_export_dir
 from laden.run_setup import in_run_directory, start_run
 
 log = logging.getLogger("laden.rl")
@@ -404,6 +405,9 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
                     last_save_t = signals.now()
                     if main:
                         self._write_curves(min_interval_s=CHECKPOINT_INTERVAL_S)
+                export_freq = cfg.checkpoint.export_hf_freq_steps
+                if export_freq and step % export_freq == 0 and not final:  # the last one goes to hf/
+                    self.engine.export_hf(step_export_dir(self.run.path, step), tokenizer=self.tokenizer)
                 if stop and not final:
                     raise stops.interrupted(step, self.run.path)
                 self._counters_before = self.counters.state()

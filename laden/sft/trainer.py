@@ -63,6 +63,7 @@ from laden.engine.signals import StopRequests, agree_to_stop_or_save
 from laden.model.hf.loading import load_tokenizer
 from laden.optim import OptimSettings
 from laden.plots import CHECKPOINT_INTERVAL_S, write_curves
+from laden.run_export import step_export_dir
 from laden.run_setup import in_run_directory, start_run
 from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
@@ -219,7 +220,7 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     settings = OptimSettings.from_config(cfg.actor.optimizer, total_steps)
     start_step = _resume(cfg, rt, run, engine, batches, history, settings, changes)
     loop = _Loop(cfg=cfg, rt=rt, run=run, engine=engine, samples=samples, valid=valid, batches=batches,
-                 total_steps=total_steps)  # fmt: skip
+                 total_steps=total_steps, tokenizer=tokenizer)  # fmt: skip
     losses = loop.train(start_step, progress)
     if start_step < total_steps and cfg.checkpoint.save_at_end:
         loop.save(total_steps)
@@ -287,6 +288,7 @@ class _Loop:
     valid: Any
     batches: GlobalBatchIterator
     total_steps: int
+    tokenizer: Any = None
 
     def train(self, start_step: int, progress: bool) -> tuple[float | None, float | None]:
         """Steps `start_step + 1 .. total_steps`; returns the (first, last) logged loss."""
@@ -341,6 +343,9 @@ class _Loop:
                 if done < self.total_steps and ((freq and done % freq == 0) or overdue or stop):
                     self.save(done)
                     saved, last_save_t = done, signals.now()
+                export_freq = cfg.checkpoint.export_hf_freq_steps
+                if export_freq and done % export_freq == 0 and done < self.total_steps:  # the last: hf/
+                    self.engine.export_hf(step_export_dir(self.run.path, done), tokenizer=self.tokenizer)
                 if stop and done < self.total_steps:
                     raise stops.interrupted(done, self.run.path)
         except (KeyboardInterrupt, TrainingOOMError) as stop:
