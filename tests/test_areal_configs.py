@@ -158,7 +158,9 @@ def test_every_areal_key_has_a_role():
     assert key_role("actor.use_sapo_loss", keys) == "unsupported"
     assert key_role("actor.use_lora", keys) == "laden"
     assert key_role("rollout.use_lora", keys) == "copy"
-    assert key_role("stats_logger.wandb.mode", keys) == "ignored"
+    assert key_role("stats_logger.wandb.mode", keys) == "laden"
+    assert key_role("stats_logger.fileroot", keys) == "copy"
+    assert key_role("perf_tracer.enabled", keys) == "ignored"
     assert key_role("actor.eps_clip", keys) == "laden"
     assert key_role("actor.eps_clipp", keys) is None
 

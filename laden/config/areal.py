@@ -15,14 +15,19 @@ interpolation, before the strict loader) in four passes:
    -> `rollout.max_head_offpolicyness: 0`. Features laden does not have (SAPO, M2PO, a
    teacher, ...) are errors that say so.
 3. Copies (`rollout.experiment_name: ${experiment_name}`, `tokenizer_path: ${actor.path}`,
-   `rollout.consumer_batch_size: ${train_dataset.batch_size}`, ...) are dropped when they equal
+   `rollout.consumer_batch_size: ${train_dataset.batch_size}`, `stats_logger.fileroot:
+   ${cluster.fileroot}`, ...) are dropped when they equal
    what they copy, and are errors when they differ, because laden reads the original only.
-4. The remaining AReaL keys (schedulers, launchers, name resolution, loggers, server options,
+4. The remaining AReaL keys (schedulers, launchers, name resolution, tracers, server options,
    DataLoader workers, ...) are dropped; each group of them that would have done something in
    AReaL (its value is not null, false, 0, empty or `disabled`) gets one `logging` warning
    naming what laden does instead. Groups irrelevant to the run (the `vllm` section when
    rollouts use SGLang, `ref` without a KL term, every RL section in `laden sft`) are dropped in
    silence, as AReaL ignores them too.
+
+AReaL's `stats_logger` (wandb, swanlab, tensorboard, trackio) is a section of laden's own schema with
+AReaL's field names (`laden.trackers`), so it passes through the loader as it is written; only its
+`experiment_name`, `trial_name` and `fileroot` are copies.
 
 The data (AReaL's key table, the groups with their reasons, the copies and the refused
 features) lives in `laden.config.areal_keys`; this module holds the passes, as short functions.

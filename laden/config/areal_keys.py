@@ -271,9 +271,10 @@ GROUPS: tuple[Group, ...] = (
            "command", lambda run: run.recover),
     Group("saver", "laden checkpoints every checkpoint.save_freq_steps steps (AReaL's saver.freq_steps) and at "
            "the end, and exports a Hugging Face model at the end (checkpoint.export_hf)"),
-    Group("stats_logger perf_tracer memory_profiler rollout.enable_rollout_tracing rollout.dump_to_file "
+    Group("perf_tracer memory_profiler rollout.enable_rollout_tracing rollout.dump_to_file "
            "rollout.check_trajectory_format actor.log_agent_stats*", "laden writes every step's metrics to "
-           "metrics.jsonl in the run directory; it has no tracer, profiler or experiment-tracker integration"),
+           "metrics.jsonl in the run directory (and to the trackers of stats_logger); it has no tracer or "
+           "profiler"),
     Group("*_dataset.pin_memory *_dataset.num_workers *_dataset.num_dataset_workers *_dataset.drop_last "
            "*_dataset.setup_timeout", "laden tokenizes the dataset once before training and batches it in the "
            "training process, with no DataLoader workers, dropping an incomplete last training batch"),

@@ -47,10 +47,10 @@ more than `reward_error_tolerance` of the rewards failed stops the run (`RewardF
 status 1) after a checkpoint of the step before it, whose data position and sampling state are those
 before the failed batch was drawn.
 
-Metrics: `metrics.jsonl` per step (and TensorBoard under `tensorboard/` when installed), a
-progress bar, and `curves.png` at checkpoints and at the end (`laden.plots`). `elapsed_s` is the
-training loop's wall-clock seconds at the end of each step (set-up and evaluations excluded, summed
-over resumes): the x axis of "time to the same reward" for synchronous against asynchronous runs.
+Metrics: `metrics.jsonl` per step (and, on rank 0, the trackers of `stats_logger` under AReaL's
+names: `laden.trackers`), a progress bar, and `curves.png` at checkpoints and at the end
+(`laden.plots`). `elapsed_s` is the training loop's wall-clock seconds at the end of each step
+(set-up and evaluations excluded, summed over resumes): the x axis of "time to the same reward" for synchronous against asynchronous runs.
 
 Nothing is lost on failure: checkpoints (policy, optimizer, critic, data position, weight version,
 counters) are written every `checkpoint.save_freq_steps` and at the end, and a rerun resumes.
@@ -62,6 +62,7 @@ import asyncio
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,7 @@ from laden.rl.weight_sync import WeightSync, phase_oom_fixes
 from laden.rollout.backend import resolve_rollout
 from laden.run_export import step_export_dir
 from laden.run_setup import in_run_directory, start_run
+from laden.trackers import Trackers, check_trackers
 
 log = logging.getLogger("laden.rl")
 
@@ -151,6 +153,7 @@ def _part_means(trajs: Sequence[Any]) -> dict[str, float]:
 
 def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     """RL-tune `cfg.actor.path` on the prompts of `cfg.train_dataset`; see the module docstring."""
+    check_trackers(cfg)
     rt = start_run(cfg, "rl")
     _refuse_unimplemented(cfg, rt.world_size)
     return in_run_directory(cfg, rt, lambda run: asyncio.run(_Run(cfg, rt, run).main(progress)))
@@ -343,25 +346,24 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
             total=self.total_steps, initial=start, disable=not (progress and main), desc="rl", unit="step"
         )
         metrics = self.run.open_metrics() if main else None
-        board = _tensorboard(self.run.path / "tensorboard") if main else None
         # `elapsed_s`: seconds of training loop up to each step's end, counted on across resumes
         # (the time between a failure and its rerun is not training time), evaluations left out.
         last = self.run.last_logged() if main and start > 0 else None
         t_start = time.perf_counter() - float((last or {}).get("elapsed_s", 0.0))
         self._last_eval_s = float((last or {}).get("elapsed_s", 0.0))
 
+        before: list[dict[str, Any]] = []
+        if start == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
+            t0 = time.perf_counter()
+            before.append({"step": 0, "elapsed_s": 0.0, **await self._evaluate(0, bar)})
+            t_start += time.perf_counter() - t0
+        trackers = Trackers.open(cfg, self.run.path, job="rl", main=main)
+
         def log_row(record: dict[str, Any]) -> None:
             if metrics is not None:
                 metrics.append_line(json.dumps(record))
-            if board is not None:
-                for name, value in record.items():
-                    if isinstance(value, (int, float)) and name != "step":
-                        board.add_scalar(name, value, record["step"])
+            trackers.log(record)
 
-        if start == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
-            t0 = time.perf_counter()
-            log_row({"step": 0, "elapsed_s": 0.0, **await self._evaluate(0, bar)})
-            t_start += time.perf_counter() - t0
         for restored in self._pending:  # batches a checkpoint held (generated before it, not trained yet)
             queue.put_nowait(restored)
         producer = asyncio.ensure_future(self._produce(start + len(self._pending) + 1, queue, k))
@@ -370,6 +372,8 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         stops, last_save_t = StopRequests(), signals.now()
         try:
             stops.__enter__()
+            for row in before:
+                log_row(row)
             for step in range(start + 1, self.total_steps + 1):
                 t_wait = time.perf_counter()
                 previous, item = item, await queue.get()
@@ -421,8 +425,7 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
             bar.close()
             if metrics is not None:
                 metrics.close()
-            if board is not None:
-                board.close()
+            trackers.close(failed=sys.exc_info()[0] is not None)
         return rewards
 
     def _postfix(self, record: dict[str, Any]) -> dict[str, str]:
@@ -530,12 +533,3 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
             write_curves(self.run.path, "rl", min_interval_s=min_interval_s)
         except Exception as exc:  # noqa: BLE001 - the curves are a view of metrics.jsonl, which is kept
             log.warning("curves.png was not written: %s: %s", type(exc).__name__, exc)
-
-
-def _tensorboard(log_dir: Path) -> Any:
-    """A TensorBoard writer when `tensorboard` is installed (the metrics also go to metrics.jsonl)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(log_dir))

@@ -9,6 +9,8 @@ the checkpoint layout is `laden.engine.checkpoint`'s. The loop syncs with the de
 logged step, to read the metrics. Each logged step is a row of `metrics.jsonl` (with `elapsed_s`, the
 training loop's seconds, summed over resumes); `curves.png` (`laden.plots`) is redrawn from it at
 every checkpoint and at the end, on rank 0, and a figure that cannot be drawn never fails the run.
+Rank 0 also hands each row to the experiment trackers of `stats_logger` (`laden.trackers`), under
+AReaL's names.
 
 Nothing is lost on failure: checkpoints are atomic, a final one is written at the end (so a
 rerun of a finished run says so and trains nothing), an interrupted single-process run
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +70,7 @@ from laden.run_export import step_export_dir
 from laden.run_setup import in_run_directory, start_run
 from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
+from laden.trackers import Trackers, check_trackers
 
 log = logging.getLogger("laden.sft")
 
@@ -180,6 +184,7 @@ def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
 
 def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
     """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
+    check_trackers(cfg)
     rt = start_run(cfg, "sft")
     return in_run_directory(cfg, rt, lambda run: _run(cfg, rt, run, progress))
 
@@ -306,15 +311,20 @@ class _Loop:
         done = saved = start_step
         data_state = self.batches.state_dict()  # the data position after the last completed step
         last_eval_s = float((last or {}).get("elapsed_s", 0.0))
+        before: list[dict[str, Any]] = []
         if start_step == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
             loss = float(evaluate(cfg, rt, self.engine, self.valid))  # where the run starts from
+            before.append({"step": 0, "eval_loss": loss, "elapsed_s": 0.0})
             if metrics is not None:
-                metrics.append_line(json.dumps({"step": 0, "eval_loss": loss, "elapsed_s": 0.0}))
+                metrics.append_line(json.dumps(before[0]))
             t_start = time.perf_counter()
         stops = StopRequests()
         last_save_t = signals.now()
+        trackers = Trackers.open(cfg, self.run.path, job="sft", main=rt.is_main)
         try:
             stops.__enter__()
+            for row in before:
+                trackers.log(row)
             for step in range(start_step, self.total_steps):
                 indices = next(self.batches)
                 out, num_mbs, num_tokens = train_step(
@@ -334,6 +344,7 @@ class _Loop:
                     window_tokens, window_start = 0, time.perf_counter()
                     if metrics is not None:
                         metrics.append_line(json.dumps(record))
+                    trackers.log(record)
                     first_loss = record["loss"] if first_loss is None else first_loss
                     last_loss = record["loss"]
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -365,6 +376,7 @@ class _Loop:
             bar.close()
             if metrics is not None:
                 metrics.close()
+            trackers.close(failed=sys.exc_info()[0] is not None)
         return first_loss, last_loss
 
     def _eval_due(self, step: int, seconds_since_last: float) -> bool:

@@ -1,0 +1,62 @@
+"""Metric names for the trackers: AReaL's, for what laden logs that AReaL logs too.
+
+metrics.jsonl keeps laden's names (the aliases, kept for one release; `laden.plots` and the tests read
+them); the trackers get AReaL's, so a dashboard built for AReaL's runs reads laden's. A quantity AReaL
+does not log keeps its laden name in the trackers too. docs/metrics.md is the table, with how each
+pair differs where it does (a test checks that it lists every name here).
+
+AReaL's names come from its stats tracker: a scope (`ppo_actor`, `ppo_actor/update`, `ppo_critic`,
+`sft`, `sft-eval`, `eval-rollout`, `timeperf`), the quantity, and `/avg` for a token or sequence mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["AREAL_NAMES", "tracker_row"]
+
+_SFT = {
+    "loss": "sft/loss/avg",
+    "grad_norm": "sft/grad_norm",
+    "lr": "sft/lr",
+    "num_tokens": "sft/n_tokens",
+    "eval_loss": "sft-eval/loss/avg",
+}
+_RL = {
+    "reward_mean": "ppo_actor/task_reward/avg",
+    "completions": "ppo_actor/n_seqs",
+    "num_loss_tokens": "ppo_actor/n_valid_tokens",
+    "loss": "ppo_actor/update/actor_loss/avg",
+    "grad_norm": "ppo_actor/update/grad_norm",
+    "lr": "ppo_actor/update/lr",
+    "clip_fraction": "ppo_actor/update/clip_ratio/avg",
+    "dual_clip_fraction": "ppo_actor/update/dual_clip_ratio/avg",
+    "approx_kl": "ppo_actor/update/approx_kl/avg",
+    "importance_weight": "ppo_actor/update/importance_weight/avg",
+    "entropy": "ppo_actor/update/entropy/avg",
+    "critic_loss": "ppo_critic/critic_loss/avg",
+    "critic_grad_norm": "ppo_critic/grad_norm",
+    "critic_lr": "ppo_critic/lr",
+    "value_clip_fraction": "ppo_critic/clip_ratio/avg",
+    "value_mean": "ppo_critic/old_value/avg",
+    "return_mean": "ppo_critic/target_value/avg",
+    "eval/reward_mean": "eval-rollout/reward",
+    "wait_s": "timeperf/rollout",
+    "train_s": "timeperf/train_step",
+    "update_s": "timeperf/update_weights",
+    "eval/time_s": "timeperf/eval",
+}
+AREAL_NAMES: dict[str, dict[str, str]] = {"sft": _SFT, "rl": _RL}
+"""Per job: laden's metrics.jsonl name -> AReaL's name."""
+
+
+def tracker_row(row: Mapping[str, Any], job: str) -> dict[str, float]:
+    """A metrics.jsonl row as the trackers get it: numbers only (no `step`, no per-rank lists), AReaL's
+    names where AReaL has the quantity, laden's elsewhere."""
+    names = AREAL_NAMES[job]
+    return {
+        names.get(key, key): float(value)
+        for key, value in row.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
