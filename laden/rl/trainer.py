@@ -50,7 +50,8 @@ before the failed batch was drawn.
 Metrics: `metrics.jsonl` per step (and, on rank 0, the trackers of `stats_logger` under AReaL's
 names: `laden.trackers`), a progress bar, and `curves.png` at checkpoints and at the end
 (`laden.plots`). `elapsed_s` is the training loop's wall-clock seconds at the end of each step
-(set-up and evaluations excluded, summed over resumes): the x axis of "time to the same reward" for synchronous against asynchronous runs.
+(set-up and evaluations excluded, summed over resumes): the x axis of "time to the same reward" for
+synchronous against asynchronous runs.
 
 Nothing is lost on failure: checkpoints (policy, optimizer, critic, data position, weight version,
 counters) are written every `checkpoint.save_freq_steps` and at the end, and a rerun resumes.
