@@ -445,24 +445,6 @@ class CheckpointConfig:
     newest intact one (saying which file was damaged), `stop` stops and names the file."""
 
 
-AUTO_KNOBS = (
-    "actor.mb_spec.max_tokens_per_mb",
-    "actor.roundpipe.num_microbatch",
-    "actor.roundpipe.recompute_grain",
-    "actor.roundpipe.model_memory_limit",
-    "rollout.max_concurrent_rollouts",
-    "native.mem_fraction_static",
-    "actor.weight_chunked_mem_mb",
-)
-"""The fields that take the value `auto` besides `actor.gradient_checkpointing` (`LadenConfig.auto`)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class LadenConfig:
-    """The whole run."""
-
-    experiment_name: str = "laden"
-    """Experiment name; the run directory is `cluster.fileroot/experiment_name/trial_name`."""
 @dataclass(kw_only=True, slots=True)
 class WandBConfig:
     """Weights & Biases (AReaL's `stats_logger.wandb`): rank 0 logs every metrics row; files under `<run dir>/wandb`."""
@@ -555,6 +537,24 @@ class StatsLoggerConfig:
     """Trackio."""
 
 
+AUTO_KNOBS = (
+    "actor.mb_spec.max_tokens_per_mb",
+    "actor.roundpipe.num_microbatch",
+    "actor.roundpipe.recompute_grain",
+    "actor.roundpipe.model_memory_limit",
+    "rollout.max_concurrent_rollouts",
+    "native.mem_fraction_static",
+    "actor.weight_chunked_mem_mb",
+)
+"""The fields that take the value `auto` besides `actor.gradient_checkpointing` (`LadenConfig.auto`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LadenConfig:
+    """The whole run."""
+
+    experiment_name: str = "laden"
+    """Experiment name; the run directory is `cluster.fileroot/experiment_name/trial_name`."""
     trial_name: str = "run0"
     """Trial name within the experiment."""
     seed: int = 1
@@ -631,6 +631,8 @@ class StatsLoggerConfig:
     """Nodes, GPUs and output root."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and resume."""
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    """Experiment trackers (W&B, SwanLab, TensorBoard, Trackio); none by default."""
 
     @property
     def run_dir(self) -> Path:
@@ -641,5 +643,3 @@ class StatsLoggerConfig:
 def run_dir(cfg: LadenConfig) -> Path:
     """The run directory: `cluster.fileroot/experiment_name/trial_name`."""
     return Path(cfg.cluster.fileroot) / cfg.experiment_name / cfg.trial_name
-    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
-    """Experiment trackers (W&B, SwanLab, TensorBoard, Trackio); none by default."""
