@@ -26,10 +26,10 @@ class DataRanks(RunPart):
         return out
 
     def _dp_rank(self) -> int:
-        return getattr(self.engine, "dp_rank", 0) if self.rt.world_size > 1 else 0
+        return self.engine.dp_rank if self.rt.world_size > 1 else 0
 
     def _dp_size(self) -> int:
-        return getattr(self.engine, "dp_size", self.rt.world_size) if self.rt.world_size > 1 else 1
+        return self.engine.dp_size if self.rt.world_size > 1 else 1
 
     def _by_data_rank(self, groups: list[list[Any]]) -> list[list[list[Any]]]:
         """The groups each data-parallel rank trains on, in data-parallel order (the same list on every
