@@ -12,8 +12,10 @@ not depend on what a step computes lives here, once:
   for the engine that will run it, and the model's head rules;
 - `shard_for_rank` / `loss_tokens`: each data-parallel rank's token-balanced share of a global
   batch, and the global normaliser every rank computes from host data;
-- `OOMRetry`: a training step that runs out of memory is re-split into smaller micro-batches
-  and retried with the same samples (`oom_policy: auto`), so no sample is dropped and the
+- `OOMRetry`: the one out-of-memory retry of a training step, with two strategies: `__call__`
+  re-packs at a halved token budget (`laden sft`), `split_documents` makes the same packed
+  micro-batches again split at document boundaries (`laden rl`). A training step that runs out of
+  memory is retried with the same samples (`oom_policy: auto`), so no sample is dropped and the
   retried step equals one that used the smaller budget from the start; at one longest sequence per
   micro-batch the last retry turns on layer recompute (`recompute`). Under torchrun the
   ranks agree before the step's collectives: every rank packs and places its micro-batches,
@@ -296,14 +298,56 @@ class OOMRetry:
                     raise self._error(step, tokens_per_mb, longest, exc, in_collectives=True) from exc
                 tokens_per_mb = self._smaller(tokens_per_mb, longest, step, exc)
 
+    def split_documents(
+        self, mbs: list[Any], run: Callable[[list[Any]], T], *, step: int, on_failure: Callable[[], None]
+    ) -> T:
+        """`run(mbs)` on packed micro-batches; on out-of-memory in one process under `oom_policy: auto`,
+        again on the same documents with each micro-batch split in two at a document boundary
+        (`laden.data.batch.split_documents`), as often as it takes, then with layer recompute
+        (`recompute`). `on_failure` drops what the failed attempt left (its partial statistics).
+        Otherwise, or with nothing left to split, the error names the knob changes."""
+        from laden.data.batch import split_documents
+
+        while True:
+            try:
+                return run(mbs)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                release_cached_memory()
+                on_failure()
+                tokens = max(mb.num_tokens for mb in mbs)
+                if self.cfg.oom_policy == "auto" and self.rt.world_size == 1:
+                    split = [part for mb in mbs for part in split_documents(mb)]
+                    if len(split) > len(mbs):
+                        log.warning("step %d ran out of memory at %d tokens per micro-batch; retrying the same "
+                                    "documents in %d micro-batches", step, tokens, len(split))  # fmt: skip
+                        mbs = split
+                        continue
+                longest = max(max(mb.seqlens, default=0) for mb in mbs)
+                if not self._recomputes(step, exc, tokens, at_the_end=True):
+                    raise self._error(
+                        step, tokens, longest, exc, in_collectives=self.rt.world_size > 1
+                    ) from exc
+
+    def _recomputes(
+        self, step: int, exc: BaseException | None, tokens_per_mb: int, *, at_the_end: bool
+    ) -> bool:
+        """The last resort, once micro-batches cannot shrink (`at_the_end`): layer recompute turned on in the
+        engine for this and every later step (one process, `oom_policy: auto`); whether it was."""
+        if not (at_the_end and exc is not None and self.cfg.oom_policy == "auto" and self.rt.world_size == 1):
+            return False
+        if self.recompute is None or not self.recompute():
+            return False
+        log.warning(
+            "step %d ran out of memory at one sequence per micro-batch (%d tokens); retrying with layer "
+            "recompute (actor.gradient_checkpointing on from now)", step, tokens_per_mb,
+        )  # fmt: skip
+        return True
+
     def _smaller(self, tokens_per_mb: int, longest: int, step: int, exc: BaseException | None) -> int:
         """The halved budget for the retry, or the error when there is none."""
-        last_resort = self.cfg.oom_policy == "auto" and tokens_per_mb <= longest and exc is not None
-        if last_resort and self.rt.world_size == 1 and self.recompute is not None and self.recompute():
-            log.warning(
-                "step %d ran out of memory at one longest sequence per micro-batch (%d tokens); retrying with "
-                "layer recompute (actor.gradient_checkpointing on from now)", step, tokens_per_mb,
-            )  # fmt: skip
+        if self._recomputes(step, exc, tokens_per_mb, at_the_end=tokens_per_mb <= longest):
             return tokens_per_mb
         if self.cfg.oom_policy != "auto" or tokens_per_mb <= longest:
             if exc is None:  # another rank failed; it raises the full report

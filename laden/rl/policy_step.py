@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from laden.data import PackedBatch
-from laden.engine.oom import TrainingOOMError, is_host_oom, is_oom, release_cached_memory
-from laden.engine.runtime import batch_device
+from laden.engine.runtime import OOMRetry, batch_device
 from laden.rl.batches import pack_trajectories
 from laden.rl.run_part import RunPart
 
@@ -79,36 +78,11 @@ class PolicyStep(RunPart):
         from fresh gradients and the loss is a sum over tokens, so the step is the one a run without the
         failure makes (up to the summation order). Otherwise, or when nothing is left to split, the error
         names the knob changes."""
-        from laden.data.batch import split_documents
-
-        cfg = self.cfg
-        while True:
-            try:
-                return self.engine.forward_backward(mbs, self.objective, normalizer=normalizer)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                release_cached_memory()
-                self.objective.pop_stats()  # the failed attempt's partial statistics
-                tokens = max(mb.num_tokens for mb in mbs)
-                if cfg.oom_policy == "auto" and self.rt.world_size == 1:
-                    split = [part for mb in mbs for part in split_documents(mb)]
-                    if len(split) > len(mbs):
-                        log.warning("step %d ran out of memory at %d tokens per micro-batch; retrying the same "
-                                    "documents in %d micro-batches", self._step_now, tokens, len(split))  # fmt: skip
-                        mbs = split
-                        continue
-                    recompute = getattr(self.engine, "enable_recompute", None)
-                    if recompute is not None and recompute():
-                        log.warning("step %d ran out of memory at one sequence per micro-batch; retrying with "
-                                    "layer recompute (on from now)", self._step_now)  # fmt: skip
-                        continue
-                longest = max(max(mb.seqlens, default=0) for mb in mbs)
-                fixes = self.rt.backend.training_oom_fixes(
-                    cfg, host=is_host_oom(exc), tokens_per_mb=tokens, longest_seq=longest
-                )
-                raise TrainingOOMError(step=self._step_now, cause=exc, fixes=fixes,
-                                       in_collectives=self.rt.world_size > 1) from exc  # fmt: skip
+        retry = OOMRetry(cfg=self.cfg, rt=self.rt, recompute=getattr(self.engine, "enable_recompute", None))
+        return retry.split_documents(
+            mbs, lambda mbs: self.engine.forward_backward(mbs, self.objective, normalizer=normalizer),
+            step=self._step_now, on_failure=self.objective.pop_stats,  # the failed attempt's partial statistics
+        )  # fmt: skip
 
     def _advantages(
         self, trajs: list[Any], shares: list[Any]
