@@ -51,7 +51,7 @@ from laden.engine.fsdp.checkpoint import engine_state, load_engine_state
 from laden.engine.fsdp.loss import ObjectiveRoot
 from laden.engine.parallel.launch import SHARD_AXIS, build_device_mesh, start_single_process_group
 from laden.engine.parallel.objective import TokenOutputs
-from laden.engine.parallel.offload import StorageOffload
+from laden.engine.parallel.offload import StorageOffload, state_tensors
 from laden.engine.parallel.padding import ZeroFields, padding_batch
 from laden.engine.parallel.parallelize import (
     apply_fsdp,
@@ -59,7 +59,7 @@ from laden.engine.parallel.parallelize import (
     check_head_rule,
     decoder_layers,
 )
-from laden.engine.parallel.params import cast_params_, local_shard
+from laden.engine.parallel.params import cast_params_
 from laden.engine.parallel.ulysses import enable_ulysses, gather_row, shard_batch
 from laden.model.lora import adapted_modules, merged_weights, peft_adapter_state
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
@@ -479,7 +479,7 @@ class FSDPEngine:
         if self._offloaded:
             return
         self._reshard()
-        self._offload.offload(self._state_tensors())
+        self._offload.offload(state_tensors(self.model.parameters(), self.optimizer))
         self._offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -488,16 +488,6 @@ class FSDPEngine:
         """Restore what `offload` released, bitwise. Idempotent."""
         self._offload.onload()
         self._offloaded = False
-
-    def _state_tensors(self) -> Iterator[torch.Tensor]:
-        for p in self.model.parameters():
-            yield local_shard(p)
-            if p.grad is not None:
-                yield local_shard(p.grad)
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield local_shard(value)
 
     # ------------------------------------------------------------- checkpoints
 

@@ -13,13 +13,16 @@ Storages are handled once each (views such as FSDP's padded shards share one). O
 on the engine's device are moved; on a CPU-only machine that is the host itself, so the copy
 and the release really happen there too (that is what the CPU tests check). A storage that
 cannot be resized (memory-mapped host weights) is already host memory and stays.
+`state_tensors` lists what an engine hands to `StorageOffload.offload`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+
+from laden.engine.parallel.params import local_shard
 
 
 class StorageOffload:
@@ -67,3 +70,20 @@ class StorageOffload:
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole of `storage`."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def state_tensors(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """What an engine offloads: each parameter's local shard (once, however often it is listed), its
+    gradient's, and every tensor of the optimizer's state."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        yield local_shard(p)
+        if p.grad is not None:
+            yield local_shard(p.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield local_shard(value)
