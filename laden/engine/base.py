@@ -33,15 +33,20 @@ reshards them); the tensors are the live ones where possible, so loading writes 
 
 Metrics come back as tensors, not floats, so an engine never forces a host sync; the
 trainer syncs once per logged step.
+
+`train_batch`, `eval_batch` and `export_hf` are written once over these primitives
+(`TrainEngineBase`); an engine gives its gradient-free loss (`_eval_loss`) and says who writes
+an export and whether reading the weights is a collective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from laden.data.batch import PackedBatch
 
@@ -146,6 +151,12 @@ class TrainEngine(Protocol):
         """
         ...
 
+    def enable_recompute(self) -> bool:
+        """Per-decoder-layer activation recompute from the next step on (the last out-of-memory retry under
+        `oom_policy: auto`); False when there is nothing to switch on (it is on already, or the engine
+        recomputes by design). The gradients are the same, the step slower."""
+        ...
+
     def offload(self) -> None:
         """Release the accelerator memory the engine holds between steps (weights, gradients,
         optimizer states move to host memory); `onload` restores them. Idempotent."""
@@ -192,3 +203,98 @@ class OffloadedError(RuntimeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"{what} called while the engine is offloaded; call engine.onload() first")
+
+
+class TrainEngineBase:
+    """`train_batch`, `eval_batch` and `export_hf` over an engine's primitives, the same for every engine.
+
+    An engine sets `model`, `compute_dtype` and `objective` (the configured default), implements the
+    `TrainEngine` primitives and `_eval_loss`, and may change who writes an export (`_writes_export`)
+    and whether every rank reads the weights for it (`collective_export`).
+    """
+
+    collective_export: ClassVar[bool] = True
+    """Every rank iterates `named_weights` for an export (its gathers are collectives) and waits at a
+    barrier until it is on disk; False: only the writer reads the weights and nobody waits."""
+
+    model: Any
+    compute_dtype: torch.dtype
+    objective: Objective
+
+    if TYPE_CHECKING:
+
+        def forward_backward(
+            self, micro_batches: Sequence[PackedBatch], objective: Objective, *, normalizer: float
+        ) -> torch.Tensor: ...
+
+        def optimizer_step(self) -> dict[str, torch.Tensor]: ...
+
+        def named_weights(
+            self,
+            dtype: torch.dtype | None = None,
+            *,
+            device: torch.device | str | None = None,
+            trained_only: bool = False,
+        ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+        def state_dict(self) -> dict[str, Any]: ...
+
+    def _eval_loss(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, normalizer: float
+    ) -> torch.Tensor:
+        """`sum(objective(mb)) / normalizer` over the global batch, without gradients (every rank calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _eval_loss")
+
+    def _writes_export(self) -> bool:
+        """Whether this process writes the export: rank 0 of the process group (or the only process)."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def train_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """`forward_backward` over the step's loss-token count (default objective: the configured
+        cross-entropy), then `optimizer_step`; returns `loss`, `grad_norm` and `lr`."""
+        normalizer = float(max(global_num_loss_tokens, 1))
+        loss = self.forward_backward(
+            micro_batches, self.objective if objective is None else objective, normalizer=normalizer
+        )
+        return {"loss": loss, **self.optimizer_step()}
+
+    @torch.no_grad()
+    def eval_batch(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        *,
+        global_num_loss_tokens: int,
+        objective: Objective | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The objective's global mean without gradients (dropout off): `{"loss": ...}`."""
+        normalizer = float(max(global_num_loss_tokens, 1))
+        return {
+            "loss": self._eval_loss(
+                micro_batches, self.objective if objective is None else objective, normalizer
+            )
+        }
+
+    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+        """A Hugging Face directory in the compute dtype from `named_weights`, written atomically by one
+        process; a LoRA model merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
+        from laden.model.hf.export import export_hf
+        from laden.model.lora import adapted_modules, peft_adapter_state
+
+        write = self._writes_export()
+        reads = write or self.collective_export
+        weights = self.named_weights(self.compute_dtype) if reads else iter(())
+        adapter = (
+            peft_adapter_state(self.state_dict()["model"]) if reads and adapted_modules(self.model) else None
+        )
+        export_hf(
+            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
+            adapter=adapter,
+        )  # fmt: skip
+        if self.collective_export and dist.is_initialized():
+            dist.barrier()  # the export is complete on disk when any rank returns

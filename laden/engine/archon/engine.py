@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,7 +80,7 @@ from laden.engine.archon.pipeline import (
     step_costs,
 )
 from laden.engine.archon.state import checkpoint_items, engine_state, iter_weights, load_engine_state
-from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
+from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError, TrainEngineBase
 from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
 from laden.engine.parallel.objective import TokenOutputs
 from laden.engine.parallel.offload import StorageOffload, state_tensors
@@ -95,7 +94,7 @@ from laden.optim import OptimSettings, build_optimizer, param_groups_with_decay
 log = logging.getLogger("laden.archon")
 
 
-class ArchonEngine:
+class ArchonEngine(TrainEngineBase):
     """Pipeline, data, tensor, context and expert parallel training (see the module docstring)."""
 
     def __init__(
@@ -131,10 +130,7 @@ class ArchonEngine:
         self.dp, self.pp, self.ep, self.tp, self.cp = dp, pp, ep, tp, cp
         self.schedule_name = schedule
         self.virtual_stages = virtual_stages if schedule == "Interleaved1F1B" and pp > 1 else 1
-        self.mesh: Any = None
-        self.pp_rank, self.dp_index, self.coord, self.cp_rank = 0, 0, 0, 0
-        if self.distributed:
-            self._use_mesh(build_mesh(pp, dp, ep, cp, tp, self.device.type))
+        self._use_mesh(build_mesh(pp, dp, ep, cp, tp, self.device.type) if self.distributed else None)
         self.model = model
         self.config: Any = model.config
         self._record_names(model)
@@ -173,7 +169,12 @@ class ArchonEngine:
 
     # ----------------------------------------------------------------- set-up
 
-    def _use_mesh(self, m: StageMesh) -> None:
+    def _use_mesh(self, m: StageMesh | None) -> None:
+        """The mesh's parts as attributes; without a process group, this one process's place (0 on every axis)."""
+        self.mesh: Any = None
+        self.pp_rank, self.dp_index, self.coord, self.cp_rank = 0, 0, 0, 0
+        if m is None:
+            return
         self.mesh, self.dp_mesh, self.shard_mesh, self.host_group = (
             m.mesh,
             m.dp_mesh,
@@ -362,35 +363,17 @@ class ArchonEngine:
             out.update(self.moe_stats.pop(group=dist.group.WORLD if self.distributed else None))
         return out
 
-    def train_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        normalizer = float(max(global_num_loss_tokens, 1))
-        loss = self.forward_backward(micro_batches, objective or self.objective, normalizer=normalizer)
-        return {"loss": loss, **self.optimizer_step()}
-
     # --------------------------------------------------------- without gradients
 
-    @torch.no_grad()
-    def eval_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The objective's global mean without gradients (every rank calls it)."""
+    def _eval_loss(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, normalizer: float
+    ) -> torch.Tensor:
         self._check_onloaded("eval_batch")
         mbs = prepared(self, micro_batches)
-        scale = 1.0 / float(max(global_num_loss_tokens, 1))
         total = torch.zeros((), device=self.device)
-        for values in forward_only(self, mbs, objective or self.objective, scale, ("loss",)):
+        for values in forward_only(self, mbs, objective, 1.0 / normalizer, ("loss",)):
             total = total + values["loss"].sum()
-        return {"loss": self._global_loss(total)}
+        return self._global_loss(total)
 
     @torch.no_grad()
     def forward(
@@ -440,16 +423,6 @@ class ArchonEngine:
         self._check_onloaded("named_weights")
         self.reshard()
         return iter_weights(self, dtype or self.compute_dtype, device)
-
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """A Hugging Face directory in the compute dtype from `named_weights` (rank 0 writes)."""
-        from laden.model.hf.export import export_hf
-
-        write = not self.distributed or dist.get_rank() == 0
-        export_hf(self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer,
-                  weights=self.named_weights(self.compute_dtype), write=write)  # fmt: skip
-        if self.distributed:
-            dist.barrier()
 
     # ----------------------------------------------------------------- offload
 

@@ -34,7 +34,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from laden.data.batch import PackedBatch
-from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
+from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError, TrainEngineBase
 from laden.engine.device import autocast_context, default_device, enable_gradient_checkpointing
 from laden.engine.fsdp import load
 from laden.engine.fsdp.checkpoint import engine_state, load_engine_state
@@ -61,7 +60,7 @@ from laden.engine.parallel.parallelize import (
 )
 from laden.engine.parallel.params import cast_params_
 from laden.engine.parallel.ulysses import enable_ulysses, gather_row, shard_batch
-from laden.model.lora import adapted_modules, merged_weights, peft_adapter_state
+from laden.model.lora import adapted_modules, merged_weights
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE
 from laden.model.objective import CrossEntropy
 from laden.optim import OptimSettings, ShardedStep, build_optimizer, clip_grad_norm_, param_groups_with_decay
@@ -69,7 +68,7 @@ from laden.optim import OptimSettings, ShardedStep, build_optimizer, clip_grad_n
 log = logging.getLogger("laden.fsdp")
 
 
-class FSDPEngine:
+class FSDPEngine(TrainEngineBase):
     """FSDP2 data, tensor and Ulysses context parallel training; see the module docstring."""
 
     def __init__(
@@ -349,33 +348,13 @@ class FSDPEngine:
         self._version += 1
         return {"grad_norm": grad_norm, "lr": torch.tensor(lr)}
 
-    def train_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """`forward_backward` over the step's token count (default: the configured cross-entropy), then
-        `optimizer_step`."""
-        normalizer = float(max(global_num_loss_tokens, 1))
-        loss = self.forward_backward(micro_batches, objective or self.objective, normalizer=normalizer)
-        return {"loss": loss, **self.optimizer_step()}
-
-    @torch.no_grad()
-    def eval_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The objective's global mean without gradients (all ranks must call it together)."""
+    def _eval_loss(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, normalizer: float
+    ) -> torch.Tensor:
         self._check_onloaded("eval_batch")
-        normalizer = float(max(global_num_loss_tokens, 1))
         self.root.eval()
         try:
-            return {"loss": self._run(micro_batches, objective or self.objective, normalizer, backward=False)}
+            return self._run(micro_batches, objective, normalizer, backward=False)
         finally:
             self.root.train()
             self._reshard()
@@ -455,21 +434,6 @@ class FSDPEngine:
         for name, out in merged_weights(self.model, names, fetch, dtype, device, trained_only=trained_only):
             yield name, out
             del out  # before the next gather
-
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Hugging Face directory in the compute dtype, through `named_weights` (rank 0 writes); a LoRA
-        model merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
-        from laden.model.hf.export import export_hf
-
-        write = not self.distributed or dist.get_rank() == 0
-        weights = self.named_weights(self.compute_dtype)
-        adapter = peft_adapter_state(self.state_dict()["model"]) if adapted_modules(self.model) else None
-        export_hf(
-            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
-            adapter=adapter,
-        )  # fmt: skip
-        if self.distributed:
-            dist.barrier()  # the export is complete on disk when any rank returns
 
     # ----------------------------------------------------------------- offload
 

@@ -61,14 +61,13 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from laden.data.batch import PackedBatch
-from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError
+from laden.engine.base import FORWARD_OUTPUTS, ForwardOutput, Objective, OffloadedError, TrainEngineBase
 from laden.engine.roundpipe.call import Run
 from laden.engine.roundpipe.device import default_devices
 from laden.engine.roundpipe.distributed import host_grad_group
@@ -95,8 +94,11 @@ class _PendingStep:
     buf: int
 
 
-class RoundPipeEngine:
+class RoundPipeEngine(TrainEngineBase):
     """A causal LM in host memory, trained by streaming stages through the device pool."""
+
+    collective_export = False
+    """Replicas hold the same weights, so replica 0 alone reads them for an export."""
 
     def __init__(
         self,
@@ -239,34 +241,20 @@ class RoundPipeEngine:
             self.pipe.read_buf = 1 - step.buf
         return {"grad_norm": norm, "lr": torch.tensor(lr)}
 
-    def train_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """`forward_backward` over the global loss-token count, then `optimizer_step`."""
-        loss = self.forward_backward(
-            micro_batches, self.objective if objective is None else objective,
-            normalizer=max(global_num_loss_tokens, 1),
-        )  # fmt: skip
-        return {"loss": loss, **self.optimizer_step()}
-
-    @torch.no_grad()
-    def eval_batch(
-        self,
-        micro_batches: Sequence[PackedBatch],
-        *,
-        global_num_loss_tokens: int,
-        objective: Objective | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The objective's global mean without gradients (dropout off): `{"loss": ...}`."""
+    def _eval_loss(
+        self, micro_batches: Sequence[PackedBatch], objective: Objective, normalizer: float
+    ) -> torch.Tensor:
         self._check_ready("eval_batch")
-        normalizer = max(global_num_loss_tokens, 1)
         _check_step_args(micro_batches, normalizer)
-        loss_fn = ObjectiveLoss(self.objective if objective is None else objective, normalizer)
-        return {"loss": self._global_loss(sum_losses(self._run_without_grad(micro_batches, loss_fn)))}
+        loss_fn = ObjectiveLoss(objective, normalizer)
+        return self._global_loss(sum_losses(self._run_without_grad(micro_batches, loss_fn)))
+
+    def _writes_export(self) -> bool:
+        return self.dp_rank == 0
+
+    def enable_recompute(self) -> bool:
+        """False: every backward stage is recomputed from its saved input already (`recompute_grain`)."""
+        return False
 
     @torch.no_grad()
     def forward(
@@ -351,21 +339,6 @@ class RoundPipeEngine:
         """
         read_buf = self.pipe.read_buf
         return 1 - read_buf if self.optim_step == "async" else read_buf
-
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-        """Hugging Face directory in the compute dtype; replicas hold the same weights, so replica 0 writes.
-        A LoRA model is written merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
-        from laden.model.hf.export import export_hf
-        from laden.model.lora import adapted_modules, peft_adapter_state
-
-        write = self.dp_rank == 0
-        weights = self.named_weights(self.compute_dtype) if write else iter(())
-        lora = write and adapted_modules(self.model)
-        adapter = peft_adapter_state(self.state_dict()["model"]) if lora else None
-        export_hf(
-            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
-            adapter=adapter,
-        )  # fmt: skip
 
     def offload(self) -> None:
         """Release what the engine holds for its next step beside the host state; idempotent.
