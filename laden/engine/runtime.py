@@ -128,7 +128,7 @@ def start_runtime(backend: TrainBackend | None = None) -> Runtime:
     engine's backend object the trainer asks (`Runtime.backend`)."""
     if launched_world_size() == 1:
         return Runtime(rank=0, world_size=1, device=default_device(), backend=backend)
-    from laden.engine.fsdp.launch import init_distributed
+    from laden.engine.parallel.launch import init_distributed
 
     rank, world_size, _, device = init_distributed()
     host_group = torch.distributed.new_group(backend="gloo")

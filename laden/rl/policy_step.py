@@ -78,7 +78,7 @@ class PolicyStep(RunPart):
         from fresh gradients and the loss is a sum over tokens, so the step is the one a run without the
         failure makes (up to the summation order). Otherwise, or when nothing is left to split, the error
         names the knob changes."""
-        retry = OOMRetry(cfg=self.cfg, rt=self.rt, recompute=getattr(self.engine, "enable_recompute", None))
+        retry = OOMRetry(cfg=self.cfg, rt=self.rt, recompute=self.engine.enable_recompute)
         return retry.split_documents(
             mbs, lambda mbs: self.engine.forward_backward(mbs, self.objective, normalizer=normalizer),
             step=self._step_now, on_failure=self.objective.pop_stats,  # the failed attempt's partial statistics

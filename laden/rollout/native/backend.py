@@ -81,7 +81,7 @@ class NativeBackend(RolloutBackend):
         dtype = torch_dtype(cfg.actor.dtype)
         tp = None
         if mode.tp > 1:
-            from laden.engine.fsdp.launch import init_distributed
+            from laden.engine.parallel.launch import init_distributed
             from laden.rollout.native.tensor_parallel import tensor_parallel_groups
 
             _, _, _, local = init_distributed()
