@@ -312,14 +312,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from laden.run_export import export_run
-
-    out = export_run(args.run_dir, step=args.step, out_dir=args.out)
-    _done(f"exported to {out}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from laden import __version__
 
@@ -399,15 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
         "path", nargs="?", default=None, help="a failed run's directory, or a file with a traceback"
     )
     doctor.set_defaults(func=cmd_doctor)
-
-    export = sub.add_parser(
-        "export",
-        help="write a Hugging Face model directory (and a LoRA run's adapter) from a run's checkpoint",
-    )
-    export.add_argument("run_dir", help="a laden run directory (holding checkpoints/step_N)")
-    export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
-    export.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/hf_steps/step_N)")
-    export.set_defaults(func=cmd_export)
 
     export = sub.add_parser(
         "export",
