@@ -1,7 +1,10 @@
 """`laden plan`'s estimators: exact components equal what the CPU engines allocate; the CLI plans
-without a GPU and names the fix when a budget is too small."""
+without a GPU and names the fix when a budget is too small; a plan for the CPU holds everything in
+host memory, as the profile measures it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,6 +315,7 @@ def test_laden_plan_profiles_each_phase_without_a_gpu(tmp_path, capsys):
     assert main(["plan", "--job", "rl", "--profile", "--json", str(out), *overrides]) == 0
     text = capsys.readouterr().out
     assert "profile: predicted vs measured" in text and "actor.mb_spec.max_tokens_per_mb=auto -> " in text
+    assert "profile: predicted vs measured host peak" in text and "GPU" not in text.split("fits (")[1]
     plan = json.loads(out.read_text())
     phases = {p["phase"]: p for p in plan["phases"]}
     assert set(phases) == {"training", "generation", "weight update"}
@@ -319,7 +323,86 @@ def test_laden_plan_profiles_each_phase_without_a_gpu(tmp_path, capsys):
         measured = p["measured"]
         assert measured["gpu"] is None and measured["seconds"] > 0  # no GPU here: host figures only
         assert measured["host"] is None or measured["host"] >= 0
-    assert phases["training"]["predicted_gpu"] > 0 and phases["training"]["components"]
+        assert p["on_cpu"] and p["predicted_gpu"] == 0 and p["predicted_host"] > 0
+    training = phases["training"]["measured"]
+    if training["host"] is not None:  # the process's peak resident set, its baseline included
+        assert training["host"] >= training["host_start"] > 0
+    assert phases["training"]["components"]
+
+
+def _engine_state_bytes(engine):
+    """Parameters, gradients and optimizer states the engine allocated, by the plan's component names."""
+    params = list(engine.model.parameters())
+    states = sum(
+        v.numel() * v.element_size()
+        for state in engine.optimizer.state.values()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and k != "step" and v.numel() > 1
+    )
+    return {
+        "parameters (master)": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "optimizer states (adam)": states,
+    }
+
+
+def test_a_cpu_plan_holds_the_model_states_in_host_memory_as_the_engine_allocates(tmp_path):
+    from laden.memory.estimate import PROCESS_BASELINE_BYTES, plan_phases
+
+    cfg = tiny_rl_config(tmp_path)
+    for_gpu = plan_phases(cfg, gpu_capacity=2**34, job="rl")
+    phases = plan_phases(cfg, gpu_capacity=None, job="rl")
+    assert [p.phase for p in phases] == ["training", "generation", "weight update"]
+    assert all(p.on_cpu and p.gpu == 0 for p in phases)
+    training = _by_name(phases[0])
+    engine = _one_step(cfg)
+    assert {name: training[name].host for name in _engine_state_bytes(engine)} == _engine_state_bytes(engine)
+    # the engine trains the model as loaded, and its step peaks above the load
+    assert not any(c.load_time for p in phases for c in p.components)
+    loading = sum(c.host for c in for_gpu[0].components if c.load_time)
+    assert (
+        loading > 0 and phases[0].host == for_gpu[0].gpu + for_gpu[0].host - loading + PROCESS_BASELINE_BYTES
+    )
+    baseline = [[c.host for c in p.components if c.name.startswith("process baseline")] for p in phases]
+    assert baseline == [[PROCESS_BASELINE_BYTES], [PROCESS_BASELINE_BYTES], []]  # the update: above its start
+
+
+def test_a_cpu_plan_has_one_column_and_the_fixes_of_the_memory_it_uses(tmp_path):
+    from laden.memory.estimate import plan_phases
+    from laden.memory.plan import render
+
+    cfg = tiny_rl_config(tmp_path)
+    phases = plan_phases(cfg, gpu_capacity=None, job="sft")
+    text, fits = render(phases, cfg, gpu_budget=None, host_budget=2**20)
+    assert not fits and "training on fsdp (fsdp:d1) on the CPU" in text
+    assert "host MiB" in text and "GPU" not in text
+    assert "over the host budget" in text and "fix: actor.gradient_checkpointing=true" in text
+    assert "offload" not in text  # the model states are in host memory already
+    text, fits = render(
+        plan_phases(cfg, gpu_capacity=2**34, job="sft"), cfg, gpu_budget=2**34, host_budget=None
+    )
+    assert fits and "GPU MiB  host MiB" in text
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_the_cpu_profile_counts_the_host_as_the_cpu_plan_does():
+    from laden.memory.profile import _Phase
+
+    cpu = torch.device("cpu")
+    size = 64 * 2**20
+    with _Phase("training", cpu, gpu_from_zero=True) as training:
+        kept = torch.ones(size // 4)  # touched: resident
+    with _Phase("weight update", cpu, gpu_from_zero=False) as update:
+        more = torch.ones(size // 4)
+    assert training.result is not None and update.result is not None
+    start = training.result.host_start
+    assert start is not None and training.result.host is not None
+    # 0.9: the kernel syncs each thread's resident-set counters in batches of pages
+    assert training.result.host >= start + 0.9 * size  # from the process's start: its baseline included
+    assert (
+        update.result.host is not None and 0.9 * size <= update.result.host < size + start
+    )  # above its start
+    del kept, more
 
 
 def test_the_profile_packs_the_full_budget_of_longest_sequences(tmp_path):

@@ -25,6 +25,10 @@ class Component:
     host: int = 0
     exact: bool = True
     """Whether the bytes are what the engine allocates (else an estimate)."""
+    load_time: bool = False
+    """Host bytes held only while the model loads (the copy staged before it moves to the GPU, the
+    checkpoint's mapped pages); an engine on the CPU trains that copy and its step peaks above the
+    load, so they are not counted there (`laden.memory.estimate.on_the_cpu`)."""
 
 
 @dataclass(slots=True)
@@ -32,6 +36,8 @@ class PhaseEstimate:
     phase: str
     engine: str
     components: list[Component] = field(default_factory=list)
+    on_cpu: bool = False
+    """Planned for an engine on the CPU: every component is host memory (`laden.memory.estimate.on_the_cpu`)."""
 
     @property
     def gpu(self) -> int:
@@ -164,7 +170,7 @@ def checkpoint_pages(cfg: Any) -> list[Component]:
         return []
     nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return (
-        [Component("host: the checkpoint's pages, memory-mapped while it loads", host=nbytes)]
+        [Component("host: the checkpoint's pages, memory-mapped while it loads", host=nbytes, load_time=True)]
         if nbytes
         else []
     )

@@ -13,6 +13,11 @@ what is an estimate:
   under the recompute policy, the loss's logits (chunked or whole), the gathered layers of
   FSDP, the sampler's logits, and the allocator's slack.
 
+Without a GPU to plan for, the engines run on the CPU and every byte is host memory: `on_the_cpu`
+moves each phase's GPU components to the host and adds the process's own baseline
+(`PROCESS_BASELINE_BYTES`), so the figure is the process's peak resident set, which
+`laden plan --profile` measures the same way (`laden.memory.profile`).
+
 `MemoryEstimator` is the seam: an engine that wants `laden plan` to plan for it implements
 `estimate(cfg, shapes)`. No estimator reaches into an engine's internals; they read the
 config and the model's shapes.
@@ -21,6 +26,7 @@ config and the model's shapes.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from laden.engine.estimates import (
@@ -38,9 +44,9 @@ from laden.engine.estimates import (
 from laden.rollout.backend import resolve_rollout
 
 __all__ = [
-    "GIB", "Component", "MemoryEstimator", "ModelShapes", "NativeGeneration", "PhaseEstimate", "WeightUpdate",
-    "host_memory_bytes", "longest_sequence", "native_generation", "patched_meta_model", "plan_phases",
-    "tokens_per_microbatch", "training_estimator",
+    "FROM_PROCESS_START", "GIB", "PROCESS_BASELINE_BYTES", "Component", "MemoryEstimator", "ModelShapes",
+    "NativeGeneration", "PhaseEstimate", "WeightUpdate", "host_memory_bytes", "longest_sequence", "native_generation",
+    "on_the_cpu", "patched_meta_model", "plan_phases", "tokens_per_microbatch", "training_estimator",
 ]  # fmt: skip
 
 
@@ -96,7 +102,8 @@ class NativeGeneration:
         prefill = prefill_tokens * widths * dtype.itemsize
         parts = [Component(f"weights ({cfg.actor.dtype})", gpu=weights)]
         if self.trainer_resident:
-            parts.insert(0, Component("the trainer's model states (same GPU)", gpu=self.trainer_resident))
+            where = "same GPU" if self.gpu_capacity is not None else "same process, on the CPU"
+            parts.insert(0, Component(f"the trainer's model states ({where})", gpu=self.trainer_resident))
         if self.gpu_capacity is not None:
             parts.append(
                 Component(f"prefill activations ({prefill_tokens} tokens)", gpu=prefill, exact=False)
@@ -167,8 +174,34 @@ def native_generation(
     return NativeGeneration(gpu_capacity, resident).estimate(cfg, shapes)
 
 
+PROCESS_BASELINE_BYTES = 470 * 2**20
+"""The resident set of a laden process before it builds a model (an estimate): the interpreter,
+torch, transformers and a model class imported. Measured once with torch 2.13 (CPU build) and
+transformers 5.24 on Linux x86_64: `import torch` 221 MiB, with transformers 245 MiB, with a
+causal-LM class (which pulls in transformers' generation and integrations) 459 MiB, and 471 MiB
+at the start of `laden plan --profile`'s training phase (`benchmarks/RESULTS.md`). A CUDA build
+of torch maps more libraries; the GPU plan leaves the baseline out (its profile measures the host
+above it)."""
+
+FROM_PROCESS_START = frozenset({"training", "generation"})
+"""Phases counted from the process's own baseline (the trainer's resident bytes included), as the
+profile measures them; the weight update is counted above what is allocated when it starts."""
+
+
+def on_the_cpu(phase: PhaseEstimate) -> PhaseEstimate:
+    """`phase` with its engine on the CPU: what the estimator put on the GPU is host memory, the bytes
+    held only while the model loads are left out (the step peaks above the load), and a phase counted
+    from the process's start (`FROM_PROCESS_START`) adds the process's baseline."""
+    parts = [replace(c, gpu=0, host=c.host + c.gpu) for c in phase.components if not c.load_time]
+    if phase.phase in FROM_PROCESS_START:
+        baseline = "process baseline: Python, torch, transformers"
+        parts.insert(0, Component(baseline, host=PROCESS_BASELINE_BYTES, exact=False))
+    return PhaseEstimate(phase.phase, f"{phase.engine} on the CPU", parts, on_cpu=True)
+
+
 def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEstimate]:
-    """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update."""
+    """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update.
+    Without a GPU to plan for (`gpu_capacity` None) the engines run on the CPU (`on_the_cpu`)."""
     model = patched_meta_model(cfg)
     shapes = ModelShapes.from_model(model)
     phases = [training_estimator(cfg, model, gpu_capacity).estimate(cfg, shapes)]
@@ -176,4 +209,4 @@ def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEs
         phases.append(native_generation(cfg, shapes, phases[0], gpu_capacity))
     if job == "rl":
         phases.append(WeightUpdate().estimate(cfg, shapes))
-    return phases
+    return phases if gpu_capacity is not None else [on_the_cpu(p) for p in phases]

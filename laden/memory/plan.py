@@ -7,11 +7,13 @@ One table per phase (`laden.memory.estimate`): each component's bytes on one ran
 exact (what the engine allocates) or estimated, the phase's totals, and against each budget
 (default: this machine's GPU and host memory; without a GPU, `--gpu-mem` or none) whether it
 fits and, when it does not, the component that binds and the knob changes that fix it, with
-values for this config (the engine's backend object, `laden.engine.backend`). `--plot` draws each phase's GPU and host bytes as
-stacked bars, one segment per component, with the budgets as lines (needs matplotlib). `--gpus N`
-suggests the fastest `actor.backend` / `rollout.backend` predicted to fit N GPUs (`suggest_backends`);
-`--profile` runs each phase once at its worst case and prints the measured peaks beside the predicted
-(`laden.memory.profile`); `--json` writes both.
+values for this config (the engine's backend object, `laden.engine.backend`). Without a GPU to
+plan for (none here and no `--gpu-mem`) the engines run on the CPU: one column, host, holding the
+model states, the activations and the process's own baseline (`on_the_cpu`). `--plot` draws each
+phase's GPU and host bytes as stacked bars, one segment per component, with the budgets as lines
+(needs matplotlib). `--gpus N` suggests the fastest `actor.backend` / `rollout.backend` predicted
+to fit N GPUs (`suggest_backends`); `--profile` runs each phase once at its worst case and prints
+the measured peaks beside the predicted (`laden.memory.profile`); `--json` writes both.
 """
 
 from __future__ import annotations
@@ -61,13 +63,18 @@ def render(
     fits = True
     largest = max((max(p.gpu, p.host) for p in phases), default=0)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    cpu = bool(phases) and all(p.on_cpu for p in phases)  # one column: the host holds everything
+
+    def row(name: str, gpu: int, host: int) -> str:
+        cells = f"{host / scale:>9.2f}" if cpu else f"{gpu / scale:>9.2f} {host / scale:>9.2f}"
+        return f"  {name:<52} {cells}"
+
     for phase in phases:
         lines.append(f"{phase.phase} on {phase.engine}")
-        lines.append(f"  {'component':<52} {'GPU ' + unit:>9} {'host ' + unit:>9}")
-        for c in phase.components:
-            mark = "" if c.exact else "  (estimate)"
-            lines.append(f"  {c.name:<52} {c.gpu / scale:>9.2f} {c.host / scale:>9.2f}{mark}")
-        lines.append(f"  {'total':<52} {phase.gpu / scale:>9.2f} {phase.host / scale:>9.2f}")
+        header = f"{'host ' + unit:>9}" if cpu else f"{'GPU ' + unit:>9} {'host ' + unit:>9}"
+        lines.append(f"  {'component':<52} {header}")
+        lines += [row(c.name, c.gpu, c.host) + ("" if c.exact else "  (estimate)") for c in phase.components]
+        lines.append(row("total", phase.gpu, phase.host))
         for where, budget, total in (("GPU", gpu_budget, phase.gpu), ("host", host_budget, phase.host)):
             if budget is None or total <= budget:
                 continue
@@ -93,7 +100,11 @@ def render(
 def _fixes(phase: PhaseEstimate, where: str, cfg: Any) -> list[str]:
     from laden.memory.doctor import phase_fixes
 
-    return phase_fixes(cfg, phase.phase, host=where == "host")
+    if not phase.on_cpu:
+        return phase_fixes(cfg, phase.phase, host=where == "host")
+    # an engine on the CPU: the host holds the model states and activations, so the GPU's fixes apply,
+    # except offloading to the host, where everything already is
+    return [fix for fix in phase_fixes(cfg, phase.phase, host=False) if "offload" not in fix]
 
 
 def plot(phases: list[PhaseEstimate], path: str, *, gpu_budget: int | None, host_budget: int | None) -> None:
@@ -105,8 +116,13 @@ def plot(phases: list[PhaseEstimate], path: str, *, gpu_budget: int | None, host
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ValueError(f"--plot {path}: needs matplotlib ({err}); pip install matplotlib") from None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, side, budget in ((axes[0], "gpu", gpu_budget), (axes[1], "host", host_budget)):
+    sides = (
+        [("host", host_budget)]
+        if phases and all(p.on_cpu for p in phases)
+        else [("gpu", gpu_budget), ("host", host_budget)]
+    )
+    fig, axes = plt.subplots(1, len(sides), figsize=(5.5 * len(sides), 4.5), squeeze=False)
+    for ax, (side, budget) in zip(axes[0], sides, strict=True):
         for x, phase in enumerate(phases):
             bottom = 0.0
             for c in phase.components:
@@ -138,7 +154,7 @@ def write_json(path: str, phases: list[PhaseEstimate], measured: list[Any], cfg:
     for p in phases:
         m = by_phase.get(p.phase)
         entry: dict[str, Any] = {
-            "phase": p.phase, "engine": p.engine, "predicted_gpu": p.gpu, "predicted_host": p.host,
+            "phase": p.phase, "engine": p.engine, "on_cpu": p.on_cpu, "predicted_gpu": p.gpu, "predicted_host": p.host,
             "components": [{"name": c.name, "gpu": c.gpu, "host": c.host, "exact": c.exact} for c in p.components],
         }  # fmt: skip
         if m is not None:

@@ -22,7 +22,11 @@ generation: the trainer's resident bytes included, as `NativeGeneration` counts 
 weight update: above what is allocated before it, as `WeightUpdate` counts it), the reserved
 peak beside it, and the host's resident-set high-water mark (`VmHWM`, reset per phase) above
 the resident set when the phase began, which leaves out the interpreter, torch and the CUDA
-context. One process only: a `dN` layout of several ranks is profiled per rank by a run.
+context. With the engine on the CPU the host holds everything the GPU would, and the plan
+counts the process's baseline (`laden.memory.estimate.on_the_cpu`): the host figure is then the
+high-water mark itself (the resident set at the phase's start included) for the phases counted
+from the process's start (`FROM_PROCESS_START`), and above the phase's start for the weight
+update, as on the GPU. One process only: a `dN` layout of several ranks is profiled per rank by a run.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 
-from laden.memory.estimate import GIB, PhaseEstimate
+from laden.memory.estimate import FROM_PROCESS_START, GIB, PhaseEstimate
 from laden.rollout.backend import resolve_rollout
 
 log = logging.getLogger("laden.profile")
@@ -54,12 +58,16 @@ class Measured:
     gpu_reserved: int | None
     """The caching allocator's reserved peak (bytes; None without a GPU)."""
     host: int | None
-    """Resident-set high-water mark above the resident set at the phase's start (None where /proc has none)."""
+    """Resident-set high-water mark over the phase (None where /proc has none): above the resident set
+    at the phase's start, or, for an engine on the CPU in a phase counted from the process's start,
+    the mark itself (the process's baseline included, as the plan counts it)."""
     seconds: float
+    host_start: int | None = None
+    """The resident set when the phase began (bytes)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"phase": self.phase, "gpu": self.gpu, "gpu_reserved": self.gpu_reserved, "host": self.host,
-                "seconds": round(self.seconds, 3)}  # fmt: skip
+                "host_start": self.host_start, "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
 class _Phase:
@@ -68,6 +76,8 @@ class _Phase:
     def __init__(self, name: str, device: torch.device, *, gpu_from_zero: bool) -> None:
         self.name, self.device, self.gpu_from_zero = name, device, gpu_from_zero
         self.result: Measured | None = None
+        # the engine on the CPU: the host holds what the GPU would, counted as `on_the_cpu` counts it
+        self.host_from_zero = device.type == "cpu" and name in FROM_PROCESS_START
 
     def __enter__(self) -> _Phase:
         gc.collect()
@@ -89,8 +99,11 @@ class _Phase:
         peak = _proc_status("VmHWM")
         # at least 0: the kernel syncs each thread's RSS counters in batches (up to 64 pages a thread),
         # so a phase that keeps nothing can read a few hundred KB below its base
-        host = None if peak is None or self.host_base is None else max(0, peak - self.host_base)
-        self.result = Measured(self.name, gpu, reserved, host, time.perf_counter() - self.t0)
+        if peak is None or self.host_base is None:
+            host = None
+        else:
+            host = peak if self.host_from_zero else max(0, peak - self.host_base)
+        self.result = Measured(self.name, gpu, reserved, host, time.perf_counter() - self.t0, self.host_base)
 
 
 def _proc_status(key: str) -> int | None:
@@ -221,7 +234,10 @@ def _profile_rollout(cfg: Any, trainer: Any, device: torch.device, vocab: int) -
 
 
 def render_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str:
-    """Predicted next to measured per phase, with the relative error of each side."""
+    """Predicted next to measured per phase, with the relative error of each side (the host's alone,
+    with the resident set at the phase's start, for a plan of the engine on the CPU)."""
+    if phases and all(p.on_cpu for p in phases):
+        return _render_cpu_profile(phases, measured)
     by_phase = {m.phase: m for m in measured}
     lines = ["profile: predicted vs measured (one step of each phase at its worst case)",
              f"  {'phase':<14} {'GPU pred':>9} {'GPU meas':>9} {'err':>7} {'reserved':>9} "
@@ -235,6 +251,23 @@ def render_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str
             f"{p.host / GIB:>9.2f} {_gib(m.host)} {_err(p.host, m.host)}"
         )
     lines.append("  (GiB; err = predicted / measured - 1; the host side excludes the process's own baseline)")
+    return "\n".join(lines)
+
+
+def _render_cpu_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str:
+    by_phase = {m.phase: m for m in measured}
+    lines = ["profile: predicted vs measured host peak (one step of each phase at its worst case, on the CPU)",
+             f"  {'phase':<14} {'at start':>9} {'host pred':>9} {'host meas':>9} {'err':>7}"]  # fmt: skip
+    for p in phases:
+        m = by_phase.get(p.phase)
+        if m is not None:
+            lines.append(
+                f"  {p.phase:<14} {_gib(m.host_start)} {p.host / GIB:>9.2f} {_gib(m.host)} {_err(p.host, m.host)}"
+            )
+    lines.append(
+        "  (GiB; err = predicted / measured - 1; the process's peak resident set, its baseline included, "
+        "except the weight update's: above its start)"
+    )
     return "\n".join(lines)
 
 

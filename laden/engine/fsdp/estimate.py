@@ -82,7 +82,11 @@ class FsdpTraining:
         if where == "gpu" and not (shards > 1 and cfg.actor.fsdp.memory_efficient_load):
             # the model is read (or initialised) on the host whole before the engine moves it
             loaded = n * nbytes(cfg.actor.optimizer_dtype)
-            parts.append(Component("host: the model as loaded, before it moves to the GPU", host=loaded))
+            parts.append(
+                Component(
+                    "host: the model as loaded, before it moves to the GPU", host=loaded, load_time=True
+                )
+            )
             parts += checkpoint_pages(cfg)
         tokens = tokens_per_microbatch(cfg)
         compute = nbytes(cfg.actor.dtype)
