@@ -41,10 +41,10 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out_dir: str | P
 
     checkpoint = find_checkpoint(Path(run_dir), step)
     cfg = _run_config(read_run_config(checkpoint), checkpoint)
-    model, trained = _model_from_checkpoint(cfg, checkpoint)
+    model, trained = model_from_checkpoint(cfg, checkpoint)
     out = Path(out_dir) if out_dir is not None else step_export_dir(run_dir, _step_of(checkpoint))
     dtype = _dtype(cfg.actor.dtype)
-    weights, adapter = _export_views(model, trained, dtype)
+    weights, adapter = export_views(model, trained, dtype)
     log.info("exporting %s to %s (%s)", checkpoint, out, dtype)
     return export_hf(
         model, out, dtype=dtype, tokenizer=_tokenizer(cfg.actor.path), weights=weights, adapter=adapter
@@ -85,7 +85,7 @@ def _dtype(name: str) -> torch.dtype:
     return torch_dtype(name)
 
 
-def _model_from_checkpoint(cfg: Any, checkpoint: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def model_from_checkpoint(cfg: Any, checkpoint: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The run's model on the CPU with the checkpoint's weights, and its trained parameters by name."""
     from laden.model.hf.loading import load_causal_lm
     from laden.model.lora import LoraSettings, apply_lora
@@ -127,7 +127,7 @@ def _copy_in(checkpoint: Path, trained: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _export_views(
+def export_views(
     model: torch.nn.Module, trained: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> tuple[Any, Any]:
     """The merged weights in `dtype` and, for a LoRA model, its adapters in peft's names (what

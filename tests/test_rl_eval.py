@@ -208,3 +208,22 @@ def test_a_reward_module_that_hangs_at_import_stops_the_run_within_the_timeout(t
     assert main(["rl", "--no-progress", *args]) == 2
     assert "has not finished after 2 s" in capsys.readouterr().err
     assert not (tmp_path / "rl-tiny" / "run0" / "checkpoints").exists()  # stopped before anything was built
+
+
+def test_laden_eval_of_a_lora_runs_checkpoint_equals_what_the_run_logged(tmp_path, capsys):
+    """A LoRA run's checkpoint holds its adapters: `laden eval` merges them into the base as `laden export`
+    does, and gets the run's own held-out metrics of that step; the wrong `actor.use_lora` is named."""
+    pytest.importorskip("peft")
+    args = ["total_train_steps=2", "evaluator.freq_steps=2", "evaluator.freq_epochs=null", "checkpoint.save_freq_steps=2",
+            "actor.use_lora=true", "actor.lora_rank=4", "actor.lora_alpha=8", "actor.optimizer.lr=3e-2",
+            "checkpoint.export_hf=false"]  # fmt: skip
+    result = run_rl(tiny_rl_config(tmp_path, *args), progress=False)
+    logged = next(r for r in _rows(result.run_dir) if r["step"] == 2 and "eval/accuracy" in r)
+    capsys.readouterr()
+    ckpt = result.run_dir / "checkpoints" / "step_2"
+    assert main(["eval", "--checkpoint", str(ckpt), *_overrides(tmp_path, *args)]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in EVAL_KEYS:
+        assert record[key] == logged[key], key
+    assert main(["eval", "--checkpoint", str(ckpt), *_overrides(tmp_path, *args[:-5])]) == 2
+    assert "written by a LoRA run" in capsys.readouterr().err

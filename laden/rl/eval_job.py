@@ -62,14 +62,14 @@ async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
 
         from laden.rollout.factory import native_engine_from_weights
 
-        model, version = _policy(cfg, checkpoint)
+        weights, version = _policy(cfg, checkpoint)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         native = replace(cfg, rollout=replace(cfg.rollout, backend="native:d1"))
         # built as `laden rl` builds its engine: a skeleton filled with the weights, tagged with their step
         engine: Any = native_engine_from_weights(
-            native, model.named_parameters(), device=device, tokenizer=tokenizer, version=version
+            native, weights, device=device, tokenizer=tokenizer, version=version
         )
-        del model
+        del weights
         sampling, n = eval_sampling(cfg.gconfig, cfg.eval_gconfig)
         workflow = load_workflow(
             cfg.workflow, tokenizer=tokenizer, sampling=sampling, n_samples=n, reward=pool
@@ -120,55 +120,42 @@ def _train_records(cfg: Any) -> Any:
 
 
 def _policy(cfg: Any, checkpoint: str | None) -> tuple[Any, int]:
-    """The model to evaluate, in `actor.dtype` on the CPU, and its weight version (a checkpoint's step)."""
-    from laden.model.dtypes import torch_dtype
-    from laden.model.hf.loading import load_causal_lm
-
-    model = load_causal_lm(
-        cfg.actor.path,
-        dtype=torch_dtype(cfg.actor.dtype),
-        init_from_config=cfg.actor.init_from_config,
-        seed=cfg.seed,
-    )
-    if checkpoint is None:
-        return model, 0
-    return model, _load_checkpoint_weights(model, Path(checkpoint))
-
-
-def _load_checkpoint_weights(model: Any, path: Path) -> int:
-    """Copy a checkpoint's trained weights into `model`; its step. A LoRA checkpoint holds adapters only."""
+    """The weights to evaluate by Hugging Face name, in `actor.dtype` on the CPU, and their version (a
+    checkpoint's step): `actor.path`'s, or a checkpoint's read as `laden export` reads it (a LoRA run's
+    adapters merged into the base)."""
     import torch
 
-    from laden.engine.checkpoint import checkpoint_tensors
+    from laden.model.dtypes import torch_dtype
+    from laden.model.hf.loading import load_causal_lm
+    from laden.run_export import export_views, model_from_checkpoint
 
+    dtype = torch_dtype(cfg.actor.dtype)
+    if checkpoint is None:
+        model = load_causal_lm(
+            cfg.actor.path, dtype=dtype, init_from_config=cfg.actor.init_from_config, seed=cfg.seed
+        )
+        return list(model.named_parameters()), 0
+    path = Path(checkpoint)
     _require_dir(str(path), "--checkpoint", "a run's checkpoints/step_N directory")
     step = _checkpoint_step(path)
-    params = dict(model.named_parameters())
-    found = set()
-    with torch.no_grad():
-        for name, tensor in checkpoint_tensors(path):
-            if name not in params:
-                hint = (
-                    " (a LoRA run's checkpoint holds its adapters: evaluate the run's hf/ export with --model)"
-                    if "lora_" in name else ""
-                )  # fmt: skip
-                raise ValueError(
-                    f"checkpoint {path}: weight {name!r} is not a parameter of {model.name_or_path}{hint}"
-                )
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"checkpoint {path}: weight {name!r} is {tuple(tensor.shape)} there but {tuple(params[name].shape)} "
-                    f"in actor.path's model; evaluate it with the config of the run that wrote it"
-                )
-            params[name].copy_(tensor)
-            found.add(name)
-    missing = sorted(set(params) - found)
-    if missing:
+    _check_lora(cfg, path)
+    model, trained = model_from_checkpoint(cfg, path)
+    weights, _ = export_views(model, trained, dtype)
+    return [(name, tensor.to(torch.device("cpu"))) for name, tensor in weights], step
+
+
+def _check_lora(cfg: Any, path: Path) -> None:
+    """A LoRA run's checkpoint holds its adapters, a full run's every weight: `actor.use_lora` must say which."""
+    from laden.engine.checkpoint import checkpoint_tensors
+
+    lora = any("lora_" in name for name, _ in checkpoint_tensors(path))
+    if lora != bool(cfg.actor.use_lora):
+        what = "a LoRA run (it holds the adapters)" if lora else "a full-weight run, not a LoRA one"
         raise ValueError(
-            f"checkpoint {path} has no weight for {len(missing)} parameter(s) of the model (e.g. {missing[0]!r}); "
-            "evaluate it with the config of the run that wrote it"
+            f"checkpoint {path} was written by {what}, but actor.use_lora={cfg.actor.use_lora}; evaluate it with "
+            f"actor.use_lora={str(lora).lower()} (and the run's lora_rank, lora_alpha, target_modules), or with "
+            "the config of the run that wrote it"
         )
-    return step
 
 
 def _checkpoint_step(path: Path) -> int:
