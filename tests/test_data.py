@@ -97,10 +97,10 @@ def test_load_hf_name_through_load_dataset(tmp_path, monkeypatch):
 def test_load_errors_name_path_and_formats(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl.*\.parquet"):
         load_records(str(tmp_path / "missing.jsonl"))
-    csv = tmp_path / "d.csv"
-    csv.write_text("a,b\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"d\.csv.*'\.csv'.*\.jsonl"):
-        load_records(str(csv))
+    text = tmp_path / "d.txt"
+    text.write_text("a,b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"d\.txt.*'\.txt'.*\.jsonl"):
+        load_records(str(text))
     pytest.importorskip("datasets")
     with pytest.raises(ValueError, match="not a saved dataset"):
         load_records(str(tmp_path))

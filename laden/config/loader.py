@@ -34,6 +34,7 @@ import yaml
 from laden.config.areal import from_areal
 from laden.config.schema import AUTO_KNOBS, LadenConfig
 from laden.config.validate import validate_config
+from laden.config.validate_data import dataset_errors
 
 Job = Literal["sft", "rl", "any"]
 
@@ -83,7 +84,7 @@ def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenC
         if name not in AUTO_KNOBS
     ]
     _cluster_from_launcher(cfg, data.get("cluster"))
-    errors += validate_config(cfg, job=job)
+    errors += validate_config(cfg, job=job) + dataset_errors(cfg)
     if errors:
         raise ConfigError(errors)
     if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)
@@ -476,6 +477,12 @@ def _convert_scalar(value: Any, tp: Any) -> Any:
             return _INVALID
         items = [_convert_scalar(v, item_tp) for v in value]
         return _INVALID if any(v is _INVALID for v in items) else items
+    if origin is dict:  # `dataset_kwargs`, `rename_columns`: names to values
+        value_tp = typing.get_args(tp)[1]
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            return _INVALID
+        mapped = {k: v if value_tp is Any else _convert_scalar(v, value_tp) for k, v in value.items()}
+        return _INVALID if any(v is _INVALID for v in mapped.values()) else mapped
     if tp is bool:
         return value if isinstance(value, bool) else _INVALID
     if tp is int:
@@ -510,13 +517,22 @@ def _describe(tp: Any) -> str:
         return (
             "a list of integers" if typing.get_args(tp)[0] is int else f"a list of {typing.get_args(tp)[0]}"
         )
+    if origin is dict:
+        value_tp = typing.get_args(tp)[1]
+        return "a mapping of names to " + {str: "strings", int: "integers"}.get(value_tp, "values")
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
 def _example(tp: Any, default: Any) -> str:
-    if default is not None and default != []:
+    if default is not None and default != [] and default != {}:
         return f"e.g. {yaml_scalar(default)} (the default)"
     origin = typing.get_origin(tp)
+    if origin is dict:
+        return (
+            "a mapping, e.g. {question: prompt}"
+            if typing.get_args(tp)[1] is str
+            else "a mapping, e.g. {key: 1}"
+        )
     if origin is list:
         return "e.g. [1, 2]"
     return {bool: "true or false", int: "e.g. 4096", float: "e.g. 0.5"}.get(tp, "a valid value")

@@ -18,9 +18,23 @@ class DatasetConfig:
     """A training or validation dataset."""
 
     path: str = ""
-    """A .jsonl/.json/.parquet file, a `datasets.save_to_disk` directory, or `hf:<name>`."""
+    """A .jsonl/.json/.parquet/.csv file, a directory of them, a `datasets.save_to_disk` directory, or `hf:<name>`
+    (`datasets.load_dataset`; `hf:json` etc. read `data_files`)."""
     split: str = "train"
-    """Dataset split to read (for `hf:` names and saved dataset dicts)."""
+    """Dataset split to read (for `hf:` names and saved dataset dicts), e.g. `test` or `train[:1000]`."""
+    name: str | None = None
+    """`hf:` only: the dataset's configuration (`datasets.load_dataset(path, name)`), e.g. `main` for `openai/gsm8k`."""
+    revision: str | None = None
+    """`hf:` only: the branch, tag or commit of the dataset repository to read; null = its default branch."""
+    data_files: list[str] = field(default_factory=list)
+    """`hf:` only: the files to read; with a builder of local files (`hf:json`, `hf:csv`, `hf:parquet`) local paths,
+    resolved like `path`; with a repository or directory, paths or globs inside it."""
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
+    """`hf:` only: further keyword arguments of `datasets.load_dataset` (AReaL's name), e.g. `{trust_remote_code: true}`."""
+    rename_columns: dict[str, str] = field(default_factory=dict)
+    """Column map applied to every row as it is read, `{source: new}`, e.g. `{question: prompt}`; before `transform_fn`."""
+    transform_fn: str | None = None
+    """Import path `module:function` of a function applied to every row (a dict in, a dict out), after `rename_columns`."""
     type: Literal["sft", "rl"] = "sft"
     """`sft`: prompt + completion (or chat messages) to imitate; `rl`: prompts (+ answers) to roll out."""
     max_length: int = 1024

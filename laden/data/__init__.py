@@ -7,12 +7,13 @@ from laden.data.loader import GlobalBatchIterator, longest_first
 from laden.data.packing import PACKING_ALGORITHMS, ffd_partition, kk_partition, partition_microbatches
 from laden.data.rows import check_prompt_rows, check_sft_rows
 from laden.data.sft import LengthStats, Sample, build_sft_samples, sample_lengths, tokenize_sft_record
-from laden.data.sources import Records, load_records
+from laden.data.sources import HubOptions, Records, load_records, read_dataset
 
 __all__ = [
     "IGNORE_INDEX",
     "PACKING_ALGORITHMS",
     "GlobalBatchIterator",
+    "HubOptions",
     "longest_first",
     "LengthStats",
     "PackedBatch",
@@ -26,6 +27,7 @@ __all__ = [
     "load_records",
     "pack_samples",
     "partition_microbatches",
+    "read_dataset",
     "sample_lengths",
     "tokenize_sft_record",
     "unpack",

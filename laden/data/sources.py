@@ -1,4 +1,4 @@
-"""Reading training records from files, saved datasets and the Hugging Face hub.
+"""Reading training records from files, directories of files, saved datasets and the Hugging Face hub.
 
 Every source is read into a plain `list[dict]` up front. Trade-off: the whole dataset sits
 in host memory as Python objects (a few hundred bytes per short record), in exchange for a
@@ -17,18 +17,26 @@ client retries a failed connection for ~27 s: one request with a short timeout
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
+
+from laden.data.transform import rename_records, transform_records
 
 log = logging.getLogger(__name__)
 
 ACCEPTED_FORMATS = (
-    "a .jsonl file (one JSON object per line), a .json file (a list of objects), a .parquet file, "
-    "a directory written by `datasets.Dataset.save_to_disk`, or `hf:<name>` for `datasets.load_dataset`"
+    "a .jsonl file (one JSON object per line), a .json file (a list of objects), a .parquet file, a .csv "
+    "file (a header row, then one row per record), a directory of such files, a directory written by "
+    "`datasets.Dataset.save_to_disk`, or `hf:<name>` for `datasets.load_dataset`"
 )
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+"""The extensions of the data files laden reads itself (and in a directory of them)."""
 HF_PREFIX = "hf:"
 HUB_PROBE_TIMEOUT_S = 5.0
 """How long the one reachability request to the hub may take before `hf:` names fail as offline."""
@@ -45,7 +53,7 @@ def _local_copy_fix(name: str) -> str:
 class Records(list[dict[str, Any]]):
     """The records of one source, a plain list that remembers where they were read from (for errors)."""
 
-    __slots__ = ("source", "lines", "rows", "skipped")
+    __slots__ = ("source", "lines", "rows", "skipped", "files", "file_of")
 
     def __init__(
         self,
@@ -55,6 +63,8 @@ class Records(list[dict[str, Any]]):
         lines: list[int] | None = None,
         rows: list[int] | None = None,
         skipped: int = 0,
+        files: list[str] | None = None,
+        file_of: list[int] | None = None,
     ) -> None:
         super().__init__(records)
         self.source = source
@@ -65,9 +75,17 @@ class Records(list[dict[str, Any]]):
         """The row (from 1) of each record in its source, where some were left out; else None."""
         self.skipped = skipped
         """Rows of the source left out as bad (`on_bad_row: skip`), not among these records."""
+        self.files = files
+        """A directory of data files: the files, in reading order; else None."""
+        self.file_of = file_of
+        """With `files`: the file (an index into it) of each record; `lines` then holds the line (.jsonl) or
+        row (other formats, from 1) of each record in its file."""
 
     def where(self, index: int) -> str:
         """Where record `index` was read: `path:line` for a .jsonl file, else `path row N` (from 1)."""
+        if self.files is not None and self.file_of is not None and self.lines is not None:
+            file, position = self.files[self.file_of[index]], self.lines[index]
+            return f"{file}:{position}" if file.endswith((".jsonl", ".csv")) else f"{file} row {position}"
         if self.lines is not None and index < len(self.lines):
             return f"{self.source}:{self.lines[index]}"
         return f"{self.source} row {self._row(index)}"
@@ -77,8 +95,12 @@ class Records(list[dict[str, Any]]):
         more rows were left out as bad (added to this one's `skipped`)."""
         lines = None if self.lines is None else [self.lines[i] for i in indices]
         rows = None if lines is not None else [self._row(i) for i in indices]
+        file_of = None if self.file_of is None else [self.file_of[i] for i in indices]
         kept = [self[i] for i in indices]
-        return Records(kept, source=self.source, lines=lines, rows=rows, skipped=self.skipped + skipped)
+        return Records(
+            kept, source=self.source, lines=lines, rows=rows, skipped=self.skipped + skipped,
+            files=self.files, file_of=file_of,
+        )  # fmt: skip
 
     def _row(self, index: int) -> int:
         return self.rows[index] if self.rows is not None and index < len(self.rows) else index + 1
@@ -94,25 +116,83 @@ class _Positions:
     """A .json file: the element (from 1) of each record."""
     bad: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Rows that are not JSON objects: (where, problem)."""
+    files: list[str] = dataclasses.field(default_factory=list)
+    """A directory of data files: the files read; `lines` then holds each record's line or row in its file."""
+    file_of: list[int] = dataclasses.field(default_factory=list)
+    """A directory of data files: the file (index into `files`) of each record."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class HubOptions:
+    """What `hf:` names pass to `datasets.load_dataset` besides the name and split (`DatasetConfig`'s fields)."""
+
+    name: str | None = None
+    """The dataset's configuration (`openai/gsm8k` has `main` and `socratic`)."""
+    revision: str | None = None
+    """A branch, tag or commit of the dataset repository."""
+    data_files: list[str] = dataclasses.field(default_factory=list)
+    """The files to read, relative to the dataset (for `hf:json`, `hf:csv`, ...: local files)."""
+    dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Further keyword arguments of `datasets.load_dataset`."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `datasets.load_dataset` that are set."""
+        given = {"name": self.name, "revision": self.revision, "data_files": self.data_files or None}
+        return {k: v for k, v in given.items() if v is not None} | dict(self.dataset_kwargs)
+
+
+class DatasetFields(Protocol):
+    """The fields of a dataset section that say how to read it (`laden.config.DatasetConfig` has them)."""
+
+    path: str
+    split: str
+    name: str | None
+    revision: str | None
+    data_files: list[str]
+    dataset_kwargs: dict[str, Any]
+    rename_columns: dict[str, str]
+    transform_fn: str | None
+    on_bad_row: Literal["stop", "skip"]
+
+
+def read_dataset(ds: DatasetFields, *, field: str) -> Records:
+    """`load_records` of a dataset section (`field`: its name in errors, e.g. `train_dataset`)."""
+    hub = HubOptions(name=ds.name, revision=ds.revision, data_files=list(ds.data_files),
+                     dataset_kwargs=dict(ds.dataset_kwargs))  # fmt: skip
+    return load_records(
+        ds.path, split=ds.split, hub=hub, rename_columns=ds.rename_columns, transform_fn=ds.transform_fn,
+        on_bad_row=ds.on_bad_row, field=field,
+    )  # fmt: skip
 
 
 def load_records(
     path: str,
     *,
     split: str = "train",
+    hub: HubOptions | None = None,
+    rename_columns: Mapping[str, str] | None = None,
+    transform_fn: str | None = None,
     on_bad_row: Literal["stop", "skip"] = "stop",
     field: str = "train_dataset",
 ) -> Records:
-    """Read all records of a dataset as dicts; `split` picks the split of `hf:` names and saved DatasetDicts.
+    """Read all records of a dataset as dicts; `split` picks the split of `hf:` names and saved DatasetDicts,
+    `hub` the rest of what `hf:` names pass to `datasets.load_dataset`.
 
-    Raises ValueError for a source with no records, naming it. A row that is not a JSON object stops
-    the read with a ValueError naming it, how many there are and the fix (`on_bad_row="stop"`; `field`
-    names the dataset in the fix), or is left out with a warning and counted in `skipped` (`"skip"`).
+    Each record then has its columns renamed by `rename_columns` (`{source: new}`) and is passed through
+    the function at the import path `transform_fn` (`laden.data.transform`). Raises ValueError for a
+    source with no records, naming it. A row that is not a JSON object stops the read with a ValueError
+    naming it, how many there are and the fix (`on_bad_row="stop"`; `field` names the dataset in the
+    fix), or is left out with a warning and counted in `skipped` (`"skip"`).
     """
     found = _Positions()
-    rows = _read_source(path, split=split, found=found)
+    rows = _read_source(path, split=split, hub=hub or HubOptions(), found=found)
     records = Records(
-        rows, source=path, lines=found.lines or None, rows=found.rows if found.bad and found.rows else None
+        rows,
+        source=path,
+        lines=found.lines or None,
+        rows=found.rows if found.bad and found.rows else None,
+        files=found.files or None,
+        file_of=found.file_of or None,
     )
     if found.bad:
         _bad_objects(records, found.bad, on_bad_row, field)
@@ -121,11 +201,18 @@ def load_records(
             f"dataset path {path!r} has no records ({_empty_reason(path)}); a dataset needs at least one "
             'record such as {"prompt": ..., "completion": ...} or {"messages": [...]}'
         )
+    if rename_columns:
+        rename_records(records, rename_columns, field=field)
+    if transform_fn:
+        transform_records(records, transform_fn, field=field)
     return records
 
 
 def _empty_reason(path: str) -> str:
-    if path.startswith(HF_PREFIX) or Path(path).expanduser().is_dir():
+    directory = Path(path).expanduser()
+    if directory.is_dir() and not _is_saved_dataset(directory):
+        return "its data files hold no records"
+    if path.startswith(HF_PREFIX) or directory.is_dir():
         return "the dataset split is empty"
     return "the file is empty or holds only blank lines"
 
@@ -151,25 +238,89 @@ def _bad_objects(records: Records, bad: list[tuple[str, str]], on_bad_row: str, 
     raise ValueError(f"{where}: {problem}; {count}{also}. {fix}")
 
 
-def _read_source(path: str, *, split: str, found: _Positions) -> list[dict[str, Any]]:
+def _read_source(path: str, *, split: str, hub: HubOptions, found: _Positions) -> list[dict[str, Any]]:
     """The records of `path`; `found` gets where each was read and the rows that are not objects."""
     if path.startswith(HF_PREFIX):
-        return _load_hub(path[len(HF_PREFIX) :], split=split)
+        return _load_hub(path[len(HF_PREFIX) :], split=split, hub=hub)
     file = Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(f"dataset path {path!r} does not exist; expected {ACCEPTED_FORMATS}")
     if file.is_dir():
-        return _load_saved_dataset(file, split=split)
+        if _is_saved_dataset(file):
+            return _load_saved_dataset(file, split=split)
+        return _load_directory(file, found)
+    suffix = file.suffix.lower()
+    if suffix not in DATA_SUFFIXES:
+        raise ValueError(
+            f"dataset path {path!r} has an unsupported extension {suffix!r}; expected {ACCEPTED_FORMATS}"
+        )
+    return _load_file(file, found)
+
+
+def _load_file(file: Path, found: _Positions) -> list[dict[str, Any]]:
+    """The records of one data file (`DATA_SUFFIXES`)."""
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         return _load_jsonl(file, found)
     if suffix == ".json":
         return _load_json(file, found)
-    if suffix == ".parquet":
-        return _load_parquet(file)
-    raise ValueError(
-        f"dataset path {path!r} has an unsupported extension {suffix!r}; expected {ACCEPTED_FORMATS}"
-    )
+    if suffix == ".csv":
+        return _load_csv(file, found)
+    return _load_parquet(file)
+
+
+def _is_saved_dataset(directory: Path) -> bool:
+    """Whether `directory` was written by `save_to_disk` (a Dataset's state.json, a DatasetDict's dataset_dict.json)."""
+    return (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file()
+
+
+def _load_directory(directory: Path, found: _Positions) -> list[dict[str, Any]]:
+    """The records of the data files at the top of `directory`, file after file in name order."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
+    if not files:
+        inside = sorted(p.name for p in directory.iterdir())[:5]
+        raise ValueError(
+            f"directory {directory} is not a saved dataset and holds no data files ({', '.join(DATA_SUFFIXES)}) "
+            f"at its top level (it holds {inside or 'nothing'}); expected {ACCEPTED_FORMATS}"
+        )
+    records: list[dict[str, Any]] = []
+    for index, file in enumerate(files):
+        inner = _Positions()
+        rows = _load_file(file, inner)
+        found.bad += inner.bad
+        positions = inner.lines or inner.rows or list(range(1, len(rows) + 1))
+        found.lines += positions
+        found.file_of += [index] * len(rows)
+        found.files.append(str(file))
+        records += rows
+    return records
+
+
+def _load_csv(file: Path, found: _Positions) -> list[dict[str, Any]]:
+    """The rows of a .csv file under its header row, every value a string; a row with more values
+    than the header has columns is a bad row."""
+    text = _decode_file(file.read_bytes(), file)
+    reader = csv.DictReader(io.StringIO(text, newline=""), restkey=_EXTRA)
+    records = []
+    try:
+        for row in reader:
+            line = reader.line_num  # the row's last line (a quoted value may span several)
+            if _EXTRA in row:
+                found.bad.append(
+                    (f"{file}:{line}", f"{len(reader.fieldnames or ()) + len(row[_EXTRA])} values under a header of "
+                     f"{len(reader.fieldnames or ())} columns")
+                )  # fmt: skip
+                continue
+            records.append({k: ("" if v is None else v) for k, v in row.items()})
+            found.lines.append(line)
+    except csv.Error as e:
+        raise ValueError(
+            f"{file}:{reader.line_num}: not valid CSV ({e}); quote values that hold commas or newlines"
+        ) from e
+    return records
+
+
+_EXTRA = "\0extra"  # DictReader's key for the values past the header's columns
 
 
 def _load_jsonl(file: Path, found: _Positions) -> list[dict[str, Any]]:
@@ -283,15 +434,17 @@ def _load_saved_dataset(directory: Path, *, split: str) -> list[dict[str, Any]]:
     return loaded.to_list()
 
 
-def _load_hub(name: str, *, split: str) -> list[dict[str, Any]]:
+def _load_hub(name: str, *, split: str, hub: HubOptions) -> list[dict[str, Any]]:
     if not name:
         raise ValueError(
             f"dataset path {HF_PREFIX!r} names no dataset; write `hf:<name>`, e.g. `hf:org/data`"
         )
     path = f"{HF_PREFIX}{name}"
     datasets = _import_datasets(path)
-    # A local directory or an offline hub client needs no network; anything else asks the hub first.
-    if not Path(name).expanduser().exists() and not datasets.config.HF_HUB_OFFLINE:
+    # A local directory, a builder of local files (`hf:json`) or an offline hub client needs no network;
+    # anything else asks the hub first.
+    local = Path(name).expanduser().exists() or name in _packaged_builders(datasets)
+    if not local and not datasets.config.HF_HUB_OFFLINE:
         reason = hub_unreachable_reason()
         if reason is not None:
             raise ValueError(
@@ -299,12 +452,18 @@ def _load_hub(name: str, *, split: str) -> list[dict[str, Any]]:
                 + _local_copy_fix(name)
             )
     try:
-        loaded = datasets.load_dataset(name, split=split)
+        loaded = datasets.load_dataset(name, split=split, **hub.kwargs())
     except ConnectionError as e:
         raise ValueError(
             f"dataset path {path!r} could not be read from the hub ({e}); {_local_copy_fix(name)}"
         ) from e
     return loaded.to_list()
+
+
+def _packaged_builders(datasets: Any) -> frozenset[str]:
+    """The names `datasets.load_dataset` reads local files with (`json`, `csv`, `parquet`, ...)."""
+    modules = getattr(datasets.packaged_modules, "_PACKAGED_DATASETS_MODULES", None)
+    return frozenset(modules or ("json", "csv", "parquet", "text", "arrow", "pandas"))
 
 
 def hub_unreachable_reason(

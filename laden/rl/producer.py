@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from laden.config import LadenConfig
-from laden.data import load_records
+from laden.data import read_dataset
 from laden.engine.oom import PhaseOOMError, is_oom
 from laden.rl.run_part import RunPart
 from laden.rl.weight_sync import phase_oom_fixes
@@ -27,7 +27,7 @@ def read_prompt_rows(cfg: LadenConfig, ds: Any, field: str) -> Any:
     with `<field>.on_bad_row: skip` is left out (counted in the log)."""
     from laden.data.rows import check_prompt_rows
 
-    records = load_records(ds.path, split=ds.split, on_bad_row=ds.on_bad_row, field=field)
+    records = read_dataset(ds, field=field)
     if cfg.workflow in DEFAULT_WORKFLOWS:
         records, _ = check_prompt_rows(records, on_bad_row=ds.on_bad_row, field=field)
     return records

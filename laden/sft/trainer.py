@@ -39,10 +39,10 @@ from laden.data import (
     GlobalBatchIterator,
     PackedBatch,
     build_sft_samples,
-    load_records,
     longest_first,
     pack_samples,
     partition_microbatches,
+    read_dataset,
 )
 from laden.engine import signals
 from laden.engine.checkpoint import (
@@ -99,7 +99,7 @@ def budget(cfg: LadenConfig) -> int:
 def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
     """Tokenize a dataset and apply its length policy: (samples, statistics)."""
     field = f"{name}_dataset"
-    records = load_records(ds.path, split=ds.split, on_bad_row=ds.on_bad_row, field=field)
+    records = read_dataset(ds, field=field)
     samples, stats = build_sft_samples(
         records,
         tokenizer,
