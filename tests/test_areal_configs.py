@@ -296,7 +296,9 @@ def test_interpolation_resolves_after_overrides(tmp_path, monkeypatch):
     assert (cfg.trial_name, cfg.cluster.fileroot) == ("exp-t1", str(tmp_path / "runs"))
     assert (cfg.actor.group_size, cfg.actor.temperature) == (6, 0.7)
     override = load_config(path, [*SFT, "train_dataset.type=rl", "valid_dataset.path=${train_dataset.path}"])
-    assert override.valid_dataset is not None and override.valid_dataset.path == "data.jsonl"
+    assert override.valid_dataset is not None and override.valid_dataset.path == str(
+        Path.cwd() / "data.jsonl"
+    )
 
 
 def test_bad_interpolations_name_their_key(tmp_path):

@@ -47,7 +47,7 @@ def test_defaults_and_run_dir():
     assert cfg.actor.mb_spec.max_tokens_per_mb is None
     assert cfg.valid_dataset is None
     assert cfg.gconfig.stop_token_ids == []
-    assert str(run_dir(cfg)) == "runs/laden/run0"
+    assert run_dir(cfg) == Path.cwd() / "runs/laden/run0"  # the default fileroot, under the working directory
     assert cfg.run_dir == run_dir(cfg)
 
 
@@ -84,7 +84,10 @@ def test_yaml_then_overrides_precedence(tmp_path):
     assert cfg.train_dataset.max_length == 512
     assert cfg.actor.optimizer.type == "sgd"
     assert cfg.rollout.backend == "sglang:d2t2"
-    assert cfg.valid_dataset == DatasetConfig(path="x.jsonl")
+    assert cfg.valid_dataset == DatasetConfig(
+        path=str(Path.cwd() / "x.jsonl")
+    )  # an override: against the cwd
+    assert cfg.train_dataset.path == str(tmp_path / "d.jsonl")  # written in the file: against its directory
 
 
 def test_mapping_override_merges_into_section(tmp_path):

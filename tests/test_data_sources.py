@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from laden.config import ConfigError, load_config
-from laden.data import HubOptions, load_records
+from laden.data import HubOptions, load_records, read_dataset
 
 ROWS = [{"question": "1+1", "answer": "2"}, {"question": "2+3", "answer": "5"}]
 
@@ -122,6 +122,22 @@ def test_hf_name_passes_config_split_revision_files_and_kwargs(monkeypatch):
     assert calls == [("openai/gsm8k", {"split": "test", "name": "main", "revision": "v1",
                                        "data_files": ["a.parquet"], "trust_remote_code": True})]  # fmt: skip
     assert records[0] == {"prompt": "1+1", "answer": "2"}
+
+
+def test_hf_json_builder_reads_local_data_files_from_a_config(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    (tmp_path / "data").mkdir()
+    _jsonl(tmp_path / "data" / "part.jsonl", ROWS)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "train_dataset:\n  path: hf:json\n  data_files: [data/part.jsonl]\n  rename_columns: {question: prompt}\n"
+    )
+    monkeypatch.chdir("/")  # the data files resolve against the config file, not the working directory
+    cfg = load_config(config, [])
+    assert cfg.train_dataset.data_files == [str(tmp_path / "data" / "part.jsonl")]
+    records = read_dataset(cfg.train_dataset, field="train_dataset")
+    assert [r["prompt"] for r in records] == ["1+1", "2+3"]
 
 
 def test_hub_only_fields_on_a_local_file_and_bad_values_are_config_errors():

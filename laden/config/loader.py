@@ -7,7 +7,9 @@ the remaining checks still run; the cost is that a cross-field rule may, rarely,
 default where the user meant something else (it is reported alongside the type error).
 Type coercion is strict (no bool for int, no float for int) with two reliefs: an int is
 accepted for a float, and a numeric string for a float, because YAML 1.1 reads `1e-5`
-as a string.
+as a string. Path fields are made absolute as they load (`laden.config.paths`): a
+config file's relative paths against its directory, the command line's and defaults against the
+working directory.
 
 AReaL's files load as they are: overrides follow Hydra's forms (`key=value`, `+key=value` adds
 a key, `~key` deletes one), then `${dotted.key}` interpolations are resolved by OmegaConf
@@ -32,6 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from laden.config.areal import from_areal
+from laden.config.paths import PathRule, note_rules, resolve_in_file, resolve_rest, warn_missing_datasets
 from laden.config.schema import AUTO_KNOBS, LadenConfig
 from laden.config.validate import validate_config
 from laden.config.validate_data import dataset_errors
@@ -57,19 +60,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, job: 
     """
     errors: list[str] = []
     raw: dict[str, Any] = {}
+    from_file: dict[str, tuple[str, PathRule]] = {}
     if path is not None:
         raw = _read_yaml(Path(path), errors)
+        from_file = resolve_in_file(raw, Path(path))  # before overrides: only the file's own values
     for item in overrides:
         _apply_override(raw, item, errors)
-    return _from_raw(raw, job=job, errors=errors)
+    return _from_raw(raw, job=job, errors=errors, from_file=from_file)
 
 
 def config_from_dict(data: Mapping[str, Any], *, job: Job = "any") -> LadenConfig:
-    """Build and validate a config from a nested mapping; raise ConfigError listing every problem."""
+    """Build and validate a config from a nested mapping (relative paths: to the working directory);
+    raise ConfigError listing every problem."""
     return _from_raw(data, job=job, errors=[])
 
 
-def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenConfig:
+def _from_raw(
+    data: Mapping[str, Any],
+    *,
+    job: Job,
+    errors: list[str],
+    from_file: dict[str, tuple[str, PathRule]] | None = None,
+) -> LadenConfig:
     if job not in ("sft", "rl", "any"):
         raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
     data = _resolve_interpolations(dict(data), errors)
@@ -84,7 +96,9 @@ def _from_raw(data: Mapping[str, Any], *, job: Job, errors: list[str]) -> LadenC
         if name not in AUTO_KNOBS
     ]
     _cluster_from_launcher(cfg, data.get("cluster"))
-    errors += validate_config(cfg, job=job) + dataset_errors(cfg)
+    rules = resolve_rest(cfg, from_file or {})
+    errors += note_rules(validate_config(cfg, job=job) + dataset_errors(cfg), rules)
+    warn_missing_datasets(cfg, rules)
     if errors:
         raise ConfigError(errors)
     if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)

@@ -19,7 +19,8 @@ class DatasetConfig:
 
     path: str = ""
     """A .jsonl/.json/.parquet/.csv file, a directory of them, a `datasets.save_to_disk` directory, or `hf:<name>`
-    (`datasets.load_dataset`; `hf:json` etc. read `data_files`)."""
+    (`datasets.load_dataset`; `hf:json` etc. read `data_files`). Relative: to the config file's directory when
+    written there, else to the working directory; `hf:` names and Hub ids (`org/name`, no such path) as written."""
     split: str = "train"
     """Dataset split to read (for `hf:` names and saved dataset dicts), e.g. `test` or `train[:1000]`."""
     name: str | None = None
@@ -239,7 +240,8 @@ class ActorConfig:
     """The trained model and its training engine."""
 
     path: str = ""
-    """Hugging Face model directory (weights, config.json, tokenizer), or a Hub id `org/name`, fetched into the Hugging Face cache when the run starts (`HF_HUB_OFFLINE=1`: the cache only)."""
+    """Hugging Face model directory (weights, config.json, tokenizer), or a Hub id `org/name`, fetched into the Hugging Face cache when the run starts (`HF_HUB_OFFLINE=1`: the cache only). A relative
+    path: to the config file's directory when written there, else to the working directory."""
     revision: str = ""
     """Branch, tag or commit of the Hub model when `path` is a Hub id; '' = main."""
     init_from_config: bool = False
@@ -358,7 +360,8 @@ class CriticConfig:
     """PPO's value model (AReaL's `critic`): the actor's architecture with a one-output head, trained with the clipped value loss; its values give GAE advantages (`actor.discount`, `actor.gae_lambda`), normalised by `actor.adv_norm` over tokens. Unset fields follow the actor's; attention kernel and model patches always do."""
 
     path: str = ""
-    """Hugging Face model directory (or Hub id `org/name`) whose decoder the critic starts from (the value head starts at zero); '' = `actor.path`."""
+    """Hugging Face model directory (or Hub id `org/name`) whose decoder the critic starts from (the value head starts at zero); '' = `actor.path`;
+    relative paths as `actor.path`'s."""
     revision: str = ""
     """Branch, tag or commit of the Hub model when `path` is a Hub id; '' = main."""
     init_from_config: bool | None = None
@@ -427,7 +430,8 @@ class ClusterConfig:
     """Where the run executes and writes."""
 
     fileroot: str = "runs"
-    """Root directory of run outputs (must be shared across nodes for disk weight updates)."""
+    """Root directory of run outputs (must be shared across nodes for disk weight updates). Relative: to the config
+    file's directory when written there, else (the default `runs` too) to the working directory."""
     n_nodes: int = 1
     """Number of nodes."""
     n_gpus_per_node: int = 1
