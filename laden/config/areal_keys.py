@@ -278,8 +278,6 @@ GROUPS: tuple[Group, ...] = (
     Group("*_dataset.pin_memory *_dataset.num_workers *_dataset.num_dataset_workers *_dataset.drop_last "
            "*_dataset.setup_timeout", "laden tokenizes the dataset once before training and batches it in the "
            "training process, with no DataLoader workers, dropping an incomplete last training batch"),
-    Group("*_dataset.dataset_kwargs", "laden reads the dataset columns named by prompt_key, completion_key, "
-           "messages_key and answer_key; it takes no loader arguments"),
     Group("scheduler launcher server_only cluster.name_resolve cluster.cluster_name *.scheduling_spec "
            "*.scheduling_strategy", "laden has no scheduler or launcher: run `laden sft` / `laden rl` (under "
            "torchrun for several GPUs, whose rendezvous connects the ranks); laden starts the rollout servers itself"),
