@@ -32,7 +32,8 @@ def _embedded_default() -> tuple[str, list[str]]:
     """The job `laden sft` runs with no --config: a tiny random-init Qwen3 on a bundled data set."""
     return str(ASSETS / "sft_tiny.yaml"), [
         f"actor.path={ASSETS / 'tiny'}",
-        f"train_dataset.path={ASSETS / 'sft_tiny.jsonl'}",
+        f"train_dataset.path={ASSETS / 'sft_tiny_train.jsonl'}",
+        f"valid_dataset.path={ASSETS / 'sft_tiny_valid.jsonl'}",
     ]
 
 
@@ -96,9 +97,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
         _done(f"run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
               f"loss {result.last_loss}); {_FINISHED}")  # fmt: skip
     else:
-        _done(
-            f"{result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}; run directory {result.run_dir}"
-        )
+        accuracy, *samples = result.before_after or [""]  # held-out accuracy, sample completions before -> after
+        line = f"{result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}{accuracy and ', ' + accuracy}"
+        _done("\n".join([f"{line}; run directory {result.run_dir}", *samples]))
     return 0
 
 

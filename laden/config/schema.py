@@ -103,6 +103,10 @@ class EvaluatorConfig:
     eval_before_train: bool = True
     """Evaluate once before the first step (the `step: 0` row of metrics.jsonl), so a run shows where it
     started; AReaL's default is false. Every run also evaluates after its last step."""
+    generate: bool = False
+    """`laden sft` only: also generate greedily for every `valid_dataset` prompt and log the exact-match share
+    as `eval/accuracy`, and 3 completions before -> after training (`laden.sft.generate_eval`; host generation,
+    for small models)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,7 @@ from laden.run_export import step_export_dir
 from laden.run_setup import in_run_directory, start_run
 from laden.safe_io import atomic_write_text
 from laden.schedule import evaluation_due
+from laden.sft.generate_eval import HeldOutAccuracy
 from laden.trackers import Trackers, check_trackers
 
 log = logging.getLogger("laden.sft")
@@ -89,6 +90,10 @@ class SFTResult:
     """Loss of the last step."""
     already_finished: bool = False
     """The run directory held a finished run: nothing was trained or exported."""
+    held_out: list[tuple[int, float]] = field(default_factory=list)
+    """(step, held-out accuracy) of each `evaluator.generate` evaluation this process ran (rank 0)."""
+    before_after: list[str] = field(default_factory=list)
+    """The held-out accuracy and sample completions before -> after training (`evaluator.generate`)."""
 
 
 def budget(cfg: LadenConfig) -> int:
@@ -224,9 +229,14 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     )
     settings = OptimSettings.from_config(cfg.actor.optimizer, total_steps)
     start_step = _resume(cfg, rt, run, engine, batches, history, settings, changes)
+    accuracy = (
+        HeldOutAccuracy.from_config(cfg, tokenizer, is_main=rt.is_main)
+        if valid is not None and cfg.evaluator.generate else None
+    )  # fmt: skip
     loop = _Loop(cfg=cfg, rt=rt, run=run, engine=engine, samples=samples, valid=valid, batches=batches,
-                 total_steps=total_steps, tokenizer=tokenizer)  # fmt: skip
+                 total_steps=total_steps, tokenizer=tokenizer, accuracy=accuracy)  # fmt: skip
     losses = loop.train(start_step, progress)
+    before_after = accuracy.before_after() if accuracy is not None else []
     if start_step < total_steps and cfg.checkpoint.save_at_end:
         loop.save(total_steps)
     if cfg.checkpoint.export_hf:
@@ -234,7 +244,9 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
     if rt.is_main:
         _write_curves(run)
     rt.barrier()
-    return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1])
+    held_out = [(step, r.accuracy) for step, r in accuracy.results] if accuracy is not None else []
+    return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1],
+                     held_out=held_out, before_after=before_after)  # fmt: skip
 
 
 def _export_finished(cfg: LadenConfig, rt: Runtime, run: RunDirectory, history: History, total_steps: int,
@@ -294,6 +306,8 @@ class _Loop:
     batches: GlobalBatchIterator
     total_steps: int
     tokenizer: Any = None
+    accuracy: HeldOutAccuracy | None = None
+    """`evaluator.generate`'s held-out accuracy, taken at every evaluation."""
 
     def train(self, start_step: int, progress: bool) -> tuple[float | None, float | None]:
         """Steps `start_step + 1 .. total_steps`; returns the (first, last) logged loss."""
@@ -314,7 +328,7 @@ class _Loop:
         before: list[dict[str, Any]] = []
         if start_step == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
             loss = float(evaluate(cfg, rt, self.engine, self.valid))  # where the run starts from
-            before.append({"step": 0, "eval_loss": loss, "elapsed_s": 0.0})
+            before.append({"step": 0, "eval_loss": loss, **self._accuracy(0), "elapsed_s": 0.0})
             if metrics is not None:
                 metrics.append_line(json.dumps(before[0]))
             t_start = time.perf_counter()
@@ -337,6 +351,7 @@ class _Loop:
                     done, time.perf_counter() - t_start - last_eval_s
                 ):
                     out["eval_loss"] = evaluate(cfg, rt, self.engine, self.valid)
+                    out |= self._accuracy(done)
                     last_eval_s = time.perf_counter() - t_start
                 if done % cfg.log_freq_steps == 0 or done == self.total_steps or "eval_loss" in out:
                     record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt)
@@ -378,6 +393,11 @@ class _Loop:
                 metrics.close()
             trackers.close(failed=sys.exc_info()[0] is not None)
         return first_loss, last_loss
+
+    def _accuracy(self, step: int) -> dict[str, float]:
+        """`eval/accuracy` after `step` when `evaluator.generate` is on (rank 0's metrics row)."""
+        accuracy = self.accuracy(self.engine, step) if self.accuracy is not None else None
+        return {} if accuracy is None else {"eval/accuracy": accuracy}
 
     def _eval_due(self, step: int, seconds_since_last: float) -> bool:
         """`evaluator`'s rule after `step`, rank 0's answer on every rank (`freq_secs` reads each one's clock)."""
