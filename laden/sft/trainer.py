@@ -161,7 +161,7 @@ def train_step(cfg: LadenConfig, rt: Runtime, engine, samples, indices: list[int
     """
     global_loss_tokens = loss_tokens(samples, indices)
     mine = shard_for_rank(samples, indices, engine.dp_rank, engine.dp_size)
-    retry = OOMRetry(cfg=cfg, rt=rt, recompute=getattr(engine, "enable_recompute", None))
+    retry = OOMRetry(cfg=cfg, rt=rt, recompute=engine.enable_recompute)
     out, mbs = retry(
         lambda tokens: step_micro_batches(cfg, rt, samples, mine, tokens),
         lambda mbs: engine.train_batch(mbs, global_num_loss_tokens=global_loss_tokens),

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from laden.config.schema import SwanlabConfig, TensorBoardConfig, TrackioConfig, WandBConfig
+from laden.config.schema_trackers import SwanlabConfig, TensorBoardConfig, TrackioConfig, WandBConfig
 
 __all__ = ["Backend", "RunIdentity", "SwanlabBackend", "TensorBoardBackend", "TrackioBackend", "WandBBackend"]
 

@@ -271,7 +271,7 @@ def _init_from_config(directory: Path, dtype: torch.dtype, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _build_from_config(config, directory, dtype=dtype)
-    log.info("initialised %.2fB parameters in %.1f s", sum(p.numel() for p in model.parameters()) / 1e9,
+    log.info("initialised %s parameters in %.1f s", count_text(sum(p.numel() for p in model.parameters())),
              time.perf_counter() - t0)  # fmt: skip
     return model.eval()
 
@@ -433,3 +433,11 @@ def _no_tokenizer_message(directory: Path, *, loaded: int | None = None) -> str:
         "the model's tokenizer there (`AutoTokenizer.from_pretrained(<repo>).save_pretrained(<dir>)`, or "
         "download the repository's tokenizer files into it)"
     )
+
+
+def count_text(n: int) -> str:
+    """A parameter count as people write it: 1.72B, 135.0M, 270K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
