@@ -100,7 +100,10 @@ def _edit_json(path: Path, **changes) -> None:
 def _finished_run(d: Path, job: str = "sft") -> Path:
     """A finished tiny run under d/runs with checkpoints at steps 1 and 2; its run directory."""
     base = SFT_DATA if job == "sft" else RL_DATA
-    args = [a.replace("{d}", str(d)) for a in base] + ["checkpoint.save_freq_steps=1", "checkpoint.keep_last=5"]
+    args = [a.replace("{d}", str(d)) for a in base] + [
+        "checkpoint.save_freq_steps=1",
+        "checkpoint.keep_last=5",
+    ]
     subprocess.run([sys.executable, "-m", "laden.cli", *args], check=True, cwd=ROOT, capture_output=True)
     return d / "runs" / ("sft-tiny" if job == "sft" else "rl-tiny") / "run0"
 
@@ -145,7 +148,9 @@ case("config_not_utf8", "config", ["sft", "--config", "{d}/c.yaml"], "UTF-8",
 case("config_unknown_key", "config", [*SFT_DATA, "actor.lrr=1"], "actor.lrr")
 case("config_misspelled_section", "config", [*SFT_DATA, "actr.path=x"], "actr")
 case("config_bad_type", "config", [*SFT_DATA, "actor.optimizer.lr=fast"], "actor.optimizer.lr")
-case("config_negative_batch", "config", [*SFT_DATA, "train_dataset.batch_size=-1"], "train_dataset.batch_size")
+case(
+    "config_negative_batch", "config", [*SFT_DATA, "train_dataset.batch_size=-1"], "train_dataset.batch_size"
+)
 case("config_zero_steps", "config", [*SFT_DATA, "total_train_steps=0"], "total_train_steps")
 case("config_bad_literal", "config", [*SFT_DATA, "actor.optimizer.type=adamw"], "actor.optimizer.type")
 case("config_bad_backend", "config", [*SFT_DATA, "actor.backend=fsdp:x2"], "actor.backend")
@@ -160,7 +165,13 @@ case("config_tolerance_over_one", "config", [*RL_DATA, "reward_error_tolerance=2
 case("config_reward_fns_bad", "config", [*RL_DATA, "reward_fns=[{fn: nodots}]"], "reward_fns[0].fn")
 case("config_reward_fns_not_list", "config", [*RL_DATA, "reward_fns=3"], "reward_fns")
 case("config_rl_with_sft_data_type", "config", [*RL_DATA, "train_dataset.type=sft"], "train_dataset.type")
-case("config_ignored_field_warns", "config", [*SFT_DATA, "gconfig.n_samples=4"], "gconfig.n_samples", warns=True)
+case(
+    "config_ignored_field_warns",
+    "config",
+    [*SFT_DATA, "gconfig.n_samples=4"],
+    "gconfig.n_samples",
+    warns=True,
+)
 
 # --- data ------------------------------------------------------------------------------------------------------
 case("data_missing", "data", [*SFT, "train_dataset.path={d}/nope.jsonl"], "nope.jsonl")
@@ -319,7 +330,9 @@ def classify(c: Case, status: int | None, err: str, expect: str) -> str:
     if "Traceback (most recent call last)" in err:
         return "traceback"
     if c.warns:
-        return "warned" if status == 0 and expect in err + "\n" else ("silent" if status == 0 else "misleading")
+        return (
+            "warned" if status == 0 and expect in err + "\n" else ("silent" if status == 0 else "misleading")
+        )
     if status == 0:
         return "silent"
     return "clear" if expect in err else "misleading"
@@ -338,7 +351,12 @@ def run_case(c: Case, root: Path, timeout: float) -> dict:
                               text=True, timeout=timeout)  # fmt: skip
         status, err = done.returncode, done.stderr + done.stdout
     except subprocess.TimeoutExpired as exc:
-        status, err = None, (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        status, err = (
+            None,
+            (exc.stderr or b"").decode(errors="replace")
+            if isinstance(exc.stderr, bytes)
+            else (exc.stderr or ""),
+        )
     expect = c.expect.replace("{d}", str(d))
     outcome = classify(c, status, err, expect)
     last = next((line for line in reversed(err.strip().splitlines()) if line.strip()), "")

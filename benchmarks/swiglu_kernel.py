@@ -35,8 +35,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("swiglu_kernel.py times the decode layer's SwiGLU on a GPU; this machine has none")
 
-    from laden.rollout.native.model import _swiglu
     from laden.rollout.native.kernels.triton_swiglu import swiglu
+    from laden.rollout.native.model import _swiglu
 
     compiled = torch.compile(_swiglu, dynamic=True)
     dev = torch.device("cuda")

@@ -97,9 +97,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
         _done(f"run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
               f"loss {result.last_loss}); {_FINISHED}")  # fmt: skip
     else:
-        accuracy, *samples = result.before_after or [""]  # held-out accuracy, sample completions before -> after
-        line = f"{result.num_steps} steps, loss {result.first_loss} -> {result.last_loss}{accuracy and ', ' + accuracy}"
-        _done("\n".join([f"{line}; run directory {result.run_dir}", *samples]))
+        # the held-out accuracy and sample completions before -> after (`evaluator.generate`), if any
+        accuracy, *samples = result.before_after or [""]
+        line = f"{result.num_steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}"
+        _done("\n".join([line + (f", {accuracy}" if accuracy else ""), *samples, _results(result.run_dir)]))
     return 0
 
 
