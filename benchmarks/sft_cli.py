@@ -117,6 +117,7 @@ def run_variant(work: Path, args, *, gc: bool, chunked: bool) -> dict:
         tail = (proc.stderr or proc.stdout)[-1500:]
         return {**result, "error": "OOM" if "out of memory" in tail.lower() else tail}
     rows = [json.loads(x) for x in (work / "runs" / name / "run0" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # training steps (a held-out evaluation's row has none)
     timed = rows[args.warmup :]
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     return {

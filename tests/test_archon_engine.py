@@ -42,7 +42,8 @@ def _settings():
     from laden.optim import OptimSettings
 
     cfg = load_config("laden/assets/sft_tiny.yaml", ["actor.optimizer.type=sgd", "actor.optimizer.lr=1e-1", "actor.optimizer.lr_scheduler_type=constant",
-                                                     "actor.optimizer.warmup_steps_proportion=0", "actor.optimizer.gradient_clipping=0.5"])  # fmt: skip
+                                                     "actor.optimizer.warmup_steps_proportion=0", "actor.optimizer.gradient_clipping=0.5",
+                                                     "actor.optimizer.weight_decay=0"])  # fmt: skip
     return OptimSettings.from_config(cfg.actor.optimizer, 10)
 
 
@@ -396,3 +397,14 @@ def test_moe_settings_on_a_dense_model_are_named_as_doing_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="laden.archon"):
         build_engine(plain, _model(True), total_steps=2, device=torch.device("cpu"))
     assert "Mixture-of-Experts" not in caplog.text
+
+
+def test_an_moe_evaluation_before_the_first_step_runs():
+    """`laden sft` evaluates before training (`evaluator.eval_before_train`): an MoE model's forward without a
+    training step before it has no loss scale of a step yet, and must not need one."""
+    from laden.data import pack_samples
+
+    engine = _moe_engine(dp=1, pp=1, ep=1)
+    mbs = [pack_samples(mb) for mb in _samples()]
+    out = engine.eval_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
+    assert torch.isfinite(out["loss"])

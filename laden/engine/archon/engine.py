@@ -134,6 +134,8 @@ class ArchonEngine(TrainEngineBase):
         self.model = model
         self.config: Any = model.config
         self._record_names(model)
+        self._loss_scale = 1.0  # set per step by forward_backward; a pass without gradients (an evaluation
+        # before the first step) weighs the router loss it does not use by this
         self._moe_blocks, self.moe_stats = setup_moe(
             model, ep_group=self.mesh["ep"].get_group() if ep > 1 else None, tp=tp, compute_dtype=dtype,
             storage_dtype=self.storage_dtype, device_type=self.device.type, router_aux_loss_coef=router_aux_loss_coef,
