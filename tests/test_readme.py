@@ -29,12 +29,17 @@ def test_ci_runs_the_readme_test_command():
     assert "pip install torch==2.13.0 && pip install -e . && laden sft" in readme
 
 
-def test_the_readme_links_files_that_exist():
+def test_the_readme_and_the_docs_link_files_that_exist():
     import re
 
-    readme = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\(((?!https?:)[^)#]+)\)", readme)
-    assert links and [link for link in links if not (ROOT / link).exists()] == []
+    pages = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken, count = [], 0
+    for page in pages:
+        for link in re.findall(r"\]\(((?!https?:)[^)#]+)\)", page.read_text()):
+            count += 1
+            if not (page.parent / link).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert count > 10 and broken == []
 
 
 def test_the_quick_start_runs_from_another_directory(tmp_path):
