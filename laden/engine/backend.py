@@ -26,14 +26,14 @@ import torch
 from torch import nn
 
 from laden.config import AllocationMode, LadenConfig
-from laden.config.alloc import BACKEND_DIMS, IMPLEMENTED_BACKENDS
+from laden.config.alloc import BACKEND_DIMS, IMPLEMENTED_BACKENDS, Role
 
 if TYPE_CHECKING:
     from laden.engine.base import TrainEngine
     from laden.engine.estimates import MemoryEstimator
     from laden.engine.runtime import Runtime
 
-__all__ = ["TrainBackend", "register_train_backend", "resolve_backend"]
+__all__ = ["TrainBackend", "register_backend", "register_train_backend", "resolve_backend"]
 
 log = logging.getLogger("laden.runtime")
 
@@ -147,18 +147,27 @@ def model_load_kwargs(cfg: LadenConfig) -> dict[str, Any]:
 _REGISTRY: dict[str, Callable[[], type[TrainBackend]]] = {}
 
 
+def register_backend(
+    registry: dict[str, Callable[[], type[Any]]], role: Role, name: str, backend: str | Callable[[], type[Any]],
+    *, dims: str,
+) -> None:  # fmt: skip
+    """Put `backend` in `registry` under `name` (a `"module:Class"` path imported when first asked for, or a
+    callable returning the class), and make the config tables of `role` accept `<name>:<dims>`."""
+    if isinstance(backend, str):
+        module, _, attr = backend.partition(":")
+        loader: Callable[[], type[Any]] = lambda: getattr(importlib.import_module(module), attr)  # noqa: E731
+    else:
+        loader = backend
+    registry[name] = loader
+    BACKEND_DIMS[role][name] = dims
+    if name not in IMPLEMENTED_BACKENDS[role]:
+        IMPLEMENTED_BACKENDS[role] = (*IMPLEMENTED_BACKENDS[role], name)
+
+
 def register_train_backend(name: str, backend: str | Callable[[], type[TrainBackend]], *, dims: str) -> None:
     """Make `actor.backend: <name>:<dims>` run `backend` (a `"module:Class"` path imported when first
     asked for, or a callable returning the class); `dims`: the dimension letters it supports."""
-    if isinstance(backend, str):
-        module, _, attr = backend.partition(":")
-        loader: Callable[[], type[TrainBackend]] = lambda: getattr(importlib.import_module(module), attr)  # noqa: E731
-    else:
-        loader = backend
-    _REGISTRY[name] = loader
-    BACKEND_DIMS["actor"][name] = dims
-    if name not in IMPLEMENTED_BACKENDS["actor"]:
-        IMPLEMENTED_BACKENDS["actor"] = (*IMPLEMENTED_BACKENDS["actor"], name)
+    register_backend(_REGISTRY, "actor", name, backend, dims=dims)
 
 
 def resolve_backend(cfg: LadenConfig) -> TrainBackend:

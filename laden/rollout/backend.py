@@ -12,14 +12,14 @@ the `rollout.backend` string.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from laden.config import AllocationMode, LadenConfig
-from laden.config.alloc import BACKEND_DIMS, IMPLEMENTED_BACKENDS, check_alloc
+from laden.config.alloc import check_alloc
+from laden.engine.backend import register_backend
 
 if TYPE_CHECKING:
     from laden.engine.backend import TrainBackend
@@ -69,15 +69,7 @@ def register_rollout_backend(
 ) -> None:
     """Make `rollout.backend: <name>:<dims>` run `backend` (a `"module:Class"` path imported when first
     asked for, or a callable returning the class); `dims`: the dimension letters it supports."""
-    if isinstance(backend, str):
-        module, _, attr = backend.partition(":")
-        loader: Callable[[], type[RolloutBackend]] = lambda: getattr(importlib.import_module(module), attr)  # noqa: E731
-    else:
-        loader = backend
-    _REGISTRY[name] = loader
-    BACKEND_DIMS["rollout"][name] = dims
-    if name not in IMPLEMENTED_BACKENDS["rollout"]:
-        IMPLEMENTED_BACKENDS["rollout"] = (*IMPLEMENTED_BACKENDS["rollout"], name)
+    register_backend(_REGISTRY, "rollout", name, backend, dims=dims)
 
 
 def resolve_rollout(cfg: LadenConfig) -> RolloutBackend:
