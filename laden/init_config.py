@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from laden.config import load_config
+from laden.config.validate_model import is_hub_id
 
 ASSETS = resources.files("laden") / "assets"
 
@@ -133,9 +134,4 @@ def _path(text: str) -> str:
     if text.startswith("hf:"):
         return text
     path = Path(text).expanduser()
-    return str(path.resolve()) if path.exists() or not _looks_like_hub_id(text) else text
-
-
-def _looks_like_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+    return str(path.resolve()) if path.exists() or not is_hub_id(text) else text

@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
+
+from laden.config.validate_model import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ PATH_FIELDS = ("actor.path", "critic.path", "train_dataset.path", "valid_dataset
 DATASETS = ("train_dataset", "valid_dataset")
 LOCAL_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
 """`hf:` names whose `data_files` are local files (`datasets`' packaged builders)."""
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,8 +119,8 @@ def _resolve(value: str, directory: Path, field: str) -> str:
     if os.path.isabs(expanded):
         return os.path.normpath(expanded)
     candidate = os.path.normpath(directory / expanded)
-    is_hub_id = field not in ("cluster.fileroot", "data_files") and _HUB_ID.fullmatch(value) is not None
-    if is_hub_id and not os.path.exists(candidate):
+    hub_id = field not in ("cluster.fileroot", "data_files") and is_hub_id(value)
+    if hub_id and not os.path.exists(candidate):
         return value
     return candidate
 
