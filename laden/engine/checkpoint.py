@@ -227,6 +227,12 @@ def checkpoint_tensors(path: Path, stem: str = "model") -> Iterator[tuple[str, t
         yield key, tensor
 
 
+def checkpoint_tensor_names(path: Path, stem: str = "model") -> list[str]:
+    """The names of the tensors a checkpoint directory stores under `stem`, read from the files' headers
+    (no tensor is read)."""
+    return list(_Reader(path, stem).where)
+
+
 def _local_and_offsets(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's part of `t` and where it starts in the full tensor (all zeros for a plain tensor)."""
     if not hasattr(t, "to_local"):

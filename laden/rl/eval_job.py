@@ -146,9 +146,9 @@ def _policy(cfg: Any, checkpoint: str | None) -> tuple[Any, int]:
 
 def _check_lora(cfg: Any, path: Path) -> None:
     """A LoRA run's checkpoint holds its adapters, a full run's every weight: `actor.use_lora` must say which."""
-    from laden.engine.checkpoint import checkpoint_tensors
+    from laden.engine.checkpoint import checkpoint_tensor_names
 
-    lora = any("lora_" in name for name, _ in checkpoint_tensors(path))
+    lora = any("lora_" in name for name in checkpoint_tensor_names(path))
     if lora != bool(cfg.actor.use_lora):
         what = "a LoRA run (it holds the adapters)" if lora else "a full-weight run, not a LoRA one"
         raise ValueError(
