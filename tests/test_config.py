@@ -413,3 +413,15 @@ def test_fields_a_job_does_not_read_are_named_with_where_they_act():
     roundpipe = fields_without_effect(cfg, job="sft", engine="roundpipe")
     assert any(line.startswith("actor.fsdp.offload_params=True") for line in roundpipe)
     assert fields_without_effect(load_config("examples/sft_tiny.yaml", []), job="sft", engine="fsdp") == []
+
+
+def test_evaluator_generate_is_named_as_without_effect_in_laden_rl():
+    from laden.config.usage import fields_without_effect
+
+    cfg = load_config("examples/rl_tiny.yaml", ["evaluator.generate=true"])
+    assert any(line.startswith("evaluator.generate=True has no effect in `laden rl`")
+               for line in fields_without_effect(cfg, job="rl", engine="fsdp"))  # fmt: skip
+    sft = load_config("examples/sft_tiny.yaml", ["evaluator.generate=true"])
+    assert not any(
+        line.startswith("evaluator.") for line in fields_without_effect(sft, job="sft", engine="fsdp")
+    )

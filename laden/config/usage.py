@@ -39,6 +39,12 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("actor.weight_chunked_mem_mb", frozenset({"rl"}), _RL_ONLY),
     ("train_dataset.answer_key", frozenset({"rl"}), "`laden rl` (the reward function's reference answer)"),
     ("valid_dataset.answer_key", frozenset({"rl"}), "`laden rl` (the reward function's reference answer)"),
+    # `laden rl` evaluates by generating whatever it says; the field switches generation on for `laden sft`
+    (
+        "evaluator.generate",
+        frozenset({"sft"}),
+        "`laden sft` (`laden rl` always generates for its evaluation)",
+    ),
     # every job evaluates the validation set whole: only the training order has a first step
     ("valid_dataset.fail_fast", frozenset(), "train_dataset.fail_fast (the training order)"),
     *((f"actor.{name}", frozenset({"rl"}), _RL_LOSS) for name in _RL_ACTOR_FIELDS),
