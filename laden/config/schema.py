@@ -409,6 +409,13 @@ class RolloutConfig:
     `auto`: what the KV cache holds at full length, at most what a step can have in flight."""
     max_head_offpolicyness: int = 0
     """How many weight versions a rollout may lag behind the trainer; 0 = on-policy."""
+    server_urls: list[str] = field(default_factory=list)
+    """vLLM / SGLang servers started elsewhere, one per `d` of `rollout.backend` (`http://host:port`, or AReaL's
+    `host:port`): laden attaches to them, checks each answers at start-up, and leaves them running; empty =
+    `$AREAL_LLM_SERVER_ADDRS` (AReaL's comma-separated list) when set, else laden starts the servers."""
+    server_host: str = "127.0.0.1"
+    """Address the servers laden starts listen on: loopback (only this node reaches them; their API has no
+    authentication), `0.0.0.0` (every interface) or one of this node's addresses."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -44,6 +44,7 @@ from laden.config.validate_rl import (
     warn_ppo,
     warn_rewards,
 )
+from laden.config.validate_servers import server_errors
 
 __all__ = ["unwritable_reason", "validate_config"]
 
@@ -165,6 +166,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += generation_errors(cfg)
     errors += micro_batch_errors(cfg, rl=rl)
     errors += alloc_errors(cfg, rl=rl)
+    errors += server_errors(cfg, rl=rl)
     errors += _alias_errors(cfg)
     errors += fused_errors(cfg)
     errors += import_path_errors(cfg)

@@ -61,6 +61,10 @@ def _gpu_total_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     if not rl:
         return errors
     rollout = AllocationMode.parse(cfg.rollout.backend)
+    from laden.config.validate_servers import attached_server_urls
+
+    if rollout.backend in SERVER_ROLLOUT_BACKENDS and attached_server_urls(cfg)[0]:
+        return errors  # servers started elsewhere take none of this cluster's GPUs
     if rollout.backend in SERVER_ROLLOUT_BACKENDS:
         need = actor.num_gpus + rollout.num_gpus
         if need > total and actor.num_gpus <= total:

@@ -74,14 +74,16 @@ async def evaluate(
     rank: int = 0,
     world_size: int = 1,
     gather: Callable[[Any], list[Any]] | None = None,
+    rows: Sequence[int] | None = None,
 ) -> EvalResult:
     """Run `workflow.arun_episode` on this process's share of `records` with `engine`; gathered metrics.
 
     `workflow` is built with the evaluation's sampling and `n_samples` and without dynamic sampling
     (`laden.rl.workflow.load_workflow`); `gather(obj)` returns every rank's `obj` in rank order (required
-    when `world_size > 1`).
+    when `world_size > 1`); `rows`: the indices of `records` this process completes (default every
+    `world_size`-th from `rank`).
     """
-    mine = list(range(rank, len(records), world_size))
+    mine = list(range(rank, len(records), world_size) if rows is None else rows)
     episodes = await asyncio.gather(*(workflow.arun_episode(engine, dict(records[i])) for i in mine))
     samples = [
         EvalSample(

@@ -102,9 +102,10 @@ class HeldOut(RunPart):
         await self._quiesce()
         before = self.rollout.sampling_state()
         try:
+            share = self._generation_share()
             result = await evaluate(
                 self.rollout, self.valid, self.eval_workflow, rank=self.rt.rank, world_size=self.rt.world_size,
-                gather=self._gather,
+                gather=self._gather, rows=range(share[0], len(self.valid), share[1]) if share else range(0),
             )  # fmt: skip
         finally:
             if before is not None:

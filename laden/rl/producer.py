@@ -117,14 +117,14 @@ class Producer(RunPart):
         want = self.cfg.train_dataset.batch_size
         groups: list[list[Any]] = []
         attempts = 0
-        rank, world = self.rt.rank, self.rt.world_size
+        share = self._generation_share()
         while len(groups) < want:
             if len(self._carry) < want - len(groups):
                 self._carry += list(next(self.batches))
             need = want - len(groups)
             indices, self._carry = self._carry[:need], self._carry[need:]
-            if world > 1:  # this rank's share of the global batch; no refill, so the ranks stay in step
-                indices, want = indices[rank::world], 0
+            if self.rt.world_size > 1:  # this rank's share of the batch; no refill, so the ranks stay in step
+                indices, want = (indices[share[0] :: share[1]] if share else []), 0
             attempts += len(indices)
             episodes = await asyncio.gather(
                 *(self.workflow.arun_episode(self.rollout, dict(self.records[i])) for i in indices)

@@ -28,7 +28,9 @@ One training step:
 Under torchrun every process has its own native engine and generates its own share of each batch;
 the processes of one data-parallel index of the actor (its tensor, context and pipeline ranks, which
 need the same inputs) then train on the union of their shares, so every engine generates and every
-layout trains on the whole batch once. Metrics and counters are over the whole batch.
+layout trains on the whole batch once. With servers (`vllm:dN`, `sglang:dN`) rank 0 alone drives them
+all and generates each whole batch, of which every data-parallel rank trains on an equal part
+(`laden.rl.data_ranks`). Metrics and counters are over the whole batch.
 
 Weight versions count training steps: the weights after step s are version s (one step may
 hold several optimizer steps, `actor.ppo_n_minibatches`). Asynchronous rollouts: with `rollout.max_head_offpolicyness: k > 0` the next batches are
@@ -157,6 +159,7 @@ def run_rl(cfg: LadenConfig, *, progress: bool = True) -> RLResult:
     check_trackers(cfg)
     rt = start_run(cfg, "rl")
     _refuse_unimplemented(cfg, rt.world_size)
+    rt.on_main(lambda: resolve_rollout(cfg).check_ready(cfg))  # e.g. servers started elsewhere answer
     return in_run_directory(cfg, rt, lambda run: asyncio.run(_Run(cfg, rt, run).main(progress)))
 
 

@@ -27,6 +27,58 @@ def phase_oom_fixes(cfg: LadenConfig, phase: str, cause: BaseException) -> list[
     return phase_fixes(cfg, phase, host=is_host_oom(cause))
 
 
+class ServedByRankZero:
+    """The rollout engine of a trainer process that generates nothing: rank 0 drives the rollout servers for
+    every process (`laden.rl.data_ranks`). It follows the weight version it is told, so the ranks agree on
+    it, and holds nothing else."""
+
+    def __init__(self, version: int) -> None:
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the servers generate with now."""
+        return self._version
+
+    async def generate(self, requests: Any) -> Any:
+        """Never called: this process has no share of the prompts (`_generation_share` is None)."""
+        raise RuntimeError(
+            f"{len(requests)} generation request(s) on a trainer rank other than 0; rank 0 drives the "
+            "rollout servers for every process"
+        )
+        yield  # an async generator, as `RolloutEngine.generate` is
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """Rank 0 loads the servers; this process takes the new version."""
+        self._version = version
+
+    async def pause(self) -> None:
+        """Nothing of this process's is generating."""
+
+    async def resume(self) -> None:
+        """Nothing of this process's is paused."""
+
+    async def sleep(self, *, weights: bool = False) -> None:
+        """Servers never sleep during training."""
+
+    async def wake(self) -> None:
+        """Servers never sleep during training."""
+
+    async def close(self) -> None:
+        """Rank 0 ends the servers it started."""
+
+    def sleep_frees_bytes(self) -> int | None:
+        """None: the servers' memory is not this process's."""
+        return None
+
+    def sampling_state(self) -> dict[str, Any] | None:
+        """None: servers sample with their own seeds."""
+        return None
+
+    def load_sampling_state(self, state: dict[str, Any]) -> None:
+        """Nothing to restore."""
+
+
 class WeightSync(RunPart):
     """The rollout engine and the weight updates of a `laden rl` run (a part of `laden.rl.trainer._Run`)."""
 
@@ -36,6 +88,8 @@ class WeightSync(RunPart):
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self._serves() and self._generation_share() is None:
+            return ServedByRankZero(version)
         if self._serves():  # vLLM / SGLang servers, started on actor.path (given the first weights by main)
             engine = build_rollout_engine(cfg, tokenizer=self.tokenizer, initial_version=version)
             log.info("rollout servers %s ready in %.1f s", cfg.rollout.backend, time.perf_counter() - t0)

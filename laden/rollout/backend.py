@@ -4,8 +4,8 @@
 its backend object, found once from `rollout.backend` by `resolve_rollout(cfg)`: whether it runs in
 the trainer's process (`in_process`: the native engine) or as servers of its own, which weight update
 modes it takes and whether it takes partial ones, where it runs beside the trainer (`placement`),
-whether it can sleep on the trainer's GPU while it trains, what `laden rl` refuses of it, and the
-engine itself (`build`). A new rollout engine is a folder with a `backend.py` and one
+whether it can sleep on the trainer's GPU while it trains, what `laden rl` refuses of it, whether what
+it needs outside the process answers (`check_ready`), and the engine itself (`build`). A new rollout engine is a folder with a `backend.py` and one
 `register_rollout_backend` line. `resolve_rollout` and the config validator are the only readers of
 the `rollout.backend` string.
 """
@@ -55,6 +55,11 @@ class RolloutBackend:
     def refusals(self, cfg: LadenConfig, *, world_size: int) -> list[str]:
         """What `laden rl` cannot run with this engine under `world_size` processes, each with its fix."""
         return []
+
+    def check_ready(self, cfg: LadenConfig) -> None:
+        """Raise, naming what and where, when something the engine needs outside this process is not
+        there (servers started elsewhere that do not answer); called once at start-up, before the model
+        is loaded."""
 
     def build(self, cfg: LadenConfig, **kwargs: Any) -> RolloutEngine:
         """The running engine (`laden.rollout.factory.build_rollout_engine` documents `kwargs`)."""

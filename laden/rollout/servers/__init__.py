@@ -1,7 +1,8 @@
 """Rollout servers: vLLM and SGLang started by laden (or attached to) and driven over HTTP.
 
 `start_server_engine(AllocationMode.parse("vllm:d2t1"), model_dir=...)` starts one server per
-`d`, each on `t` GPUs, bound to 127.0.0.1 on a free port, and returns a `RolloutEngine`; its
+`d`, each on `t` GPUs, bound to 127.0.0.1 (`rollout.server_host`) on a free port, and returns a
+`RolloutEngine`; its
 `close()` (or the interpreter's exit) ends the server processes. laden never imports vLLM or
 SGLang: they may live in a virtual environment of their own (`python=`, `LADEN_VLLM_PYTHON`,
 `LADEN_SGLANG_PYTHON`).
@@ -38,13 +39,15 @@ def start_server_engine(
     log_dir: str | Path | None = None,
     server: VLLMServerConfig | SGLangServerConfig | None = None,
     initial_version: int = 0,
+    first_device: int | None = None,
     **engine_kwargs: Any,
 ) -> ServerEngine:
     """Start (or, given `urls`, attach to) the servers `mode` describes and return the engine.
 
-    `cfg` supplies `sglang.mem_fraction_static`, `seed` and the log directory
-    (`<run_dir>/logs/rollout`); `server` overrides every server setting; `python` and `log_dir`
-    override those two alone. `engine_kwargs` go to `ServerEngine` (e.g.
+    `cfg` supplies `sglang.mem_fraction_static`, `seed`, the listening address (`rollout.server_host`,
+    unless `server` names another than loopback) and the log directory (`<run_dir>/logs/rollout`);
+    `server` overrides every server setting; `python`, `log_dir` and `first_device` (visible GPUs left
+    to the trainer) override those alone. `engine_kwargs` go to `ServerEngine` (e.g.
     `max_concurrent_requests`, `request_timeout_s`).
     """
     _check_mode(mode, urls)
@@ -54,7 +57,7 @@ def start_server_engine(
         if urls:
             return VLLMEngine.attach(urls, initial_version=initial_version, **engine_kwargs)
         vllm_cfg = replace(server) if isinstance(server, VLLMServerConfig) else VLLMServerConfig()
-        _override(vllm_cfg, python=python, log_dir=log_dir, seed=cfg.seed if cfg is not None else None)
+        _override(vllm_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device)
         return VLLMEngine.launch(
             model_dir, dp=mode.dp, tp=mode.tp, cfg=vllm_cfg, initial_version=initial_version, **engine_kwargs
         )
@@ -63,7 +66,7 @@ def start_server_engine(
     sglang_cfg = replace(server) if isinstance(server, SGLangServerConfig) else SGLangServerConfig()
     if cfg is not None and not isinstance(server, SGLangServerConfig):
         sglang_cfg.mem_fraction_static = cfg.sglang.mem_fraction_static
-    _override(sglang_cfg, python=python, log_dir=log_dir, seed=cfg.seed if cfg is not None else None)
+    _override(sglang_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device)
     return SGLangEngine.launch(
         model_dir, dp=mode.dp, tp=mode.tp, cfg=sglang_cfg, initial_version=initial_version, **engine_kwargs
     )
@@ -90,14 +93,19 @@ def _check_mode(mode: AllocationMode, urls: Sequence[str] | None) -> None:
 
 
 def _override(
-    server: VLLMServerConfig | SGLangServerConfig, *, python: Any, log_dir: Any, seed: int | None
-) -> None:
+    server: VLLMServerConfig | SGLangServerConfig, cfg: LadenConfig | None, *, python: Any, log_dir: Any,
+    first_device: int | None,
+) -> None:  # fmt: skip
     if python is not None:
         server.python = python
     if log_dir is not None:
         server.log_dir = str(log_dir)
-    if seed is not None and server.seed is None:
-        server.seed = seed
+    if first_device is not None:
+        server.first_device = first_device
+    if cfg is not None and server.seed is None:
+        server.seed = cfg.seed
+    if cfg is not None and server.host == "127.0.0.1":
+        server.host = cfg.rollout.server_host
 
 
 __all__ = [

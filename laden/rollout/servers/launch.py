@@ -49,6 +49,8 @@ class LaunchSpec:
     """Deadline for all servers to become healthy."""
     grace_s: float = 10.0
     """Seconds between SIGTERM and SIGKILL when a server is ended."""
+    first_device: int = 0
+    """Visible GPUs left before the servers' own (the trainer's, beside them)."""
 
 
 T = TypeVar("T")
@@ -75,11 +77,12 @@ def launch_and_build(
     tp: int,
     build: Callable[[list[ServerHandle]], T],
 ) -> T:
-    """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`), wait
-    until every one is healthy, and `build` the engine on them (the servers end if that fails)."""
+    """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`,
+    `first_device`), wait until every one is healthy, and `build` the engine on them (the servers end if
+    that fails)."""
     spec = LaunchSpec(
         kind=kind, python=cfg.python, host=cfg.host, health_path=health_path, log_dir=cfg.log_dir,
-        startup_timeout_s=cfg.startup_timeout_s, command=command,
+        startup_timeout_s=cfg.startup_timeout_s, command=command, first_device=cfg.first_device,
     )  # fmt: skip
     servers = launch_servers(spec, dp=dp, tp=tp)
     return built_or_closed(servers, lambda: build(servers))
@@ -93,7 +96,7 @@ def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
     """
     python = resolve_python(spec.python, spec.kind)
     check_installed(python, spec.kind)
-    devices = device_groups(dp, tp, backend=spec.kind.name)
+    devices = device_groups(dp, tp, backend=spec.kind.name, first=spec.first_device)
     log_dir = (
         Path(spec.log_dir) if spec.log_dir else Path(tempfile.mkdtemp(prefix=f"laden-{spec.kind.name}-"))
     )
@@ -132,27 +135,33 @@ def attach_servers(urls: Sequence[str], *, health_path: str, timeout_s: float = 
             request_json("GET", url + health_path, timeout_s=timeout_s)
         except ServerRequestError as err:
             raise ServerStartError(
-                f"no healthy server at {url} ({err}); start it first, or let laden start one by not passing URLs"
+                f"no server answers at {url} ({err}); start it there first (a server on another node must "
+                "listen on an address this node reaches, e.g. --host 0.0.0.0), check rollout.server_urls, or "
+                "leave rollout.server_urls empty for laden to start the servers"
             ) from None
         handles.append(ServerHandle(url=url))
     return handles
 
 
-def device_groups(dp: int, tp: int, *, backend: str) -> list[list[str]]:
-    """`CUDA_VISIBLE_DEVICES` of each of `dp` servers of `tp` devices; [] when dp == 1 (the
-    server sees what this process sees)."""
-    if dp == 1:
+def device_groups(dp: int, tp: int, *, backend: str, first: int = 0) -> list[list[str]]:
+    """`CUDA_VISIBLE_DEVICES` of each of `dp` servers of `tp` devices, after the `first` visible ones (the
+    trainer's); [] when dp == 1 and first == 0 (the server sees what this process sees)."""
+    if dp == 1 and first == 0:
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = (
-        [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(dp * tp)]
+        [d.strip() for d in visible.split(",") if d.strip()]
+        if visible
+        else [str(i) for i in range(first + dp * tp)]
     )
-    if len(devices) < dp * tp:
+    if len(devices) < first + dp * tp:
+        beside = f" beside the {first} of the trainer processes on this node" if first else ""
         raise ValueError(
-            f"rollout.backend={backend}:d{dp}t{tp} needs {dp * tp} GPUs but CUDA_VISIBLE_DEVICES={visible!r} "
-            f"lists {len(devices)}; lower d or t, or make more GPUs visible"
+            f"rollout.backend={backend}:d{dp}t{tp} needs {dp * tp} GPUs{beside} but CUDA_VISIBLE_DEVICES="
+            f"{visible!r} lists {len(devices)}; lower d or t, make more GPUs visible, or start the servers "
+            "elsewhere and attach to them with rollout.server_urls"
         )
-    return [devices[r * tp : (r + 1) * tp] for r in range(dp)]
+    return [devices[first + r * tp : first + (r + 1) * tp] for r in range(dp)]
 
 
 def base_url(host: str, port: int) -> str:

@@ -71,6 +71,8 @@ class SGLangServerConfig:
     """How long to wait for `/health_generate`."""
     log_dir: str | None = None
     """Directory of the server logs `sglang-<rank>.log`; None = a new temporary directory."""
+    first_device: int = 0
+    """Visible GPUs left before the servers' own (those of the trainer processes beside them)."""
 
 
 def sglang_command(

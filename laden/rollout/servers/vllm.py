@@ -81,6 +81,8 @@ class VLLMServerConfig:
     """How long to wait for `/health` (loading a large model takes minutes)."""
     log_dir: str | None = None
     """Directory of the server logs `vllm-<rank>.log`; None = a new temporary directory."""
+    first_device: int = 0
+    """Visible GPUs left before the servers' own (those of the trainer processes beside them)."""
 
 
 def vllm_command(

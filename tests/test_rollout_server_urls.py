@@ -1,0 +1,149 @@
+"""Rollout servers started elsewhere (`rollout.server_urls`, AReaL's `$AREAL_LLM_SERVER_ADDRS`) and where
+laden's own listen (`rollout.server_host`): addresses checked at load time, servers that do not answer
+named at start-up before the model loads, and servers laden starts placed after the trainer's GPUs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from fake_servers import FakeVLLM
+from rl_runs import tiny_rl_config
+
+from laden.config import AllocationMode, ConfigError
+from laden.config.validate_servers import normalize_server_url
+from laden.rl.trainer import run_rl
+from laden.rollout.backend import resolve_rollout
+from laden.rollout.servers import ServerStartError, start_server_engine
+from laden.rollout.servers.launch import device_groups
+from laden.rollout.servers.process import free_port
+
+TESTS_DIR = Path(__file__).parent
+
+
+def _cfg(tmp_path, *overrides):
+    return tiny_rl_config(tmp_path, "actor.weight_update_mode=disk", *overrides)
+
+
+@pytest.mark.parametrize(
+    ("written", "url"),
+    [
+        ("10.0.0.5:8000", "http://10.0.0.5:8000"),  # AReaL's host:port
+        ("http://node7:30000/", "http://node7:30000"),
+        ("https://[fe80::1]:443", "https://[fe80::1]:443"),
+    ],
+)
+def test_a_server_address_is_a_url_or_host_port(written, url):
+    assert normalize_server_url(written) == url
+
+
+@pytest.mark.parametrize(
+    "written", ["node7", "http://node7", "node7:http", "ftp://node7:21", "node7:8000/v1"]
+)
+def test_an_address_without_host_and_port_is_refused(written):
+    with pytest.raises(ValueError, match="host and a port|without a path"):
+        normalize_server_url(written)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.backend=vllm:d2", "rollout.server_urls=[node7:8000]"], r"has d=2 but rollout.server_urls lists 1 .* vllm:d1"),
+        (["rollout.server_urls=[node7:8000]"], r"generates in the trainer's processes; set rollout.backend: vllm:d1"),
+        (["rollout.backend=vllm:d1", "rollout.server_urls=[node7]"], r"rollout.server_urls\[0\]='node7': .*host and a port"),
+        (["rollout.backend=vllm:d1", "rollout.server_host=' '", "cluster.n_gpus_per_node=2"], r"rollout.server_host=' ' names no address"),
+    ],
+)  # fmt: skip
+def test_server_settings_that_cannot_work_are_refused_at_load(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(tmp_path, *overrides)
+
+
+def test_attached_servers_take_none_of_the_clusters_gpus(tmp_path):
+    """vllm:d4 beside fsdp:d1 on one GPU: refused when laden would start the servers, fine when they run elsewhere."""
+    with pytest.raises(ConfigError, match="needs 4 GPUs of its own"):
+        _cfg(tmp_path, "rollout.backend=vllm:d4", "cluster.n_gpus_per_node=1")
+    urls = "[a:1,b:2,c:3,d:4]"
+    cfg = _cfg(
+        tmp_path, "rollout.backend=vllm:d4", "cluster.n_gpus_per_node=1", f"rollout.server_urls={urls}"
+    )
+    assert resolve_rollout(cfg).attached_urls(cfg) == ["http://a:1", "http://b:2", "http://c:3", "http://d:4"]
+
+
+def test_areal_environment_variable_names_the_servers(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", "10.0.0.5:8000,10.0.0.6:8000")
+    with pytest.raises(ConfigError, match=r"has d=1 but \$AREAL_LLM_SERVER_ADDRS lists 2"):
+        _cfg(tmp_path, "rollout.backend=vllm:d1")
+    cfg = _cfg(tmp_path, "rollout.backend=vllm:d2", "cluster.n_gpus_per_node=1")
+    assert resolve_rollout(cfg).attached_urls(cfg) == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+    # the config's own list wins
+    cfg = _cfg(tmp_path, "rollout.backend=vllm:d1", "rollout.server_urls=[node7:9000]")
+    assert resolve_rollout(cfg).attached_urls(cfg) == ["http://node7:9000"]
+
+
+def test_a_listening_address_for_attached_servers_is_named_as_ignored(tmp_path):
+    with pytest.warns(UserWarning, match=r"rollout.server_host='0.0.0.0' is ignored: laden attaches"):
+        _cfg(
+            tmp_path,
+            "rollout.backend=vllm:d1",
+            "rollout.server_urls=[node7:9000]",
+            "rollout.server_host=0.0.0.0",
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _cfg(tmp_path, "rollout.backend=vllm:d1", "rollout.server_host=0.0.0.0", "cluster.n_gpus_per_node=2")
+
+
+def test_a_server_that_does_not_answer_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    import laden.rl.trainer as trainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the servers were checked")
+
+    monkeypatch.setattr(trainer, "load_model", never)
+    with FakeVLLM() as fake:
+        dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+        cfg = _cfg(tmp_path, "rollout.backend=vllm:d2", f"rollout.server_urls=[{fake.url},{dead}]")
+        with pytest.raises(ServerStartError, match=f"no server answers at http://{dead} "):
+            run_rl(cfg, progress=False)
+
+
+def test_servers_laden_starts_listen_on_rollout_server_host(tmp_path, monkeypatch):
+    """The stand-in `vllm` package's api_server is the fake vLLM: it binds what laden passes as --host;
+    laden itself reaches it on loopback."""
+    import asyncio
+
+    stub = tmp_path / "stub" / "vllm" / "entrypoints" / "openai"
+    stub.mkdir(parents=True)
+    for pkg in (stub.parent.parent, stub.parent, stub):
+        (pkg / "__init__.py").write_text("")
+    (stub / "api_server.py").write_text("from fake_servers import main\nmain()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "stub"), str(TESTS_DIR)]))
+    cfg = _cfg(
+        tmp_path, "rollout.backend=vllm:d1", "rollout.server_host=0.0.0.0", "cluster.n_gpus_per_node=2"
+    )
+    engine = start_server_engine(
+        AllocationMode.parse("vllm:d1"), model_dir=tmp_path, cfg=cfg, python=sys.executable,
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    try:
+        assert engine.urls[0].startswith("http://127.0.0.1:")
+        assert "--host 0.0.0.0" in (tmp_path / "logs" / "vllm-0.log").read_text()
+    finally:
+        asyncio.run(engine.close())
+
+
+def test_servers_laden_starts_take_the_gpus_after_the_trainers(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert device_groups(1, 1, backend="vllm", first=1) == [["1"]]  # one trainer process on GPU 0
+    assert device_groups(2, 2, backend="vllm", first=4) == [
+        ["4", "5"],
+        ["6", "7"],
+    ]  # torchrun --nproc-per-node 4
+    with pytest.raises(
+        ValueError, match=r"needs 6 GPUs beside the 4 of the trainer processes .* rollout.server_urls"
+    ):
+        device_groups(3, 2, backend="sglang", first=4)
