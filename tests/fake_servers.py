@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 WAIT_S = 20.0
@@ -377,6 +379,17 @@ class FakeSGLang(FakeServer):
                 }
             )
         return 200, answers
+
+
+def stub_vllm_path(root: Path) -> str:
+    """A stand-in `vllm` package under `root` whose `vllm.entrypoints.openai.api_server` is this fake vLLM:
+    the `PYTHONPATH` that finds it (and this module), for the launch tests' server processes."""
+    stub = root / "vllm" / "entrypoints" / "openai"
+    stub.mkdir(parents=True)
+    for pkg in (stub.parent.parent, stub.parent, stub):
+        (pkg / "__init__.py").write_text("")
+    (stub / "api_server.py").write_text("from fake_servers import main\nmain()\n")
+    return os.pathsep.join([str(root), str(Path(__file__).parent)])
 
 
 def main() -> None:

@@ -4,13 +4,12 @@ named at start-up before the model loads, and servers laden starts placed after 
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from fake_servers import FakeVLLM
+from fake_servers import FakeVLLM, stub_vllm_path
 from rl_runs import tiny_rl_config
 
 from laden.config import AllocationMode, ConfigError
@@ -116,12 +115,7 @@ def test_servers_laden_starts_listen_on_rollout_server_host(tmp_path, monkeypatc
     laden itself reaches it on loopback."""
     import asyncio
 
-    stub = tmp_path / "stub" / "vllm" / "entrypoints" / "openai"
-    stub.mkdir(parents=True)
-    for pkg in (stub.parent.parent, stub.parent, stub):
-        (pkg / "__init__.py").write_text("")
-    (stub / "api_server.py").write_text("from fake_servers import main\nmain()\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "stub"), str(TESTS_DIR)]))
+    monkeypatch.setenv("PYTHONPATH", stub_vllm_path(tmp_path / "stub"))
     cfg = _cfg(
         tmp_path, "rollout.backend=vllm:d1", "rollout.server_host=0.0.0.0", "cluster.n_gpus_per_node=2"
     )

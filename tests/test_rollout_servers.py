@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fake_servers import FakeSGLang, FakeVLLM, logprob_at, token_at
+from fake_servers import FakeSGLang, FakeVLLM, logprob_at, stub_vllm_path, token_at
 
 from laden.config.alloc import AllocationMode
 from laden.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
@@ -621,12 +621,7 @@ def test_server_still_running_at_interpreter_exit_is_ended(tmp_path):
 
 def test_launch_starts_a_server_process_and_close_ends_it(tmp_path, monkeypatch):
     """Full launch path with a stand-in `vllm` package whose api_server is the fake vLLM."""
-    stub = tmp_path / "stub" / "vllm" / "entrypoints" / "openai"
-    stub.mkdir(parents=True)
-    for pkg in (stub.parent.parent, stub.parent, stub):
-        (pkg / "__init__.py").write_text("")
-    (stub / "api_server.py").write_text("from fake_servers import main\nmain()\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "stub"), str(TESTS_DIR)]))
+    monkeypatch.setenv("PYTHONPATH", stub_vllm_path(tmp_path / "stub"))
     mode = AllocationMode.parse("vllm:d1t1")
     engine = start_server_engine(mode, model_dir=tmp_path, python=sys.executable, log_dir=tmp_path / "logs")
     try:
