@@ -155,10 +155,12 @@ def _random_head(real):
     return build
 
 
-@pytest.mark.parametrize(("backend", "mask_no_eos"), [("fsdp:d1", False), ("roundpipe:d1", True)])
+@pytest.mark.parametrize(
+    ("backend", "mask_no_eos"), [("fsdp:d1", False), ("roundpipe:d1", True), ("archon:d1", True)]
+)
 def test_critic_values_and_one_step_equal_a_plain_reference(tmp_path, monkeypatch, backend, mask_no_eos):
     """Values at the states before each completion token and after the last; one SGD step of the value
-    loss; on both engine kinds, against the Hugging Face model run per document."""
+    loss; on every engine kind, against the Hugging Face model run per document."""
     from laden.engine.runtime import Runtime
     from laden.model.hf.loading import load_causal_lm
     from laden.model.value_head import to_value_model
@@ -245,6 +247,29 @@ def test_ppo_with_a_critic_learns_values_and_resumes_exactly(tmp_path, monkeypat
             assert ra[name] == rb[name], (ra["step"], name)
 
 
+def test_ppo_with_a_critic_on_archon_trains_as_on_fsdp(tmp_path):
+    """The same PPO steps with the critic on the archon engine as on the fsdp engine (actor on fsdp)."""
+    steps = ["total_train_steps=2", "checkpoint.save_freq_steps=2"]
+    runs = {backend: _metrics(run_rl(_cfg(tmp_path / backend[:6], *PPO, *steps, f"critic.backend={backend}"),
+                                     progress=False))
+            for backend in ("fsdp:d1", "archon:d1")}  # fmt: skip
+    fsdp, archon = runs["fsdp:d1"], runs["archon:d1"]
+    assert [r["step"] for r in archon] == [1, 2] and archon[0]["reward_mean"] == fsdp[0]["reward_mean"]
+    for got, want in zip(archon, fsdp):
+        for name in ("critic_loss", "critic_grad_norm", "value_mean", "return_mean", "loss"):
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), (got["step"], name)
+    assert archon[1]["value_mean"] != 0.0  # the critic's step moved its values
+
+
+def test_areal_ppo_megatron_config_loads_with_its_critic_on_archon(caplog):
+    with caplog.at_level(logging.WARNING, logger="laden.config.areal"):
+        cfg = load_config(AREAL / "gsm8k_ppo_megatron.yaml", AREAL_PATHS, job="rl")
+    assert cfg.actor.backend == "megatron:d4p1t1" and cfg.critic is not None
+    assert cfg.critic.backend == "megatron:d4p1t1"  # `${actor.backend}`, run on the archon engine
+    assert critic_module.critic_engine_config(cfg).actor.archon == cfg.actor.archon
+    assert not any("critic.backend" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------- the critic section
 
 AREAL_PATHS = [
@@ -298,7 +323,30 @@ def test_critic_section_rules(tmp_path):
         and "fsdp:d1" in error
     )
     (error,) = _errors(rl, [*base, "critic={backend: 'fsdp:d1t2'}", "cluster.n_gpus_per_node=2"])
-    assert "one-output value head has no tensor-parallel split" in error
+    assert "1 process with d=1, t=1 and c=1" in error and "set critic.backend: fsdp:d1," in error
+    # the same processes and d, but pipeline stages where the actor has data ranks: other shares of the batch
+    pipelined = [
+        *base,
+        "actor.backend=archon:d2",
+        "critic={backend: 'archon:d1p2'}",
+        "cluster.n_gpus_per_node=2",
+    ]
+    (error,) = _errors(rl, pipelined)
+    assert error.endswith("set critic.backend: archon:d2, or leave it ''")
+    (error,) = _errors(
+        rl, [*base, "actor.backend=archon:d1p2", "critic={backend: 'fsdp:d2'}", "cluster.n_gpus_per_node=2"]
+    )
+    assert error.endswith("the fsdp engine has no p dimension: leave critic.backend '' (the actor's)")
+    for actor in (
+        "archon:d1t2",
+        "megatron:d1p2",
+        "archon:d1c2",
+        "fsdp:d1t2",
+    ):  # the critic takes the actor's layout
+        cfg = load_config(
+            rl, [*base, f"actor.backend={actor}", "critic={}", "cluster.n_gpus_per_node=2"], job="rl"
+        )
+        assert cfg.critic is not None and critic_module.critic_engine_config(cfg).actor.backend == actor
     (error,) = _errors(rl, [*base, "critic={eps_clip: 0.0}"])
     assert error == "critic.eps_clip=0.0 must be greater than 0; set it to a positive number"
     (error,) = _errors(rl, [*base, "critic={mb_spec: {max_tokens_per_mb: 16}}"])

@@ -255,8 +255,10 @@ GROUPS: tuple[Group, ...] = (
            "engine", _rl),
     Group("critic.lora_rank critic.lora_alpha critic.target_modules critic.peft_type", "read only with "
            "critic.use_lora, which laden refuses", _never),
-    Group("critic.megatron critic.archon", "laden's critic trains on the fsdp or roundpipe engine "
-           "(critic.backend); the archon and megatron settings do not apply to it", _rl),
+    Group("critic.megatron", "laden has no Megatron-Core: the critic's megatron: modes run on laden's archon engine "
+           "(critic.archon's settings); Megatron's own settings do not apply", _rl),
+    Group("critic.archon.*", "laden's archon engine reads critic.archon.pp_schedule and pp_layers_per_stage (unset: "
+           "actor.archon's); the rest as for actor.archon", _rl),
     Group("critic.fsdp.*", "laden's fsdp engine chooses its own wrapping and sharding", _rl),
     Group("critic.mb_spec.*", "laden splits a batch into the fewest micro-batches of at most "
            "critic.mb_spec.max_tokens_per_mb tokens (at least critic.mb_spec.n_mbs), without grouping or rounding",

@@ -375,7 +375,7 @@ class CriticConfig:
     init_from_config: bool | None = None
     """Initialise the decoder randomly from `path`/config.json (seeded) instead of loading its weights; null = `actor.init_from_config`."""
     backend: str = ""
-    """Training allocation `<backend>:<dims>` (fsdp or roundpipe), in the actor's processes: the same d and c, t=1; '' = `actor.backend`."""
+    """Training allocation `<backend>:<dims>` (fsdp, roundpipe, archon or megatron), in the actor's processes: the same number of processes, d, t and c; '' = `actor.backend`."""
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     """Compute dtype of weights and activations; null = `actor.dtype`."""
     optimizer_dtype: Literal["float32", "bfloat16"] | None = None
@@ -396,6 +396,8 @@ class CriticConfig:
     """Knobs of the `fsdp` backend; null = `actor.fsdp`."""
     roundpipe: RoundPipeConfig | None = None
     """Knobs of the `roundpipe` backend; null = `actor.roundpipe`."""
+    archon: ArchonConfig | None = None
+    """Knobs of the `archon` backend (and `megatron:` modes); null = `actor.archon`."""
 
 
 @dataclass(kw_only=True, slots=True)

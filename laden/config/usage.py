@@ -131,9 +131,10 @@ def _critic_engine(cfg: LadenConfig, engine: str) -> str:
     if cfg.critic is None or not cfg.critic.backend:
         return engine
     try:
-        return AllocationMode.parse(cfg.critic.backend).backend
+        backend = AllocationMode.parse(cfg.critic.backend).backend
     except ValueError:
         return engine  # reported by validation
+    return "archon" if backend == "megatron" else backend  # megatron: modes run on the archon engine
 
 
 def _critic_where(name: str, critic_engine: str) -> str | None:

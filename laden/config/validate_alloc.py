@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from laden.config.alloc import AllocationMode, check_alloc
+from laden.config.alloc import BACKEND_DIMS, DIM_LETTERS, AllocationMode, check_alloc
 from laden.config.schema import LadenConfig
 
 __all__ = [
@@ -83,7 +83,7 @@ def _gpu_total_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
 
 
 def critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
-    """The critic trains in the actor's processes, on the same data split, unsharded over tensors."""
+    """The critic trains in the actor's processes, on the same data split: the same processes, d, t and c."""
     c = cfg.critic
     if c is None:
         return []
@@ -92,28 +92,11 @@ def critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     if errors or critic is None or actor is None:
         return errors  # actor.backend's own errors are reported by `alloc_errors`
     shown = f"critic.backend={c.backend!r}" if c.backend else f"critic.backend='' ({cfg.actor.backend!r})"
-    if critic.backend in ("archon", "megatron"):
+    if _data_layout(critic) != _data_layout(actor):
         errors.append(
-            f"{shown}: the critic's value head does not run on the archon engine yet; set critic.backend: "
-            f"fsdp:d{critic.num_gpus}"
-        )
-    elif actor.tp > 1:
-        errors.append(
-            f"actor.backend={cfg.actor.backend!r} with a critic: the critic trains in the actor's processes and its "
-            "one-output value head has no tensor-parallel split; use t=1 in actor.backend (e.g. "
-            f"{actor.backend}:d{actor.dp * actor.tp}), or remove the critic section"
-        )
-    elif critic.tp > 1:
-        errors.append(
-            f"{shown} splits the critic over t={critic.tp} tensor-parallel ranks, but its one-output value head "
-            f"has no tensor-parallel split; set critic.backend: {critic.backend}:d{actor.dp}"
-            + (f"c{actor.cp}" if actor.cp > 1 else "")
-        )
-    elif (critic.dp, critic.cp, critic.num_gpus) != (actor.dp, actor.cp, actor.num_gpus):
-        errors.append(
-            f"{shown} must train in the actor's processes on the actor's share of each batch: d={actor.dp} and "
-            f"c={actor.cp} as actor.backend={cfg.actor.backend!r} has; set critic.backend: "
-            f"{critic.backend}:d{actor.dp}" + (f"c{actor.cp}" if actor.cp > 1 else "") + ", or leave it ''"
+            f"{shown} must train in the actor's processes on the actor's share of each batch: "
+            f"{actor.num_gpus} process{'es' if actor.num_gpus > 1 else ''} with d={actor.dp}, t={actor.tp} and c={actor.cp} as actor.backend="
+            f"{cfg.actor.backend!r} has; {_critic_fix(critic, actor)}"
         )
     budget = None if c.mb_spec is None else c.mb_spec.max_tokens_per_mb
     need = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
@@ -123,6 +106,22 @@ def critic_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
             f"gconfig.max_new_tokens = {need}; set it to at least {need}"
         )
     return errors
+
+
+def _data_layout(mode: AllocationMode) -> tuple[int, int, int, int]:
+    """What fixes which share of a batch each process trains on: processes, d, t and c (pipeline outermost)."""
+    return mode.num_gpus, mode.dp, mode.tp, mode.cp
+
+
+def _critic_fix(critic: AllocationMode, actor: AllocationMode) -> str:
+    """The critic.backend with the actor's sizes on the critic's engine, when that engine has those dimensions."""
+    used = [letter for letter in DIM_LETTERS if actor.size(letter) != 1 and letter != "e"]
+    dims = "".join(f"{letter}{actor.size(letter)}" for letter in used) or "d1"
+    dims = dims if dims.startswith("d") else f"d{actor.dp}{dims}"
+    missing = [letter for letter in used if letter not in BACKEND_DIMS["actor"][critic.backend]]
+    if not missing:
+        return f"set critic.backend: {critic.backend}:{dims}, or leave it ''"
+    return f"the {critic.backend} engine has no {'/'.join(missing)} dimension: leave critic.backend '' (the actor's)"
 
 
 def warn_ignored_sections(cfg: LadenConfig) -> None:

@@ -2,11 +2,13 @@
 
 `Critic` builds the value model from the `critic` section (its unset fields take the actor's:
 `critic_engine_config`), as the actor's causal LM with a one-output head
-(`laden.model.value_head`), on an engine `critic.backend` names (fsdp or roundpipe, in the
-actor's processes). Per RL step the trainer asks it for the values of every completion token
-before any update (`values`), computes GAE advantages and returns from them (`laden.rl.gae`),
-and then trains it on the returns in `critic.ppo_n_minibatches` optimizer steps (`update`),
-after the policy's own steps. Its engine state goes into every checkpoint (`critic/`).
+(`laden.model.value_head`), on an engine `critic.backend` names (fsdp, roundpipe or archon, in
+the actor's processes, on the actor's share of each batch; under tensor parallel the one-row head
+is replicated, `laden.engine.parallel.parallelize`). Per RL step the trainer asks it for the
+values of every completion token before any update (`values`), computes GAE advantages and
+returns from them (`laden.rl.gae`), and then trains it on the returns in
+`critic.ppo_n_minibatches` optimizer steps (`update`), after the policy's own steps. Its engine
+state goes into every checkpoint (`critic/`).
 
 The value loss is AReaL's (`ppo_critic_loss_fn` with its squared error): per loss token, with v
 the current value, v_old the value before the step (field `old_values`) and R the return
@@ -108,7 +110,7 @@ def critic_engine_config(cfg: LadenConfig) -> LadenConfig:
         optimizer_dtype=own(c.optimizer_dtype, a.optimizer_dtype),
         gradient_checkpointing=own(c.gradient_checkpointing, a.gradient_checkpointing),
         mb_spec=own(c.mb_spec, a.mb_spec), optimizer=own(c.optimizer, a.optimizer), fsdp=own(c.fsdp, a.fsdp),
-        roundpipe=own(c.roundpipe, a.roundpipe),
+        roundpipe=own(c.roundpipe, a.roundpipe), archon=own(c.archon, a.archon),
     )  # fmt: skip
     if any(f.name == "use_lora" for f in dataclasses.fields(actor)):
         # the critic trains all its weights: its head is new

@@ -6,7 +6,9 @@ row-parallel (one all-reduce each after attention and after the MLP). Per-head n
 (Qwen3's `q_norm`/`k_norm`) see only the local heads, so they are treated as sharded on
 the head dimension and their replicated weight gets its gradient summed across ranks by
 DTensor. The embedding is vocab-parallel and the LM head is split on the vocabulary
-(consumed by `vocab_parallel_cross_entropy`, never by a full-logit forward). Every other
+(consumed by `vocab_parallel_cross_entropy`, never by a full-logit forward); a value model's one-row
+head (`laden.model.value_head`) has no vocabulary to split and is replicated, each rank computing
+the same values from the replicated hidden states. Every other
 parameter (layer norms) becomes a replicated DTensor, so all parameters live on the same
 2-D (shard x tp) mesh once FSDP shards them, which keeps the optimizer's foreach kernels
 and the gradient norm on one mesh.
@@ -169,6 +171,8 @@ def _parallelize_root(model: Any, tp_mesh: DeviceMesh) -> None:
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
     if tied:
         head.weight = embed.weight
+    elif head is not None and head.weight.shape[0] == 1:  # a value head: nothing to split (module docstring)
+        parallelize_module(head, tp_mesh, ReplicateParallel())
     elif head is not None:
         parallelize_module(head, tp_mesh, ColwiseParallel())
     layer_ids = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
