@@ -349,12 +349,20 @@ def test_load_workflow_builds_by_import_path(tiny_tokenizer):
         reward=fraction_of_a,
     )
     assert isinstance(workflow, RLVRWorkflow) and workflow.n_samples == 2
+    dotted = load_workflow(  # AReaL's form of the same path
+        "laden.rl.workflow.RLVRWorkflow",
+        tokenizer=tiny_tokenizer,
+        sampling=SAMPLING,
+        n_samples=2,
+        reward=fraction_of_a,
+    )
+    assert isinstance(dotted, RLVRWorkflow)
 
 
 @pytest.mark.parametrize(
     ("spec", "kwargs", "message"),
     [
-        ("laden.rl.workflow.RLVRWorkflow", {}, "not an import path"),
+        ("RLVRWorkflow", {}, "not an import path"),
         ("no_such_module_xyz:Flow", {}, "cannot import 'no_such_module_xyz'"),
         ("laden.rl.workflow:RLVRWorkflo", {}, "has no attribute 'RLVRWorkflo'"),
         ("laden.rl.workflow:PROMPT_KEYS", {}, "names a tuple, not a class"),

@@ -285,9 +285,13 @@ GROUPS: tuple[Group, ...] = (
            "torchrun for several GPUs, whose rendezvous connects the ranks); laden starts the rollout servers itself"),
     Group("*._version *.admin_api_key *.log_level *.request_timeout *.setup_timeout rollout.request_retries "
            "rollout.pause_grace_period rollout.poll_interval rollout.api_url rollout.provider_api_key "
-           "rollout.routing_strategy rollout.model rollout.agent rollout.openai rollout.schedule_policy "
+           "rollout.routing_strategy rollout.model rollout.openai rollout.schedule_policy "
            "rollout.return_routed_experts", "laden talks to the rollout servers it starts, on the loopback "
            "interface, with no gateway, controller or API key, and with its own timeouts"),
+    Group("rollout.agent.agent_cls_path rollout.agent.session_timeout_seconds rollout.agent.set_reward_finish_timeout",
+          "laden runs each agent episode as its agent's run() against an endpoint in the training process "
+          "(rollout.agent.mode inline or subproc): the episode's session ends when run() returns, with no agent "
+          "service, gateway or session timeout", _rl),
     Group("rollout.queue_size", "laden generates at most rollout.max_head_offpolicyness batches ahead of the "
            "trainer and keeps no separate queue", _rl),
     Group("enable_offload actor.offload actor.optimizer.offload", "laden offloads nothing between rollouts and "
@@ -368,6 +372,18 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("actor.prox_logp_method", lambda v: v not in (None, "recompute"),
      "only 'recompute' is implemented (the decoupled loss recomputes the proximal log-probs); set it to recompute"),
     ("teacher", lambda v: v is not None, "distillation from a teacher model is not implemented yet; remove the teacher section"),
+    ("econfig", lambda v: v is not None, "the tau2-bench environment of AReaL's examples/tau2 agent, which needs the "
+     "tau2-bench package (its module tau2) and AReaL's own code (examples/tau2/agent.py, on the areal package); laden "
+     "has no tau2 agent: remove econfig and set workflow to an agent class of your own that builds the environment "
+     "(docs/agents.md)"),
+    ("tir", lambda v: v is not None, "the settings of AReaL's tool-integrated-reasoning workflow "
+     "(examples/tir/tir_workflow.py), written against AReaL's engine API (the areal package); laden runs agents "
+     "through its OpenAI-compatible endpoint instead: remove the tir section and set workflow to an agent class "
+     "(docs/agents.md), its settings in agent_run_args"),
+    ("rollout.agent.mode", lambda v: v == "online", "online mode (sessions of external users through AReaL's proxy "
+     "gateway) is not implemented; laden runs the agent that workflow names, rollout.agent.mode inline or subproc"),
+    ("judge_engine", lambda v: v is not None, "a second model served as an LLM judge (AReaL's tongyi_deepresearch "
+     "example) is not implemented; remove judge_engine and score with reward_fn"),
 )  # fmt: skip
 """AReaL settings laden cannot honour: (key, whether the value asks for the feature, the error)."""
 

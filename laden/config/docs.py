@@ -1,6 +1,6 @@
 """Generate the configuration reference from the dataclasses' attribute docstrings.
 
-The one-line string literal after each field in `schema.py` (and `schema_trackers.py`) is the only description a
+The one-line string literal after each field in `schema.py` (and `schema_agent.py`, `schema_trackers.py`) is the only description a
 field has; this module reads it back with `ast` so the reference cannot drift from the
 code. Types are shown as written in the source (e.g. `Literal['ffd', 'kk']`), defaults
 as YAML. Trade-off: attribute docstrings are not kept by Python at run time, so the
@@ -15,7 +15,7 @@ import functools
 import inspect
 import typing
 
-from laden.config import schema, schema_trackers
+from laden.config import schema, schema_agent, schema_trackers
 from laden.config.loader import list_section_type, section_type, yaml_scalar
 from laden.config.schema import LadenConfig
 
@@ -36,7 +36,7 @@ class FieldDoc:
 def _class_docs() -> dict[str, list[FieldDoc]]:
     """Class name -> its annotated fields, in order, with their attribute docstrings."""
     out: dict[str, list[FieldDoc]] = {}
-    for module in (schema, schema_trackers):
+    for module in (schema, schema_agent, schema_trackers):
         for node in ast.parse(inspect.getsource(module)).body:
             if isinstance(node, ast.ClassDef):
                 out[node.name] = _fields_of(node)
@@ -61,9 +61,15 @@ def _fields_of(node: ast.ClassDef) -> list[FieldDoc]:
     return rows
 
 
+def _rows(cls: type) -> list[FieldDoc]:
+    """The documented fields of `cls`, its own first, then those it inherits (`LadenConfig`'s `AgentFields`)."""
+    docs = _class_docs()
+    return [row for klass in cls.__mro__ if klass.__name__ in docs for row in docs[klass.__name__]]
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> attribute docstring for a config dataclass of `schema`."""
-    return {row.name: row.doc for row in _class_docs()[cls.__name__]}
+    return {row.name: row.doc for row in _rows(cls)}
 
 
 def sections() -> list[tuple[str, type]]:
@@ -101,17 +107,17 @@ def config_reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `laden/config/schema.py` (and `schema_trackers.py`). Set fields in YAML or as `dotted.key=value` overrides.",
+        "Generated from `laden/config/schema.py` (and `schema_agent.py`, `schema_trackers.py`). Set fields in YAML or as `dotted.key=value` overrides.",
     ]
     for name, cls in sections():
         title = f"`{name}`" if name else "Top level"
         lines += ["", f"## {title}", "", (cls.__doc__ or "").strip(), ""]
         lines += ["| Field | Type | Default | Description |", "| --- | --- | --- | --- |"]
-        rows = {row.name: row for row in _class_docs()[cls.__name__]}
+        rows = {row.name: row for row in _rows(cls)}
         defaults = cls()
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            row = rows[f.name]
+        for row in rows.values():
+            f = next(f for f in dataclasses.fields(cls) if f.name == row.name)
             dotted = f"{name}.{f.name}" if name else f.name
             default = getattr(defaults, f.name)
             if section_type(hints[f.name]) is not None and default is not None:

@@ -37,6 +37,7 @@ from laden.config.areal import from_areal
 from laden.config.paths import PathRule, note_rules, resolve_in_file, resolve_rest, warn_missing_datasets
 from laden.config.schema import AUTO_KNOBS, LadenConfig
 from laden.config.validate import validate_config
+from laden.config.validate_agent import apply_agent_aliases
 from laden.config.validate_data import dataset_errors
 
 Job = Literal["sft", "rl", "any"]
@@ -103,6 +104,7 @@ def _from_raw(
         raise ConfigError(errors)
     if cfg.max_concurrent_rollouts is not None:  # the alias agrees with rollout (checked above)
         cfg.rollout.max_concurrent_rollouts = cfg.max_concurrent_rollouts
+    apply_agent_aliases(cfg)  # likewise checked by validate_config
     return cfg
 
 
@@ -306,7 +308,7 @@ def _resolve_interpolations(raw: dict[str, Any], errors: list[str]) -> dict[str,
                           "write ${dotted.key}, e.g. ${actor.path}")  # fmt: skip
             _remove(data, path)
     try:
-        conf = OmegaConf.create(data)
+        conf = OmegaConf.create(_with_referenced_defaults(data, [v for _, v in good]))
     except (OmegaConfBaseException, ValueError) as err:
         errors.append(f"the config cannot be read for resolving its interpolations: {_first_line(err)}")
         return data
@@ -326,6 +328,37 @@ def _resolve_interpolations(raw: dict[str, Any], errors: list[str]) -> dict[str,
             continue
         _place(data, path, resolved)
     return data
+
+
+def _with_referenced_defaults(data: dict[str, Any], values: list[str]) -> dict[str, Any]:
+    """`data` plus laden's default of every key an interpolation names that `data` leaves out (AReaL's
+    `actor.max_new_tokens: ${gconfig.max_new_tokens}` in a file that sets `gconfig.max_tokens` only), for resolving
+    only: the defaults are not written into the config."""
+    keys = set(all_keys())
+    names = {m for v in values for m in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", v) if m in keys}
+    out = data
+    defaults = None
+    for name in sorted(names):
+        parts = name.split(".")
+        node: Any = data
+        for part in parts:
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:
+            continue
+        if defaults is None:
+            defaults, out = config_to_dict(LadenConfig()), copy.deepcopy(data)
+        value: Any = defaults
+        for part in parts:
+            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+        if value is not _ABSENT and not isinstance(value, dict):
+            target = out
+            for part in parts[:-1]:
+                target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
+            target[parts[-1]] = value
+    return out
+
+
+_ABSENT = object()
 
 
 def _interpolation_error(path: tuple[Any, ...], value: str, err: Exception, raw: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from laden.config.schema_agent import AgentConfig, AgentFields
 from laden.config.schema_trackers import (
     StatsLoggerConfig,
 )
@@ -418,6 +419,8 @@ class RolloutConfig:
     server_host: str = "127.0.0.1"
     """Address the servers laden starts listen on: loopback (only this node reaches them; their API has no
     authentication), `0.0.0.0` (every interface) or one of this node's addresses."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The OpenAI-compatible endpoint of agent workflows (`laden.rl.agent`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -493,8 +496,8 @@ AUTO_KNOBS = (
 
 
 @dataclass(kw_only=True, slots=True)
-class LadenConfig:
-    """The whole run."""
+class LadenConfig(AgentFields):
+    """The whole run (the agent workflows' top-level fields are `AgentFields`'s)."""
 
     experiment_name: str = "laden"
     """Experiment name; the run directory is `cluster.fileroot/experiment_name/trial_name`."""
@@ -523,7 +526,8 @@ class LadenConfig:
     reward_fn: str = "laden.rl.rewards:math_reward"
     """Import path `module:function` of the reward function that scores each completion in `laden rl`."""
     workflow: str = "laden.rl.workflow:RLVRWorkflow"
-    """Import path `module:Class` of the rollout workflow that turns a prompt into scored completions (AReaL's RLVR by default)."""
+    """Import path `module:Class` of the rollout workflow that turns a prompt into scored completions (AReaL's RLVR by default),
+    or of an agent class (`async def run(self, data, **extra_kwargs)`, AReaL's contract: `laden.rl.agent`)."""
     reward_timeout_s: float = 30.0
     """Seconds one reward call may run before its worker process is killed and replaced; the call scores as a failure."""
     reward_workers: int = 2

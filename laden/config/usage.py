@@ -65,6 +65,21 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
         )
     ),
     ("critic", frozenset({"rl"}), "`laden rl` (PPO's value model)"),
+    *(
+        (name, frozenset({"rl"}), "`laden rl` with an agent workflow (laden.rl.agent)")
+        for name in (
+            "eval_workflow",
+            "agent_run_args",
+            "max_turns",
+            "n_trajs",
+            "max_tokens_per_trajectory",
+            "export_style",
+            "turn_discount",
+            "agent_builder_path",
+            "agent_builder_kwargs",
+            "reward_fn_path",
+        )
+    ),
 )
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe", "archon": "actor.archon"}
 

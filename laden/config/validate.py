@@ -34,6 +34,7 @@ from laden.config.validate_actor import (
     warn_lora,
     warn_optimizer,
 )
+from laden.config.validate_agent import agent_errors
 from laden.config.validate_alloc import alloc_errors, critic_errors, warn_ignored_sections
 from laden.config.validate_model import model_errors
 from laden.config.validate_rl import (
@@ -170,6 +171,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += _alias_errors(cfg)
     errors += fused_errors(cfg)
     errors += import_path_errors(cfg)
+    errors += agent_errors(cfg)
     errors += ppo_errors(cfg)
     errors += lora_errors(cfg)
     errors += critic_errors(cfg, rl=rl)

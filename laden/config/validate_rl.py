@@ -47,6 +47,11 @@ def generation_errors(cfg: LadenConfig) -> list[str]:
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
 
 
+def is_import_path(value: str) -> bool:
+    """Whether `value` has the form `module:name` or `module.name`."""
+    return bool(_IMPORT_PATH.fullmatch(value)) and ("." in value or ":" in value)
+
+
 def import_path_errors(cfg: LadenConfig) -> list[str]:
     """`reward_fn` and `workflow` name an object as `module:name` (or `module.name`); nothing is imported here."""
     errors = []
@@ -55,12 +60,12 @@ def import_path_errors(cfg: LadenConfig) -> list[str]:
         ("workflow", "laden.rl.workflow:RLVRWorkflow"),
     ):
         value = getattr(cfg, dotted)
-        if not (_IMPORT_PATH.fullmatch(value) and ("." in value or ":" in value)):
+        if not is_import_path(value):
             errors.append(
                 f"{dotted}={value!r} is not an import path; write `module:name`, e.g. {dotted}={example}"
             )
     for i, spec in enumerate(cfg.reward_fns):
-        if not (_IMPORT_PATH.fullmatch(spec.fn) and ("." in spec.fn or ":" in spec.fn)):
+        if not is_import_path(spec.fn):
             errors.append(
                 f"reward_fns[{i}].fn={spec.fn!r} is not an import path; write `module:name`, e.g. "
                 "laden.rl.rewards:math_reward"

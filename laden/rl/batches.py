@@ -1,7 +1,8 @@
 """Trajectories as training micro-batches: prompt + completion sequences packed to a token budget.
 
 Each trajectory is one sequence, its prompt then its completion; the completion's tokens carry the
-loss. Per-token fields are given per completion token (`fields[name][i]` holds one value per token
+loss, except those a trajectory's `loss_mask` marks as not the model's (tool outputs and user turns inside
+an agent's concatenated conversation). Per-token fields are given per completion token (`fields[name][i]` holds one value per token
 of `trajs[i].completion_ids`) and land in the labels' layout (`laden.data.pack_samples`): the value
 of completion token t sits at the position that predicts it, the one whose hidden state is the
 state before token t. The policy's micro-batches carry `advantages` and `old_logprobs`; the
@@ -39,7 +40,8 @@ def pack_trajectories(
     for i, t in enumerate(trajs):
         p, c = len(t.prompt_ids), len(t.completion_ids)
         on = 1 if loss is None or loss[i] else 0
-        samples.append(([*t.prompt_ids, *t.completion_ids], [0] * p + [on] * c))
+        mask = [on] * c if t.loss_mask is None else [on * int(m) for m in t.loss_mask]
+        samples.append(([*t.prompt_ids, *t.completion_ids], [0] * p + mask))
         for name, values in fields.items():
             packed_fields[name].append([0.0] * p + [float(x) for x in values[i]])
     bins = partition_microbatches(

@@ -38,10 +38,11 @@ def run_eval(cfg: Any, *, model_dir: str | None = None, checkpoint: str | None =
 async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
     from laden.data.overlap import prompt_overlap
     from laden.model.hf.loading import load_tokenizer
+    from laden.rl.agent.loading import build_workflow
     from laden.rl.evaluate import eval_sampling, evaluate
     from laden.rl.producer import read_prompt_rows
     from laden.rl.reward_setup import start_rewards
-    from laden.rl.workflow import load_workflow, render_prompt
+    from laden.rl.workflow import render_prompt
 
     tokenizer = load_tokenizer(cfg.actor.path)
     records = read_prompt_rows(cfg, cfg.valid_dataset, "valid_dataset")
@@ -71,12 +72,14 @@ async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
         )
         del weights
         sampling, n = eval_sampling(cfg.gconfig, cfg.eval_gconfig)
-        workflow = load_workflow(
-            cfg.workflow, tokenizer=tokenizer, sampling=sampling, n_samples=n, reward=pool
+        workflow = build_workflow(
+            cfg, tokenizer=tokenizer, sampling=sampling, n_samples=n, reward=pool, evaluation=True
         )
         try:
             result = await evaluate(engine, rows, workflow)
         finally:
+            if hasattr(workflow, "aclose"):  # an agent workflow's endpoint
+                await workflow.aclose()
             await engine.close()
     finally:
         pool.close()

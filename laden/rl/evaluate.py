@@ -89,7 +89,7 @@ async def evaluate(
         EvalSample(
             row=i, sample=t.sample_index, completion_ids=tuple(t.completion_ids), reward=float(t.reward),
             error=t.info.get("reward_error"), parts=dict(t.info.get("reward_parts") or {}),
-            versions=frozenset(t.versions),
+            versions=frozenset(t.model_versions),
         )
         for i, trajs in zip(mine, episodes)
         for t in trajs or ()

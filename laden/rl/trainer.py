@@ -242,8 +242,12 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         if self.rt.is_main:
             dump_config(cfg, run.path / "config.yaml")
         self.valid = self._held_out()
+        from laden.rl.agent.loading import check_workflow_imports
         from laden.rl.reward_setup import start_rewards
 
+        check_workflow_imports(
+            cfg
+        )  # before the model loads: a workflow that cannot import says what it lacks
         self.rewards, self.reward_info = await start_rewards(
             cfg, [self.all_records] + ([self.valid_all] if self.valid_all is not None else []), self.tokenizer
         )
@@ -278,21 +282,26 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         if self._serves():  # the servers loaded actor.path: the trainer's weights replace them
             await self._push_weights(start)
         self.objective, self.adv_settings = self._objective()
+        from laden.rl.agent.loading import build_workflow, warn_unused_agent_settings
         from laden.rl.evaluate import eval_sampling
-        from laden.rl.workflow import load_workflow
         from laden.rollout import SamplingParams
 
+        self.workflow = self.eval_workflow = None
         try:
-            self.workflow = load_workflow(
-                cfg.workflow, tokenizer=self.tokenizer, sampling=SamplingParams.from_config(cfg.gconfig),
+            self.workflow = build_workflow(
+                cfg, tokenizer=self.tokenizer, sampling=SamplingParams.from_config(cfg.gconfig),
                 n_samples=cfg.gconfig.n_samples, reward=self.rewards, dynamic_sampling=cfg.actor.dynamic_sampling,
             )  # fmt: skip
+            warn_unused_agent_settings(cfg, self.workflow)
             sampling, n = eval_sampling(cfg.gconfig, cfg.eval_gconfig)
-            self.eval_workflow = load_workflow(
-                cfg.workflow, tokenizer=self.tokenizer, sampling=sampling, n_samples=n, reward=self.rewards,
+            self.eval_workflow = build_workflow(
+                cfg, tokenizer=self.tokenizer, sampling=sampling, n_samples=n, reward=self.rewards, evaluation=True,
             )  # fmt: skip
             rewards = await self._train(start, progress)
         finally:
+            for flow in (self.workflow, self.eval_workflow):
+                if hasattr(flow, "aclose"):  # an agent workflow's endpoint and worker processes
+                    await flow.aclose()
             await self.rollout.close()
             self.train_pool.shutdown(wait=True)
         if cfg.checkpoint.export_hf:

@@ -77,6 +77,10 @@ class Trajectory:
     """Which of the prompt's `n_samples` completions this is (0..n-1)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Extras for logging: the prompt and completion text, the row's data fields, per-turn rewards."""
+    loss_mask: list[int] | None = None
+    """Per completion token, 1 where the model generated it (trained on) and 0 where it did not (a tool output
+    or user turn inside one concatenated conversation: `laden.rl.agent`); None: every token is the model's.
+    Tokens with 0 carry log-prob 0 and version -1."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -84,6 +88,11 @@ class Trajectory:
             raise ValueError(
                 f"trajectory {self.group_id!r}/{self.sample_index}: {n} completion tokens, "
                 f"{len(self.logprobs)} log-probs, {len(self.versions)} versions; every token needs one of each"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(
+                f"trajectory {self.group_id!r}/{self.sample_index}: {n} completion tokens but a loss mask of "
+                f"{len(self.loss_mask)}; give one 0/1 per completion token"
             )
 
     @property
@@ -93,8 +102,15 @@ class Trajectory:
 
     @property
     def min_version(self) -> int:
-        """The oldest weight version among the completion's tokens (-1 for an empty completion)."""
-        return min(self.versions, default=-1)
+        """The oldest weight version among the model's tokens of the completion (-1 when it has none)."""
+        return min(self.model_versions, default=-1)
+
+    @property
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens the model generated (those of the loss mask)."""
+        if self.loss_mask is None:
+            return list(self.versions)
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
 
 @runtime_checkable
@@ -504,29 +520,50 @@ def _trajectory(
 # --- loading by import path ----------------------------------------------------------------------
 
 
+def import_object(spec: str, field: str = "workflow") -> Any:
+    """The object `spec` names: "package.module:attr" (attr may be dotted) or AReaL's "package.module.attr".
+
+    Raises `ValueError` naming `field` and what is wrong: the path's form, a missing module or attribute.
+    """
+    text = spec.strip() if isinstance(spec, str) else ""
+    module_name, _, attr = text.partition(":") if ":" in text else text.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{field}={spec!r} is not an import path; write 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"{field} {spec!r}: cannot import {module_name!r} ({exc}); {_import_fix(module_name, exc)}"
+        ) from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(
+                f"{field} {spec!r}: {module_name!r} has no attribute {attr!r}; fix the name after the colon"
+            )
+        target = getattr(target, part)
+    return target
+
+
+def _import_fix(module_name: str, exc: ImportError) -> str:
+    """What to do about a module that does not import: a package it needs, or the path itself."""
+    missing = getattr(exc, "name", None) or ""
+    if not missing or module_name == missing or module_name.startswith(missing + "."):
+        return "check the spelling and that it is on PYTHONPATH"
+    fix = f"it imports {missing!r}, which is not installed: install the package that provides it (pip install {missing.split('.')[0]})"
+    if module_name.split(".")[0] == "areal":
+        fix += ("; AReaL's own agents need the areal package with all its requirements (aiohttp first among them); "
+                "laden runs them unchanged once they import, or set workflow to an agent class of your own (docs/agents.md)")  # fmt: skip
+    return fix
+
+
 def load_workflow(spec: str, **kwargs: Any) -> RolloutWorkflow:
     """Build the workflow `spec` names ("package.module:Class", or a factory) with `kwargs`.
 
     Raises `ValueError` naming what is wrong: the path's form, a missing module or attribute,
     arguments the class does not take, or an object without `async def arun_episode`.
     """
-    module_name, _, attr = spec.strip().partition(":") if isinstance(spec, str) else ("", "", "")
-    if not module_name or not attr:
-        raise ValueError(f"workflow={spec!r} is not an import path; write 'package.module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"workflow {spec!r}: cannot import {module_name!r} ({exc}); check the spelling and that it is "
-            "on PYTHONPATH"
-        ) from exc
-    factory: Any = module
-    for part in attr.split("."):
-        if not hasattr(factory, part):
-            raise ValueError(
-                f"workflow {spec!r}: {module_name!r} has no attribute {attr!r}; fix the name after the colon"
-            )
-        factory = getattr(factory, part)
+    factory = import_object(spec)
     if not callable(factory):
         raise ValueError(f"workflow {spec!r} names a {type(factory).__name__}, not a class or factory")
     try:
@@ -536,6 +573,7 @@ def load_workflow(spec: str, **kwargs: Any) -> RolloutWorkflow:
     if not inspect.iscoroutinefunction(getattr(workflow, "arun_episode", None)):
         raise ValueError(
             f"workflow {spec!r} built a {type(workflow).__name__}, which has no `async def arun_episode(engine, "
-            "data)`; a workflow must implement laden.rl.workflow.RolloutWorkflow"
+            "data)`; a workflow must implement laden.rl.workflow.RolloutWorkflow (or name an agent class, with "
+            "`async def run(self, data, **extra_kwargs)`: laden.rl.agent)"
         )
     return workflow
