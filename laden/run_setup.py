@@ -29,8 +29,9 @@ def start_run(cfg: LadenConfig, job: str) -> Runtime:
     main = int(os.environ.get("RANK", "0")) == 0
     resolve_model_paths(cfg, show_progress=main)
     backend = resolve_backend(cfg)
-    resolve_auto_knobs(cfg, _local_device(), log_lines=main)
-    rt = start_runtime(backend)
+    cpu = cfg.cluster.on_cpu
+    resolve_auto_knobs(cfg, torch.device("cpu") if cpu else _local_device(), log_lines=main)
+    rt = start_runtime(backend, cpu=cpu)
     check_world_size(cfg, rt, job, backend)
     if rt.is_main:
         for line in fields_without_effect(cfg, job=job, engine=backend.name):

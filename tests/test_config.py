@@ -272,7 +272,7 @@ def test_rollout_backend_checked_only_for_rl():
         ("actor.optimizer.lr=.nan", "actor.optimizer.lr=nan must be greater than 0"),
         ("train_dataset.batch_size=0", "train_dataset.batch_size=0 must be at least 1"),
         ("actor.mb_spec.n_mbs=-1", "actor.mb_spec.n_mbs=-1 must be at least 1"),
-        ("cluster.n_gpus_per_node=0", "cluster.n_gpus_per_node=0 must be at least 1"),
+        ("cluster.n_gpus_per_node=-1", "cluster.n_gpus_per_node=-1 must be at least 0"),  # 0: the CPU
         ("gconfig.temperature=0", "set gconfig.greedy: true"),
         ("gconfig.min_new_tokens=300", "larger than gconfig.max_new_tokens=256"),
         ("trial_name=a/b", "contains '/'"),

@@ -455,7 +455,12 @@ class ClusterConfig:
     n_nodes: int = 1
     """Number of nodes."""
     n_gpus_per_node: int = 1
-    """GPUs per node."""
+    """GPUs per node; 0 = the CPU: every process trains and generates on the CPU (gloo), even where CUDA is visible."""
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the run is on the CPU (`n_gpus_per_node: 0`, AReaL's CPU examples)."""
+        return self.n_gpus_per_node == 0
 
 
 @dataclass(kw_only=True, slots=True)

@@ -141,7 +141,7 @@ _RANGES: dict[str, str] = {
     "sglang.mem_fraction_static": "frac",
     "native.mem_fraction_static": "frac",
     "cluster.n_nodes": "pos",
-    "cluster.n_gpus_per_node": "pos",
+    "cluster.n_gpus_per_node": "nonneg",  # 0: the CPU
     "checkpoint.save_freq_steps": "pos",
     "checkpoint.export_hf_freq_steps": "pos",
     "checkpoint.keep_last": "pos",

@@ -43,7 +43,7 @@ def alloc_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
             "actor.optimizer.type='adam_bf16' is not supported by the megatron backend; use adam or sgd"
         )
     if errors or cfg.cluster.n_nodes < 1 or cfg.cluster.n_gpus_per_node < 1:
-        return errors
+        return errors  # n_gpus_per_node 0: processes on the CPU, as many as the launch starts
     return _gpu_total_errors(cfg, rl=rl)
 
 

@@ -123,14 +123,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def start_runtime(backend: TrainBackend | None = None) -> Runtime:
+def start_runtime(backend: TrainBackend | None = None, *, cpu: bool = False) -> Runtime:
     """Join torchrun's process group when launched by it; otherwise a single process. `backend`: the
-    engine's backend object the trainer asks (`Runtime.backend`)."""
+    engine's backend object the trainer asks (`Runtime.backend`); `cpu`: on the CPU (gloo) even where
+    CUDA is visible (`cluster.n_gpus_per_node: 0`)."""
     if launched_world_size() == 1:
-        return Runtime(rank=0, world_size=1, device=default_device(), backend=backend)
+        return Runtime(
+            rank=0, world_size=1, device=torch.device("cpu") if cpu else default_device(), backend=backend
+        )
     from laden.engine.parallel.launch import init_distributed
 
-    rank, world_size, _, device = init_distributed()
+    rank, world_size, _, device = init_distributed("gloo" if cpu else None)
     host_group = torch.distributed.new_group(backend="gloo")
     return Runtime(rank=rank, world_size=world_size, device=device, host_group=host_group, backend=backend)
 

@@ -148,7 +148,7 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     from laden.engine.runtime import batch_device, load_model, seed_everything, start_runtime
 
     backend = resolve_backend(cfg)
-    rt = start_runtime(backend)
+    rt = start_runtime(backend, cpu=cfg.cluster.on_cpu)
     if rt.world_size != 1:
         raise ValueError(
             f"laden plan --profile runs one process, and {rt.world_size} were launched; profile one rank's "
