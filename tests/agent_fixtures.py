@@ -80,3 +80,25 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         pass
+
+
+class EnvAgent:
+    """Agent code that reads the endpoint from the environment (OPENAI_BASE_URL, OPENAI_API_KEY), with the blocking
+    client when `blocking` (for `rollout.agent.mode: subproc`) else the asynchronous one; one call, its share of 'a'."""
+
+    def __init__(self, blocking: bool = True) -> None:
+        self.blocking = blocking
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+        from openai import AsyncOpenAI, OpenAI
+
+        messages = [{"role": "user", "content": data["prompt"]}]
+        if self.blocking:
+            reply = OpenAI(max_retries=0).chat.completions.create(
+                model="policy", messages=messages, max_tokens=4
+            )
+        else:
+            reply = await AsyncOpenAI(max_retries=0).chat.completions.create(
+                model="policy", messages=messages, max_tokens=4
+            )
+        return share_of_a(reply.choices[0].message.content)

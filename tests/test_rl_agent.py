@@ -8,9 +8,10 @@ import asyncio
 import json
 
 import pytest
-from agent_fixtures import LetterAgent, share_of_a
-from rl_runs import tiny_rl_config
+from agent_fixtures import EnvAgent, LetterAgent, share_of_a
+from rl_runs import ASSETS, tiny_rl_config
 
+from laden.cli import main
 from laden.rl.agent import AgentWorkflow, export_calls
 from laden.rl.agent.loading import build_workflow, is_agent_class
 from laden.rl.batches import pack_trajectories
@@ -178,14 +179,51 @@ def test_the_config_names_an_agent_class_or_a_workflow(tmp_path, tiny_tokenizer)
         build_workflow(bad, tokenizer=tiny_tokenizer, sampling=SamplingParams(), n_samples=1, reward=None)
 
 
-def test_laden_rl_trains_an_agent_for_a_step_and_evaluates_it(tmp_path):
-    cfg = tiny_rl_config(tmp_path, "workflow=agent_fixtures:LetterAgent", "agent_run_args={per_call: true}",
-                         "export_style=concat", "total_train_steps=1", "train_dataset.batch_size=2",
-                         "gconfig.n_samples=2", "gconfig.max_new_tokens=6", "turn_discount=0.5",
-                         "train_dataset.max_length=120", "valid_dataset.max_length=120")  # fmt: skip
-    result = run_rl(cfg, progress=False)
+def test_laden_rl_trains_an_agent_for_a_step_and_laden_eval_repeats_its_evaluation(tmp_path, capsys):
+    args = ["workflow=agent_fixtures:LetterAgent", "agent_run_args={per_call: true}", "export_style=concat",
+            "total_train_steps=1", "train_dataset.batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=6",
+            "turn_discount=0.5", "train_dataset.max_length=120", "valid_dataset.max_length=120"]  # fmt: skip
+    result = run_rl(tiny_rl_config(tmp_path, *args), progress=False)
     assert result.num_steps == 1 and len(result.rewards) == 1
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if r.get("step") == 1 and "completions" in r)
     assert step["completions"] == 2 * 2  # concat: one sequence per run, two runs per prompt
-    assert [s for s, _ in result.held_out][-1] == 1  # the agent also ran the held-out evaluation
+    logged = next(r for r in rows if r.get("step") == 1 and "eval/accuracy" in r)
+    assert logged["eval/completions"] == 16  # the agent ran the held-out evaluation: one run per prompt
+    capsys.readouterr()
+    overrides = [f"{k}={v}" for k, v in (("actor.path", ASSETS / "tiny"), ("train_dataset.path", ASSETS / "rl_tiny.jsonl"),
+                 ("valid_dataset.path", ASSETS / "rl_tiny_valid.jsonl"), ("cluster.fileroot", tmp_path))]  # fmt: skip
+    ckpt = result.run_dir / "checkpoints" / "step_1"
+    assert (
+        main(["eval", "--checkpoint", str(ckpt), "--config", str(ASSETS / "rl_tiny.yaml"), *overrides, *args])
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/response_length", "eval/completions"):
+        assert record[key] == logged[key], key  # the same greedy agent runs, outside the run
+
+
+@pytest.fixture(autouse=True)
+def _openai_environment(monkeypatch):
+    """Inline agent workflows set OPENAI_BASE_URL and OPENAI_API_KEY in this process; put them back after."""
+    for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
+        monkeypatch.setenv(name, "unset")
+
+
+def test_subproc_mode_gives_each_run_its_own_environment(tiny_model, tiny_tokenizer):
+    workflow = AgentWorkflow(agent=EnvAgent(blocking=True), tokenizer=tiny_tokenizer, n_samples=2,
+                             sampling=SamplingParams(max_new_tokens=4), mode="subproc", subproc_max_workers=2)  # fmt: skip
+    ((a, b),) = run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}])
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "say a"}], tokenize=False,
+                                                add_generation_prompt=True)  # fmt: skip
+    for traj in (a, b):
+        assert tiny_tokenizer.decode(traj.prompt_ids) == prompt
+        text = tiny_tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
+        assert traj.reward == pytest.approx(share_of_a(text))
+
+
+def test_inline_mode_refuses_the_shared_environment_key_and_says_why(tiny_model, tiny_tokenizer):
+    workflow = AgentWorkflow(agent=EnvAgent(blocking=False), tokenizer=tiny_tokenizer,
+                             sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
+    with pytest.raises(RuntimeError, match="process-wide OPENAI_API_KEY.*rollout.agent.mode: subproc"):
+        run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}])

@@ -11,12 +11,14 @@ import logging
 import openai
 import pytest
 from agent_fixtures import QWEN_TOOL_TEMPLATE, ScriptedEngine
+from fake_servers import FakeVLLM, logprob_at, token_at
 
 from laden.rollout import SamplingParams
 from laden.rollout.base import GenerationRequest
 from laden.rollout.native import NativeEngine
 from laden.rollout.openai_server import OpenAIEndpoint
 from laden.rollout.openai_server.tool_calls import parse_tool_calls, tool_call_format
+from laden.rollout.servers import VLLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -257,3 +259,29 @@ def test_a_prompt_that_leaves_no_room_is_refused(tiny_tokenizer):
 
     with pytest.raises(openai.BadRequestError, match="leaving no room for a completion within 8 tokens"):
         run(main())
+
+
+def test_the_endpoint_serves_a_vllm_server_backend_too(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = chat_ids(tiny_tokenizer, messages)
+
+    async def main(url):
+        engine = VLLMEngine.attach([url], initial_version=3)
+        endpoint = await OpenAIEndpoint(engine, tiny_tokenizer, sampling=GREEDY).start()
+        session = endpoint.open_session()
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0)
+        try:
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0.5)
+            return session
+        finally:
+            await client.close()
+            await endpoint.close()
+            await engine.close()
+
+    with FakeVLLM() as fake:
+        session = run(main(fake.url))
+    (call,) = session.interactions.values()
+    assert call.prompt_ids == prompt
+    assert call.completion_ids == [token_at(prompt, j) for j in range(4)]  # the server's tokens, as generated
+    assert call.logprobs == pytest.approx([logprob_at(0, len(prompt) + j) for j in range(4)])
+    assert call.versions == [3, 3, 3, 3] and call.stop_reason == "length"

@@ -38,7 +38,7 @@ def run_eval(cfg: Any, *, model_dir: str | None = None, checkpoint: str | None =
 async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
     from laden.data.overlap import prompt_overlap
     from laden.model.hf.loading import load_tokenizer
-    from laden.rl.agent.loading import build_workflow
+    from laden.rl.agent.loading import build_workflow, check_workflow_imports
     from laden.rl.evaluate import eval_sampling, evaluate
     from laden.rl.producer import read_prompt_rows
     from laden.rl.reward_setup import start_rewards
@@ -57,7 +57,9 @@ async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
             f"valid_dataset.path={cfg.valid_dataset.path!r}: every prompt is longer than train_dataset.max_length="
             f"{limit} tokens (the engine's context is that plus gconfig.max_new_tokens); raise it"
         )
-    pool, _ = await start_rewards(cfg, [records], tokenizer)
+    pool: Any = None
+    if check_workflow_imports(cfg):  # an agent's run returns its rewards: no reward pool then
+        pool, _ = await start_rewards(cfg, [records], tokenizer)
     try:
         import torch
 
@@ -82,7 +84,8 @@ async def _evaluate(cfg: Any, checkpoint: str | None) -> dict[str, Any]:
                 await workflow.aclose()
             await engine.close()
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
     out: dict[str, Any] = {
         "model": checkpoint or cfg.actor.path,
         "version": version,

@@ -245,16 +245,16 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         from laden.rl.agent.loading import check_workflow_imports
         from laden.rl.reward_setup import start_rewards
 
-        check_workflow_imports(
-            cfg
-        )  # before the model loads: a workflow that cannot import says what it lacks
-        self.rewards, self.reward_info = await start_rewards(
-            cfg, [self.all_records] + ([self.valid_all] if self.valid_all is not None else []), self.tokenizer
-        )
+        # before the model loads: a workflow that cannot import says what it lacks; agents score themselves
+        self.rewards = self.reward_info = None
+        if check_workflow_imports(cfg):
+            sources = [self.all_records] + ([self.valid_all] if self.valid_all is not None else [])
+            self.rewards, self.reward_info = await start_rewards(cfg, sources, self.tokenizer)
         try:
             return await self._build_and_train(history, changes, progress)
         finally:
-            self.rewards.close()
+            if self.rewards is not None:
+                self.rewards.close()
 
     async def _build_and_train(self, history, changes, progress: bool) -> RLResult:
         cfg, run = self.cfg, self.run

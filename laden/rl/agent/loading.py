@@ -65,18 +65,22 @@ def build_workflow(
     )  # fmt: skip
 
 
-def check_workflow_imports(cfg: LadenConfig) -> None:
-    """Import what `workflow`, `eval_workflow` and `agent_builder_path` name, before the model is loaded: a
-    `ValueError` names the path and the package it lacks."""
+def check_workflow_imports(cfg: LadenConfig) -> bool:
+    """Import what `workflow`, `eval_workflow` and `agent_builder_path` name, before the model is loaded (a
+    `ValueError` names the path and the package it lacks); whether the run calls the reward (`reward_fn`):
+    not when both workflows are agents, whose `run` returns the rewards."""
     if cfg.agent_builder_path:
         from laden.rl.agent.openai_agents import require_openai_agents
 
         require_openai_agents(cfg.agent_builder_path)
         import_object(cfg.agent_builder_path, "agent_builder_path")
-        return
-    for field in ("workflow", "eval_workflow"):
-        if getattr(cfg, field):
-            import_object(getattr(cfg, field), field)
+        return True  # the runner scores the SDK agent's final output with the reward
+    agents = [
+        is_agent_class(import_object(getattr(cfg, f), f))
+        for f in ("workflow", "eval_workflow")
+        if getattr(cfg, f)
+    ]
+    return not all(agents)
 
 
 def agent_kwargs(cfg: LadenConfig) -> dict[str, Any]:
