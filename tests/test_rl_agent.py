@@ -19,7 +19,7 @@ from laden.rl.trainer import run_rl
 from laden.rl.workflow import RLVRWorkflow
 from laden.rollout import SamplingParams
 from laden.rollout.native import NativeEngine
-from laden.rollout.openai_server import Interaction, Session
+from laden.rollout.openai_server import Interaction, OpenAIEndpoint, Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -151,10 +151,22 @@ def test_an_agent_episode_exports_concat_sequences_that_extend_its_calls(tiny_mo
     assert [t.sample_index for t in (a, b)] == [0, 1]
 
 
-def test_an_agent_episode_exports_every_call_individually(tiny_model, tiny_tokenizer):
+def test_an_agent_episode_exports_every_call_individually(tiny_model, tiny_tokenizer, monkeypatch):
+    starts = []
+    start = OpenAIEndpoint.start
+
+    async def counted(self):
+        starts.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(OpenAIEndpoint, "start", counted)
     workflow = AgentWorkflow(agent=LetterAgent(max_turns=3), tokenizer=tiny_tokenizer,
                              sampling=SamplingParams(max_new_tokens=6), n_samples=1, turn_discount=1.0)  # fmt: skip
-    ((*calls,),) = run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}])
+    (*calls,), other = run_agent(
+        workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}, {"prompt": "say b"}]
+    )
+    assert len(starts) == 1  # the episodes of a batch start together and share one endpoint
+    assert len(other) == 3 and other[0].group_id != calls[0].group_id
     assert len(calls) == 3 and all(t.loss_mask == [1] * len(t.completion_ids) for t in calls)
     assert calls[1].prompt_ids[: len(calls[0].prompt_ids)] == calls[0].prompt_ids
     last = tiny_tokenizer.decode(calls[2].completion_ids, skip_special_tokens=True)

@@ -74,7 +74,7 @@ class AgentWorkflow:
     """One trajectory per run: its last call, with the run's final reward (held-out evaluation)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of `apply_chat_template` (a request's own `chat_template_kwargs` add to them)."""
-    _endpoints: dict[int, OpenAIEndpoint] = field(default_factory=dict, init=False, repr=False)
+    _endpoints: dict[int, asyncio.Task[OpenAIEndpoint]] = field(default_factory=dict, init=False, repr=False)
     _runner: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,30 +111,35 @@ class AgentWorkflow:
         return trajs
 
     async def endpoint(self, engine: RolloutEngine) -> OpenAIEndpoint:
-        """The endpoint in front of `engine` (started on first use, on the running loop)."""
-        endpoint = self._endpoints.get(id(engine))
-        if endpoint is None:
-            template = self.chat_template_type or ("concat" if self.export_style == "concat" else "hf")
-            endpoint = OpenAIEndpoint(
-                engine, self.tokenizer, sampling=self.sampling, chat_template_type=template,
-                max_total_tokens=self.max_total_tokens, tool_call_parser=self.tool_call_parser,
-                chat_template_kwargs=self.chat_template_kwargs,
-            )  # fmt: skip
-            await endpoint.start()
-            self._endpoints[id(engine)] = endpoint
-            if self.mode == "inline":
-                os.environ["OPENAI_BASE_URL"] = endpoint.base_url
-                os.environ["OPENAI_API_KEY"] = ENVIRONMENT_KEY
-                endpoint.refused_keys[ENVIRONMENT_KEY] = (
-                    "this is the process-wide OPENAI_API_KEY: in rollout.agent.mode inline the episodes share the "
-                    "environment; pass the api_key that run() receives to the client, or set rollout.agent.mode: "
-                    "subproc for agent code that reads the environment"
-                )
+        """The endpoint in front of `engine`, started on first use on the running loop (once: the episodes of a
+        batch start together and all wait for the same start)."""
+        task = self._endpoints.get(id(engine))
+        if task is None:
+            task = self._endpoints[id(engine)] = asyncio.ensure_future(self._start_endpoint(engine))
+        return await asyncio.shield(task)
+
+    async def _start_endpoint(self, engine: RolloutEngine) -> OpenAIEndpoint:
+        template = self.chat_template_type or ("concat" if self.export_style == "concat" else "hf")
+        endpoint = OpenAIEndpoint(
+            engine, self.tokenizer, sampling=self.sampling, chat_template_type=template,
+            max_total_tokens=self.max_total_tokens, tool_call_parser=self.tool_call_parser,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )  # fmt: skip
+        await endpoint.start()
+        if self.mode == "inline":
+            os.environ["OPENAI_BASE_URL"] = endpoint.base_url
+            os.environ["OPENAI_API_KEY"] = ENVIRONMENT_KEY
+            endpoint.refused_keys[ENVIRONMENT_KEY] = (
+                "this is the process-wide OPENAI_API_KEY: in rollout.agent.mode inline the episodes share the "
+                "environment; pass the api_key that run() receives to the client, or set rollout.agent.mode: "
+                "subproc for agent code that reads the environment"
+            )
         return endpoint
 
     async def aclose(self) -> None:
         """Stop the endpoints and worker processes; idempotent."""
-        for endpoint in self._endpoints.values():
+        for task in self._endpoints.values():
+            endpoint = await task
             await endpoint.close()
         self._endpoints.clear()
         if self._runner is not None:
