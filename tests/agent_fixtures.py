@@ -102,3 +102,17 @@ class EnvAgent:
                 model="policy", messages=messages, max_tokens=4
             )
         return share_of_a(reply.choices[0].message.content)
+
+
+def build_sdk_agent(instructions: str = "Answer with the letter a.") -> Any:
+    """An OpenAI Agents SDK agent (AReaL's `agent_builder_path` example), for `laden.rl.agent.openai_agents`."""
+    from agents import Agent
+
+    return Agent(name="letters", instructions=instructions)
+
+
+def text_length_reward(
+    prompt: str, completion: str, prompt_ids: list, completion_ids: list, **fields: Any
+) -> float:
+    """The completion's length in characters (a reward that tells which text it scored)."""
+    return float(len(completion))

@@ -239,3 +239,32 @@ def test_inline_mode_refuses_the_shared_environment_key_and_says_why(tiny_model,
                              sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
     with pytest.raises(RuntimeError, match="process-wide OPENAI_API_KEY.*rollout.agent.mode: subproc"):
         run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}])
+
+
+def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_and_is_scored_by_the_reward(
+    tiny_model, tiny_tokenizer
+):
+    pytest.importorskip("agents")
+    from agent_fixtures import text_length_reward
+
+    from laden.rl.agent.openai_agents import OpenAIAgentsRunner
+
+    runner = OpenAIAgentsRunner(
+        builder_path="agent_fixtures:build_sdk_agent", builder_kwargs={}, reward=text_length_reward
+    )
+    workflow = AgentWorkflow(
+        agent=runner, tokenizer=tiny_tokenizer, sampling=SamplingParams(max_new_tokens=6), n_samples=2
+    )
+    ((a, b),) = run_agent(
+        workflow, tiny_model, tiny_tokenizer, [{"messages": [{"role": "user", "content": "say a"}]}]
+    )
+    system = [
+        {"role": "system", "content": "Answer with the letter a."},
+        {"role": "user", "content": "say a"},
+    ]
+    prompt = tiny_tokenizer.apply_chat_template(system, tokenize=False, add_generation_prompt=True)
+    eos = tiny_tokenizer.eos_token_id
+    for traj in (a, b):
+        assert tiny_tokenizer.decode(traj.prompt_ids) == prompt  # the SDK's instructions as the system turn
+        shown = traj.completion_ids[:-1] if traj.completion_ids[-1:] == [eos] else traj.completion_ids
+        assert traj.reward == len(tiny_tokenizer.decode(shown)) > 0  # its final output, scored
