@@ -8,6 +8,7 @@ a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -142,6 +143,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = resolve_model_paths(_load(args, "rl"))  # a Hub id in actor.path: its local snapshot
     record = run_eval(cfg, model_dir=args.model, checkpoint=args.checkpoint)
     print(json.dumps(record))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from laden.rollout.servers.serve import serve
+    from laden.run_setup import resolve_model_paths
+
+    cfg = resolve_model_paths(_load(args, "rl"))
+
+    def announce(urls: list[str]) -> None:
+        print(f"serving: rollout.server_urls=[{','.join(urls)}]", flush=True)
+        if cfg.rollout.server_host == "127.0.0.1":
+            _say("laden: the servers listen on loopback, so only this node reaches them; for trainers on other "
+                 "nodes set rollout.server_host=0.0.0.0")  # fmt: skip
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how serving ends
+        serve(cfg, port=args.port, announce=announce)
+    _say("laden: servers ended")
     return 0
 
 
@@ -298,6 +317,7 @@ The commands you run:
   laden rl  --config X.yaml [key=value ...]   RL (GRPO/PPO family) with held-out evaluation
   laden init sft|rl --model M --data D        a commented config for your model and data, checked
   laden plan --config X.yaml                  predicted GPU and host memory per phase, and the fixes
+  laden serve --config X.yaml --port P        rollout servers on this node, for laden rl on other nodes
   laden doctor [RUN_DIR]                      what this machine has, or why a run failed
 
 Where results go: cluster.fileroot/experiment_name/trial_name/ holds config.yaml, metrics.jsonl,
@@ -348,6 +368,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--model", default=None, help="a Hugging Face model directory (default: actor.path)")
     group.add_argument("--checkpoint", default=None, help="a run's checkpoint, RUN_DIR/checkpoints/step_N")
     evaluate.set_defaults(func=cmd_eval)
+
+    serve = sub.add_parser(
+        "serve",
+        help="start the rollout servers of a config on this node, for laden rl on other nodes to attach to",
+    )
+    with_config(serve)
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the first server's port, the others on the next (default: free ports)",
+    )
+    serve.set_defaults(func=cmd_serve)
 
     init = sub.add_parser("init", help="write a short commented config for your model and data (checked)")
     init.add_argument("job", choices=["sft", "rl"])

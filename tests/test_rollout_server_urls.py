@@ -1,9 +1,11 @@
 """Rollout servers started elsewhere (`rollout.server_urls`, AReaL's `$AREAL_LLM_SERVER_ADDRS`) and where
 laden's own listen (`rollout.server_host`): addresses checked at load time, servers that do not answer
-named at start-up before the model loads, and servers laden starts placed after the trainer's GPUs."""
+named at start-up before the model loads, servers laden starts placed after the trainer's GPUs, and
+`laden serve`, which starts a config's servers on a node of their own."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -141,3 +143,52 @@ def test_servers_laden_starts_take_the_gpus_after_the_trainers(monkeypatch):
         ValueError, match=r"needs 6 GPUs beside the 4 of the trainer processes .* rollout.server_urls"
     ):
         device_groups(3, 2, backend="sglang", first=4)
+
+
+def test_laden_serve_starts_the_servers_a_trainer_elsewhere_attaches_to(tmp_path):
+    """`laden serve` on the generation node: the config's servers on --port, --port + 1, listening on every
+    address, announced as the rollout.server_urls to give the trainer; SIGTERM ends them and the command."""
+    import select
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    port = free_port()
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([stub_vllm_path(tmp_path / "stub"), str(root)])}
+    config = str(root / "examples" / "rl_tiny.yaml")
+    cmd = [
+        sys.executable, "-m", "laden.cli", "serve", "--config", config, "--port", str(port), f"cluster.fileroot={tmp_path}",
+        "rollout.backend=vllm:d2", "rollout.server_host=0.0.0.0", "actor.weight_update_mode=disk",
+        f"rollout.server_urls=[{socket.getfqdn()}:{port},{socket.getfqdn()}:{port + 1}]",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("serving:"):
+            ready, _, _ = select.select([proc.stdout], [], [], 300)  # a failure guard only
+            assert ready and proc.poll() is None, (
+                proc.stderr.read()[-4000:] if proc.poll() is not None else "no answer"
+            )
+            line = proc.stdout.readline()
+        name = socket.getfqdn()
+        assert line.strip() == f"serving: rollout.server_urls=[http://{name}:{port},http://{name}:{port + 1}]"
+        for p in (port, port + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=30) as answer:
+                assert answer.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "--host 0.0.0.0" in (tmp_path / "rl-tiny" / "run0" / "logs" / "rollout" / "vllm-1.log").read_text()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_laden_serve_refuses_the_embedded_engine(tmp_path):
+    from laden.rollout.servers.serve import serve
+
+    with pytest.raises(ValueError, match="laden serve starts servers: set rollout.backend: vllm:dN"):
+        serve(_cfg(tmp_path), port=None, announce=print)

@@ -51,6 +51,8 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when a server is ended."""
     first_device: int = 0
     """Visible GPUs left before the servers' own (the trainer's, beside them)."""
+    first_port: int | None = None
+    """Port of the first server, the others on the next ones; None = a free port each."""
 
 
 T = TypeVar("T")
@@ -78,11 +80,12 @@ def launch_and_build(
     build: Callable[[list[ServerHandle]], T],
 ) -> T:
     """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`,
-    `first_device`), wait until every one is healthy, and `build` the engine on them (the servers end if
+    `first_device`, `first_port`), wait until every one is healthy, and `build` the engine on them (the servers end if
     that fails)."""
     spec = LaunchSpec(
         kind=kind, python=cfg.python, host=cfg.host, health_path=health_path, log_dir=cfg.log_dir,
         startup_timeout_s=cfg.startup_timeout_s, command=command, first_device=cfg.first_device,
+        first_port=cfg.first_port,
     )  # fmt: skip
     servers = launch_servers(spec, dp=dp, tp=tp)
     return built_or_closed(servers, lambda: build(servers))
@@ -103,7 +106,7 @@ def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
     started: list[tuple[ServerProcess, str]] = []
     try:
         for rank in range(dp):
-            port = free_port(spec.host)
+            port = free_port(spec.host) if spec.first_port is None else spec.first_port + rank
             argv, env = spec.command(python, port)
             if devices:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[rank]), **env}
