@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from laden.config.schema_agent import AgentConfig, AgentFields
+from laden.config.schema_agent import AgentFields
+from laden.config.schema_rollout import NativeConfig, RolloutConfig, SGLangConfig
 from laden.config.schema_trackers import (
     StatsLoggerConfig,
 )
@@ -399,53 +400,6 @@ class CriticConfig:
     """Knobs of the `roundpipe` backend; null = `actor.roundpipe`."""
     archon: ArchonConfig | None = None
     """Knobs of the `archon` backend (and `megatron:` modes); null = `actor.archon`."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    """The generation side of RL."""
-
-    backend: str = "native:d1"
-    """Rollout allocation mode `<backend>:<dims>`, e.g. `native:d1` or `sglang:d2t2`."""
-    max_concurrent_rollouts: int | None = None
-    """Sequences in flight at once in the rollout engine (the main generation-memory knob); the rest queue; None = 256;
-    `auto`: what the KV cache holds at full length, at most what a step can have in flight."""
-    max_head_offpolicyness: int = 0
-    """How many weight versions a rollout may lag behind the trainer; 0 = on-policy."""
-    server_urls: list[str] = field(default_factory=list)
-    """vLLM / SGLang servers started elsewhere, one per `d` of `rollout.backend` (`http://host:port`, or AReaL's
-    `host:port`): laden attaches to them, checks each answers at start-up, and leaves them running; empty =
-    `$AREAL_LLM_SERVER_ADDRS` (AReaL's comma-separated list) when set, else laden starts the servers."""
-    setup_timeout: float = 900.0
-    """Seconds the rollout servers have to answer at start-up (AReaL's name): those laden starts (loading the model),
-    and those of `rollout.server_urls` (which may be starting beside the trainer)."""
-    server_host: str = "127.0.0.1"
-    """Address the servers laden starts listen on: loopback (only this node reaches them; their API has no
-    authentication), `0.0.0.0` (every interface) or one of this node's addresses."""
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    """The OpenAI-compatible endpoint of agent workflows (`laden.rl.agent`)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SGLangConfig:
-    """Settings passed to an SGLang server."""
-
-    mem_fraction_static: float = 0.9
-    """Fraction of GPU memory SGLang reserves for weights and KV cache, in (0, 1]."""
-
-
-@dataclass(kw_only=True, slots=True)
-class NativeConfig:
-    """Settings of the embedded generation engine."""
-
-    mem_fraction_static: float = 0.8
-    """Fraction of the GPU's memory (what this process may use: all of it, or its `torch.cuda.set_per_process_memory_fraction` share) the embedded engine reserves for its weights plus KV cache (after a profiling pass at the largest batch), in (0, 1];
-    `auto`: 0.9 when the engine has the GPU while it generates, else what the training peak leaves."""
-    free_kv_while_training: Literal["auto", "always", "never"] = "auto"
-    """Whether the engine frees its KV cache while a synchronous run (`rollout.max_head_offpolicyness: 0`)
-    trains on its GPU, and allocates it again (and recaptures its CUDA graphs) after: `always`; `never`;
-    `auto`: frees it during the first step, then keeps it when that step's peak plus the cache fits in 90%
-    of the GPU (always frees with a roundpipe trainer, whose engine frees its weights too)."""
 
 
 @dataclass(kw_only=True, slots=True)
