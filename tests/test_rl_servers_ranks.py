@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.request
 from pathlib import Path
 
 import pytest
-from fake_servers import FakeVLLM
+from fake_servers import FakeVLLM, stub_vllm_path
 from rl_runs import tiny_rl_config
 
 from laden.rl.trainer import run_rl
@@ -81,3 +82,35 @@ def test_two_trainer_processes_generate_on_rank_zero_what_one_process_does(tmp_p
         assert got["reward_mean"] == want["reward_mean"] and got["trained"] == want["trained"]
         assert math.isclose(got["loss"], want["loss"], rel_tol=1e-4, abs_tol=1e-5), got["step"]
     assert out[0]["rewards"] == out[1]["rewards"]  # every rank reports the one run
+
+
+def _launching_rank(rank: int, world_size: int, root: str) -> dict:
+    """A worker: one rank of `laden rl` at fsdp:d2 with `vllm:d1` and no server_urls: laden starts the server."""
+    cfg = tiny_rl_config(
+        Path(root), "total_train_steps=1", "actor.backend=fsdp:d2", "rollout.backend=vllm:d1",
+        "cluster.n_gpus_per_node=3", "actor.weight_update_mode=disk", "gconfig.max_new_tokens=4",
+        "checkpoint.export_hf=false", "valid_dataset=null",
+    )  # fmt: skip
+    result = run_rl(cfg, progress=False)
+    rows = (
+        [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        if rank == 0
+        else []
+    )
+    return {"rows": rows, "run_dir": str(result.run_dir)}
+
+
+def test_laden_starts_the_servers_once_from_rank_zero_and_ends_them(tmp_path, monkeypatch):
+    """The stand-in `vllm` package's api_server is the fake vLLM: one server process for both ranks."""
+    from workers import run_workers
+
+    monkeypatch.setenv("PYTHONPATH", stub_vllm_path(tmp_path / "stub"))
+    monkeypatch.delenv("LADEN_VLLM_PYTHON", raising=False)
+    out = run_workers(_launching_rank, 2, str(tmp_path / "runs"))
+    assert [r["step"] for r in out[0]["rows"]] == [1] and out[0]["rows"][0]["completions"] == 32
+    logs = sorted(p.name for p in (Path(out[0]["run_dir"]) / "logs" / "rollout").iterdir())
+    assert logs == ["vllm-0.log"]  # one server, started once
+    command = (Path(out[0]["run_dir"]) / "logs" / "rollout" / "vllm-0.log").read_text().splitlines()[0]
+    port = int(command.split("--port ")[1].split()[0])
+    with pytest.raises(OSError):  # ended with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
