@@ -153,13 +153,14 @@ def _cluster_from_launcher(cfg: LadenConfig, given: Any) -> None:
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts/lists/scalars (YAML- and JSON-safe)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    for name in (n for n in _hints(type(cfg)) if n in fields):
+        value = getattr(cfg, name)
         if dataclasses.is_dataclass(value):
             value = config_to_dict(value)
         elif isinstance(value, list):
             value = [config_to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
-        out[f.name] = value
+        out[name] = value
     return out
 
 
@@ -411,7 +412,10 @@ def _first_line(err: Exception) -> str:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The fields' types, the class's own fields first, then those it inherits (`LadenConfig`'s `AgentFields`)."""
+    hints = typing.get_type_hints(cls)
+    own = [name for name in vars(cls).get("__annotations__", {}) if name in hints]
+    return {**{name: hints[name] for name in own}, **hints}
 
 
 @functools.cache

@@ -99,8 +99,8 @@ class AgentWorkflow:
         endpoint = await self.endpoint(engine)
         runs = await asyncio.gather(*(self._run(endpoint, data) for _ in range(self.n_samples)))
         group_id = uuid.uuid4().hex[:12]
-        trajs = [_trajectory(s, group_id, i, run) for i, (run, s) in enumerate(
-            (run, s) for run, samples in enumerate(runs) for s in samples)]  # fmt: skip
+        numbered = [(run, sample) for run, samples in enumerate(runs) for sample in samples]
+        trajs = [_trajectory(sample, group_id, i, run) for i, (run, sample) in enumerate(numbered)]
         if not trajs:
             log.warning(
                 "none of the %d agent runs on a row called the endpoint; the row is rejected", self.n_samples
