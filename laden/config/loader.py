@@ -154,7 +154,8 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested dicts/lists/scalars (YAML- and JSON-safe)."""
     out: dict[str, Any] = {}
     fields = {f.name for f in dataclasses.fields(cfg)}
-    for name in (n for n in _hints(type(cfg)) if n in fields):
+    cls: type = type(cfg)
+    for name in (n for n in _hints(cls) if n in fields):
         value = getattr(cfg, name)
         if dataclasses.is_dataclass(value):
             value = config_to_dict(value)
