@@ -2,10 +2,10 @@
 
 `start_server_engine(AllocationMode.parse("vllm:d2t1"), model_dir=...)` starts one server per
 `d`, each on `t` GPUs, bound to 127.0.0.1 (`rollout.server_host`) on a free port, and returns a
-`RolloutEngine`; its
-`close()` (or the interpreter's exit) ends the server processes. laden never imports vLLM or
-SGLang: they may live in a virtual environment of their own (`python=`, `LADEN_VLLM_PYTHON`,
-`LADEN_SGLANG_PYTHON`).
+`RolloutEngine`; its `close()` (or the interpreter's exit) ends the server processes. laden never
+imports vLLM or SGLang: they may live in a virtual environment of their own (`python=`,
+`LADEN_VLLM_PYTHON`, `LADEN_SGLANG_PYTHON`). `laden serve` (`serve.py`) starts the servers of a
+config on a node of their own, for `laden rl` elsewhere to attach to.
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ def start_server_engine(
 ) -> ServerEngine:
     """Start (or, given `urls`, attach to) the servers `mode` describes and return the engine.
 
-    `cfg` supplies `sglang.mem_fraction_static`, `seed`, `rollout.setup_timeout`, the listening address (`rollout.server_host`,
-    unless `server` names another than loopback) and the log directory (`<run_dir>/logs/rollout`);
-    `server` overrides every server setting; `python`, `log_dir`, `first_device` (visible GPUs left
-    to the trainer) and `ports` (each server's) override those alone. `engine_kwargs` go to `ServerEngine` (e.g.
-    `max_concurrent_requests`, `request_timeout_s`).
+    `cfg` supplies `sglang.mem_fraction_static`, `seed`, `rollout.setup_timeout`, the listening
+    address (`rollout.server_host`, unless `server` names another than loopback) and the log
+    directory (`<run_dir>/logs/rollout`); `server` overrides every server setting; `python`,
+    `log_dir`, `first_device` (visible GPUs left to the trainer) and `ports` (each server's) override
+    those alone. `engine_kwargs` go to `ServerEngine` (e.g. `max_concurrent_requests`,
+    `request_timeout_s`).
     """
     _check_mode(mode, urls)
     if log_dir is None and cfg is not None:

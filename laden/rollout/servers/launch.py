@@ -80,8 +80,8 @@ def launch_and_build(
     build: Callable[[list[ServerHandle]], T],
 ) -> T:
     """Start `dp` servers from a server config (`python`, `host`, `log_dir`, `startup_timeout_s`,
-    `first_device`, `ports`), wait until every one is healthy, and `build` the engine on them (the servers end if
-    that fails)."""
+    `first_device`, `ports`), wait until every one is healthy, and `build` the engine on them (the
+    servers end if that fails)."""
     spec = LaunchSpec(
         kind=kind, python=cfg.python, host=cfg.host, health_path=health_path, log_dir=cfg.log_dir,
         startup_timeout_s=cfg.startup_timeout_s, command=command, first_device=cfg.first_device,
