@@ -60,6 +60,13 @@ class LetterAgent:
         return rewards if self.per_call else reward
 
 
+class FailingAgent:
+    """Agent code with a bug: it reads a field the rows do not have."""
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+        return float(len(data["question"]))
+
+
 class ScriptedEngine:
     """A `RolloutEngine` that answers every request with the next of `outputs` (token ids), log-prob -0.5 each,
     at weight version `version`; it records the requests."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from agent_fixtures import EnvAgent, LetterAgent, share_of_a
@@ -234,11 +235,20 @@ def test_subproc_mode_gives_each_run_its_own_environment(tiny_model, tiny_tokeni
         assert traj.reward == pytest.approx(share_of_a(text))
 
 
-def test_inline_mode_refuses_the_shared_environment_key_and_says_why(tiny_model, tiny_tokenizer):
+def test_inline_mode_refuses_the_shared_environment_key_and_says_why(tiny_model, tiny_tokenizer, caplog):
     workflow = AgentWorkflow(agent=EnvAgent(blocking=False), tokenizer=tiny_tokenizer,
                              sampling=SamplingParams(max_new_tokens=4))  # fmt: skip
-    with pytest.raises(RuntimeError, match="process-wide OPENAI_API_KEY.*rollout.agent.mode: subproc"):
-        run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}])
+    with caplog.at_level(logging.ERROR, logger="laden.rl"):
+        assert run_agent(workflow, tiny_model, tiny_tokenizer, [{"prompt": "say a"}]) == [
+            None
+        ]  # the row is rejected
+    assert workflow.failed_runs == 1
+    assert (
+        "process-wide OPENAI_API_KEY" in workflow.last_failure
+        and "rollout.agent.mode: subproc" in workflow.last_failure
+    )
+    (record,) = [r for r in caplog.records if r.name == "laden.rl"]
+    assert "the row is rejected" in record.getMessage() and record.exc_info is not None  # with its traceback
 
 
 def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_and_is_scored_by_the_reward(
@@ -268,3 +278,12 @@ def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_and_is_scored_by_t
         assert tiny_tokenizer.decode(traj.prompt_ids) == prompt  # the SDK's instructions as the system turn
         shown = traj.completion_ids[:-1] if traj.completion_ids[-1:] == [eos] else traj.completion_ids
         assert traj.reward == len(tiny_tokenizer.decode(shown)) > 0  # its final output, scored
+
+
+def test_a_run_whose_agent_always_fails_stops_naming_the_agents_error(tmp_path):
+    args = ["workflow=agent_fixtures:FailingAgent", "total_train_steps=1", "train_dataset.batch_size=2",
+            "gconfig.n_samples=2", "valid_dataset=null"]  # fmt: skip
+    with pytest.raises(
+        RuntimeError, match="the latest failure: agent FailingAgent.run raised KeyError: 'question'"
+    ):
+        run_rl(tiny_rl_config(tmp_path, *args), progress=False)

@@ -136,6 +136,11 @@ class Producer(RunPart):
                 else:
                     self.counters.rejected += 1
             if attempts >= 8 * want and len(groups) < want:
+                failure = getattr(self.workflow, "last_failure", None)  # an agent workflow's failed runs
+                if not groups and failure:
+                    raise RuntimeError(
+                        f"{attempts} prompts in a row were all rejected by the workflow; the latest failure: {failure}"
+                    )
                 if not groups:
                     raise RuntimeError(
                         f"{attempts} prompts in a row were all rejected by the workflow (every group's rewards "

@@ -11,8 +11,10 @@ log-probs and weight versions.
 `AgentWorkflow.arun_episode(engine, data)` runs the agent `n_samples` times on the row (concurrently; the
 group its advantages are normalised in), assigns each run's reward to its calls, discounts it back over
 them (`turn_discount`), and exports them as trajectories (`laden.rl.agent.export`: `individual` or
-`concat`). A run that made no call yields nothing (warned); a row none of whose runs made a call is
-rejected (None). An agent that raises stops the run with its error, as AReaL does.
+`concat`). A run that made no call yields nothing; a row none of whose runs made a call is rejected (None).
+An agent run that raises (or returns something that is not a reward) rejects its row, as AReaL rejects a
+failed episode: the first failure is logged with its traceback, later ones in one line, and `last_failure`
+keeps the latest (the producer names it when a whole batch of rows is rejected).
 
 `mode`: `inline` awaits `run` on the trainer's event loop (the agent must only await: blocking code
 stalls generation; OPENAI_BASE_URL is set to the endpoint, and OPENAI_API_KEY to a key the endpoint
@@ -76,6 +78,10 @@ class AgentWorkflow:
     """Extra keyword arguments of `apply_chat_template` (a request's own `chat_template_kwargs` add to them)."""
     _endpoints: dict[int, asyncio.Task[OpenAIEndpoint]] = field(default_factory=dict, init=False, repr=False)
     _runner: Any = field(default=None, init=False, repr=False)
+    failed_runs: int = field(default=0, init=False)
+    """Agent runs that raised (or returned no usable reward) so far; each rejected its row."""
+    last_failure: str | None = field(default=None, init=False)
+    """The latest of those failures, as text (the producer names it when every row is rejected)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,7 +103,12 @@ class AgentWorkflow:
     async def arun_episode(self, engine: RolloutEngine, data: dict[str, Any]) -> list[Trajectory] | None:
         """The trajectories of `n_samples` runs of the agent on `data` (one group), or None to reject the row."""
         endpoint = await self.endpoint(engine)
-        runs = await asyncio.gather(*(self._run(endpoint, data) for _ in range(self.n_samples)))
+        outcomes = await asyncio.gather(*(self._run(endpoint, data) for _ in range(self.n_samples)))
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            self._reject(failures, data)
+            return None
+        runs = [o for o in outcomes if not isinstance(o, BaseException)]
         group_id = uuid.uuid4().hex[:12]
         numbered = [(run, sample) for run, samples in enumerate(runs) for sample in samples]
         trajs = [_trajectory(sample, group_id, i, run) for i, (run, sample) in enumerate(numbered)]
@@ -146,26 +157,38 @@ class AgentWorkflow:
             self._runner.shutdown()
             self._runner = None
 
-    async def _run(self, endpoint: OpenAIEndpoint, data: dict[str, Any]) -> list[Sample]:
-        """One agent run under its own session: its calls as samples, rewards assigned and discounted."""
+    async def _run(self, endpoint: OpenAIEndpoint, data: dict[str, Any]) -> list[Sample] | BaseException:
+        """One agent run under its own session: its calls as samples, rewards assigned and discounted; or the
+        exception the agent raised (or its unusable result's)."""
         session = endpoint.open_session()
         try:
             result = await self._call_agent(endpoint.base_url, session.key, data)
-        except Exception as err:
-            raise RuntimeError(
-                f"agent {type(self.agent).__name__}.run failed on a row with keys {sorted(data)}: "
-                f"{type(err).__name__}: {err}"
-            ) from err
+            calls = session.completed()
+            if not calls:
+                return []
+            session.assign(result)
+        except Exception as err:  # noqa: BLE001 - the agent's failure rejects its row, as in AReaL
+            return err
         finally:
             endpoint.close_session(session.key)
-        calls = session.completed()
-        if not calls:
-            return []
-        session.assign(result)
         session.apply_reward_discount(self.turn_discount)
         if self.evaluation:
             return export_calls(calls[-1:], "individual")
         return export_calls(calls, self.export_style)
+
+    def _reject(self, failures: list[BaseException], data: dict[str, Any]) -> None:
+        """Log a row's failed runs (the first failure of the run with its traceback) and keep the last one."""
+        err = failures[-1]
+        self.failed_runs += len(failures)
+        self.last_failure = f"agent {type(self.agent).__name__}.run raised {type(err).__name__}: {err}"
+        message = (
+            "%s (%d of %d runs on a row with keys %s); the row is rejected, as AReaL rejects a failed episode"
+        )
+        args = (self.last_failure, len(failures), self.n_samples, sorted(data))
+        if self.failed_runs == len(failures):
+            log.error(message, *args, exc_info=err)
+        else:
+            log.warning(message, *args)
 
     async def _call_agent(self, base_url: str, api_key: str, data: dict[str, Any]) -> Any:
         row = copy.deepcopy(data)  # each run may mutate its own copy (agents append to data["messages"])
