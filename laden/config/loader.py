@@ -336,31 +336,17 @@ def _with_referenced_defaults(data: dict[str, Any], values: list[str]) -> dict[s
     """`data` plus laden's default of every key an interpolation names that `data` leaves out (AReaL's
     `actor.max_new_tokens: ${gconfig.max_new_tokens}` in a file that sets `gconfig.max_tokens` only), for resolving
     only: the defaults are not written into the config."""
-    keys = set(all_keys())
-    names = {m for v in values for m in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", v) if m in keys}
-    out = data
-    defaults = None
-    for name in sorted(names):
-        parts = name.split(".")
-        node: Any = data
-        for part in parts:
-            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
-        if node is not _ABSENT:
-            continue
-        if defaults is None:
-            defaults, out = config_to_dict(LadenConfig()), copy.deepcopy(data)
-        value: Any = defaults
-        for part in parts:
-            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
-        if value is not _ABSENT and not isinstance(value, dict):
-            target = out
-            for part in parts[:-1]:
-                target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
-            target[parts[-1]] = value
+    named = {m for v in values for m in re.findall(r"\$\{([A-Za-z_][\w.]*)\}", v)}
+    missing = named - {_dotted(p) for p, _ in _leaves(data, ())}
+    defaults = {_dotted(p): v for p, v in _leaves(config_to_dict(LadenConfig()), ()) if _dotted(p) in missing}
+    out = copy.deepcopy(data) if defaults else data
+    for key, value in defaults.items():
+        node: Any = out
+        for part in key.split(".")[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # not under a section the file sets to something else (null)
+            node[key.rsplit(".", 1)[-1]] = value
     return out
-
-
-_ABSENT = object()
 
 
 def _interpolation_error(path: tuple[Any, ...], value: str, err: Exception, raw: dict[str, Any]) -> str:
