@@ -228,7 +228,7 @@ Scored = tuple[float, dict[str, Any]]
 function's reward, by name) and `reward_error` (the failure's text, when the reward failed)."""
 
 
-async def _score(reward: Reward, in_thread: bool, kwargs: dict[str, Any]) -> Scored:
+async def score_reward(reward: Reward, in_thread: bool, kwargs: dict[str, Any]) -> Scored:
     """One reward, awaited: through the pool's workers, in a thread, or on the loop."""
     if isinstance(reward, RewardScorer):
         outcome = getattr(reward, "score_outcome", None)
@@ -343,7 +343,7 @@ class RLVRWorkflow:
             kwargs = dict(fields, prompt=prompt.text, completion=text)
             kwargs.update(prompt_ids=list(prompt.ids), completion_ids=list(result.output_ids))
             kwargs[RAW_PROMPT_KEY] = data[prompt.key]
-            return await _score(self.reward, self.reward_in_thread, kwargs)
+            return await score_reward(self.reward, self.reward_in_thread, kwargs)
 
         scored = await _generate_and_score(engine, request, score)
         if self.dynamic_sampling and len({reward for _, (reward, _) in scored}) == 1:
@@ -458,7 +458,7 @@ class MultiTurnWorkflow:
             kwargs.update(completion=self._decode(result.output_ids), prompt_ids=list(result.input_ids))
             kwargs.update(completion_ids=list(result.output_ids))
             kwargs[RAW_PROMPT_KEY] = raw_prompt
-            return await _score(self.reward, self.reward_in_thread, kwargs)
+            return await score_reward(self.reward, self.reward_in_thread, kwargs)
 
         return score
 

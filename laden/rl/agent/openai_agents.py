@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from laden.rl.reward_styles import RAW_PROMPT_KEY
-from laden.rl.workflow import _score, import_object, reward_fields
+from laden.rl.workflow import import_object, reward_fields, score_reward
 
 
 def require_openai_agents(builder_path: str) -> None:
@@ -52,5 +52,5 @@ class OpenAIAgentsRunner:
         key = "messages" if "messages" in data else "prompt"
         kwargs = dict(reward_fields(data, key), prompt=str(question), completion=str(result.final_output))
         kwargs.update(prompt_ids=[], completion_ids=[], **{RAW_PROMPT_KEY: data[key]})
-        reward, _ = await _score(self.reward, False, kwargs)
+        reward, _ = await score_reward(self.reward, False, kwargs)
         return reward
