@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# tests/support: the shared helpers (tiny.py, rl_runs.py, workers.py, ...) import by their bare
+# names from every test directory, and from the processes the tests spawn (which inherit sys.path).
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 def pytest_addoption(parser):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from test_tiled import _assert_model_same, _batch, _lm_step
+from tiled_cases import _assert_model_same, _batch, _lm_step
 from tiny import tiny_qwen3_config
 from transformers import AutoModelForCausalLM
 
@@ -250,7 +250,7 @@ def test_patched_model_under_the_roundpipe_engine_trains_like_the_plain_model(ea
     """All patches with joint projections on, then the roundpipe engine (staged, fp32): two steps give
     the plain model's losses, gradient norms and master weights, and the attention layers run query,
     key and value as one GEMM on the uploaded weights, as the roundpipe log line says."""
-    from test_roundpipe_engine import (
+    from roundpipe_cases import (
         STAGED,
         assert_same_masters,
         assert_same_step,

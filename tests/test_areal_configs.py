@@ -17,16 +17,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from areal_copies import AREAL, PATHS, TINY_MODEL
 
 from laden.config import AllocationMode, ConfigError, check_alloc, config_from_dict, load_config
 from laden.config.alloc import split_areal_allocation
 from laden.config.areal_keys import areal_leaf_keys, key_role
 from laden.config.loader import all_keys
-
-ROOT = Path(__file__).resolve().parents[1]
-AREAL = ROOT / "tests" / "areal_configs"
-TINY_MODEL = ROOT / "laden" / "assets" / "tiny"  # config.json: 4 heads, 2 kv, no dropout
-PATHS = [f"actor.path={TINY_MODEL}", "train_dataset.path=train.jsonl", "valid_dataset.path=valid.jsonl"]
 
 _RL_COMMON = {
     "rollout.backend": "sglang:d4p1t1",

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_qwen3_config
+from patch_cases import VOCAB, _llama, _qwen3
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden.model.attention import (
@@ -24,31 +24,6 @@ from laden.model.attention import (
 )
 
 DOC_LENGTHS = (5, 11, 8)
-VOCAB = 96
-
-
-def _llama(tied: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float()
-
-
-def _qwen3(**overrides):
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=VOCAB, **overrides)).float()
 
 
 def _documents(lengths=DOC_LENGTHS, seed=0):

@@ -14,8 +14,8 @@ import copy
 
 import pytest
 import torch
-from test_roundpipe_engine import SMALL_STAGES, make_steps, settings, tied_model
-from test_tiled import _lm_step
+from roundpipe_cases import SMALL_STAGES, make_steps, settings, tied_model
+from tiled_cases import _lm_step
 from tiny import tiny_qwen3_config
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from test_fsdp import SETTINGS, STEPS, full_params, run_engine, split_steps, tiny_model
+from fsdp_cases import SETTINGS, STEPS, full_params, run_engine, split_steps, tiny_model
 from torch.distributed.tensor import DTensor
 from workers import run_workers
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
+from fsdp_cases import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
 from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine
@@ -115,8 +115,8 @@ def test_offload_frees_the_gpu_and_onload_trains_bitwise():
     """One process on CUDA: offload gives back the parameters', gradients' and Adam states' device
     memory (pinned host copies), onload restores it, and training continues bitwise; `forward`
     matches the CPU reference."""
+    from fsdp_cases import VOCAB
     from protocol_reference import packed_batches, reference_token_outputs
-    from test_fsdp import VOCAB
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", 0)

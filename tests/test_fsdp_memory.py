@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from test_fsdp import (
+from fsdp_cases import (
     SETTINGS,
     STEPS,
     VOCAB,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
+from fsdp_cases import SETTINGS, STEPS, check_against_reference, run_engine, split_steps, tiny_model
 from workers import run_workers
 
 from laden.engine.fsdp import FSDPEngine

@@ -12,27 +12,14 @@ import functools
 
 import pytest
 import torch
-from test_lean_mlp import _hf_mlp, _holder
-from test_lean_norm import _tiny_model
-from test_tiled import _assert_model_same, _batch, _lm_step
+from lean_cases import _hf_mlp, _holder, _tiny_model
+from patch_cases import FUSED
+from tiled_cases import _assert_model_same, _batch, _lm_step
 
 from laden.model.patches import fused as fused_module
 from laden.model.patches.lean_mlp import enable_lean_mlp
 from laden.model.patches.lean_norm import LeanRMSNormFn, enable_lean_rmsnorm
 from laden.model.patches.options import EAGER, PatchOptions
-
-FUSED = PatchOptions(fused=True)
-
-
-@pytest.fixture
-def fused(monkeypatch) -> list[str]:
-    """The names of the functions `fused.call` hands to the compiler (which still compiles them)."""
-    compiled: list[str] = []
-    real = fused_module._compiled
-    monkeypatch.setattr(
-        fused_module, "_compiled", lambda fn, static: compiled.append(fn.__name__) or real(fn, static)
-    )
-    return compiled
 
 
 def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,7 +174,7 @@ def test_strided_halves_compile_once_for_every_token_count(monkeypatch, static):
     the default) and without: the compiled SwiGLU reads strided halves of one buffer and writes
     both gradients side by side, matches autograd, and a second token count reuses the compiled
     code (no new graph)."""
-    from test_grad_sink import _stack_gate_up
+    from patch_cases import _stack_gate_up
 
     counters = torch._dynamo.utils.counters
     options = PatchOptions(fused=True, static_last_dims=static, joint_projections=True)

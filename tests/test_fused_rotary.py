@@ -10,8 +10,7 @@ import pickle
 
 import pytest
 import torch
-from test_attention import _llama, _qwen3
-from test_fused import FUSED, fused  # noqa: F401  (the fixture)
+from patch_cases import FUSED, _llama, _qwen3, fused  # noqa: F401  (the fixture)
 
 from laden.model.patches import fused_rotary
 from laden.model.patches.fused_rotary import (

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lean_mlp import _hf_mlp, _lean_copy
-from test_roundpipe_engine import (
-    STAGED,
-    assert_same_masters,
-    assert_same_step,
-    make_steps,
-    settings,
-    tied_model,
-)
+from lean_cases import _hf_mlp, _lean_copy
+from patch_cases import RecordingSink, _stack_gate_up
+from roundpipe_cases import STAGED, assert_same_masters, assert_same_step, make_steps, settings, tied_model
 
 from laden.engine.roundpipe import RoundPipeEngine, residency
 from laden.model.patches.grad_sink import accumulate_product, attach_sink, sink_of, suspended
@@ -23,18 +17,6 @@ from laden.model.patches.stacked import stacked_rows
 from laden.model.patches.tiled import enable_tiled_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class RecordingSink:
-    """An fp32 accumulator that counts its writes."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.acc = torch.zeros(weight.shape, dtype=torch.float32)
-        self.calls = 0
-
-    def accumulate(self, grad_out, inp, weight_dtype) -> None:
-        accumulate_product(self.acc, grad_out, inp, weight_dtype)
-        self.calls += 1
 
 
 def _bf16_lean_mlp(options: PatchOptions = EAGER, **config):
@@ -236,15 +218,6 @@ class StackedSinks:
                 outer.joint_calls += 1
 
         return Joint()
-
-
-def _stack_gate_up(mlp) -> None:
-    """Gate and up weights as rows of one flat buffer (how the roundpipe engine uploads a layer)."""
-    flat = torch.cat([mlp.gate_proj.weight.detach().reshape(-1), mlp.up_proj.weight.detach().reshape(-1)])
-    n = mlp.gate_proj.weight.numel()
-    shape = mlp.gate_proj.weight.shape
-    mlp.gate_proj.weight = torch.nn.Parameter(flat[:n].view(shape))
-    mlp.up_proj.weight = torch.nn.Parameter(flat[n:].view(mlp.up_proj.weight.shape))
 
 
 @pytest.mark.parametrize("fused_path", [False, True], ids=["eager_swiglu", "fused_swiglu"])

@@ -9,51 +9,24 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lean_norm import _tiny_model, check_enable_disable_round_trip
-from test_tiled import GatedMLP, _assert_model_same, _batch, _lm_step, _other_arch
+from lean_cases import (
+    HIDDEN,
+    INTER,
+    _hf_mlp,
+    _hf_mlp_class,
+    _holder,
+    _lean_copy,
+    _tiny_model,
+    check_enable_disable_round_trip,
+)
+from tiled_cases import GatedMLP, _assert_model_same, _batch, _lm_step, _other_arch
 from torch import nn
 
 from laden.model.patches.lean_mlp import LeanGatedMLPFn, disable_lean_mlp, enable_lean_mlp, is_lean_mlp
 from laden.model.patches.options import EAGER, PatchOptions, options_of
 from laden.model.patches.tiled import disable_tiled_mlp, enable_tiled_mlp, tile_tokens_of
 
-HIDDEN, INTER = 16, 40
-
-
-def _hf_mlp_class(family: str, name: str) -> type[nn.Module]:
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    cls = getattr(module, name, None)
-    if cls is None:
-        pytest.skip(f"{name} is not in the installed transformers")
-    return cls
-
-
 FAMILIES = [("qwen3", "Qwen3MLP"), ("qwen2", "Qwen2MLP"), ("llama", "LlamaMLP"), ("mistral", "MistralMLP")]
-
-
-def _hf_mlp(family="qwen3", name="Qwen3MLP", *, seed=0, **config) -> nn.Module:
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=4, **config)
-    torch.manual_seed(seed)
-    return _hf_mlp_class(family, name)(cfg)
-
-
-def _holder(*mlps: nn.Module) -> nn.Module:
-    """A minimal 'model' whose decoder layers hold the given MLPs (what enable_lean_mlp walks)."""
-    model = nn.Module()
-    model.layers = nn.ModuleList(nn.Module() for _ in mlps)
-    for layer, mlp in zip(model.layers, mlps):
-        layer.mlp = mlp
-    return model
-
-
-def _lean_copy(mlp: nn.Module, options: PatchOptions = EAGER) -> nn.Module:
-    lean = copy.deepcopy(mlp)
-    assert enable_lean_mlp(_holder(lean), options=options) == 1
-    assert type(lean).__name__ == f"Lean{type(mlp).__name__}" and isinstance(lean, type(mlp))
-    assert is_lean_mlp(lean) and not is_lean_mlp(mlp)
-    return lean
 
 
 def _run(mlp, x, grad_out, *, autocast=False):
@@ -256,7 +229,7 @@ def test_saves_input_gate_and_up_only(autocast):
 
 def test_decoder_layer_saves_2i_fewer_bytes_per_token():
     """bf16 decoder layer (as tests/test_lean_norm.py measures it): 2 * I * 2 bytes per token fewer."""
-    from test_lean_norm import _layer_saved_bytes
+    from lean_cases import _layer_saved_bytes
 
     from laden.model.attention import set_attention
 

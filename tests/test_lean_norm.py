@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 import torch
-from test_tiled import _assert_model_same, _batch, _lm_step
-from tiny import tiny_qwen3_config
+from lean_cases import _layer_saved_bytes, _tiny_model, check_enable_disable_round_trip
+from tiled_cases import _assert_model_same, _batch, _lm_step
 from torch import nn
 
 from laden.model.attention import set_attention
@@ -190,13 +190,6 @@ def test_saves_only_input_weight_and_rstd():
 # --- whole models ------------------------------------------------------------------------------
 
 
-def _tiny_model(**overrides) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_qwen3_config(**overrides), dtype=torch.float32)
-
-
 def test_tiny_qwen3_lean_equals_plain():
     model = _tiny_model()
     want = _lm_step(model, _batch())
@@ -217,26 +210,6 @@ def test_lean_with_gradient_checkpointing_and_tiled_mlp():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     _assert_model_same(_lm_step(model, _batch(seed=1)), want)
-
-
-def check_enable_disable_round_trip(enable, disable, count: int, modules_of, plain_name: str) -> None:
-    """Enable twice (counted, switched once) and disable twice on the tiny model: class names,
-    state-dict keys and a training step unchanged throughout, the modules' attributes as before."""
-    model = _tiny_model()
-    keys = list(model.state_dict().keys())
-    attrs = [sorted(m.__dict__) for m in modules_of(model)]
-    want = _lm_step(model, _batch(seed=2))
-    assert enable(model) == count
-    assert enable(model) == count  # already swapped: counted, not switched twice
-    assert {type(m).__mro__[1].__name__ for m in modules_of(model)} == {plain_name}
-    assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
-    assert disable(model) == count
-    assert disable(model) == 0
-    assert {type(m).__name__ for m in modules_of(model)} == {plain_name}
-    assert [sorted(m.__dict__) for m in modules_of(model)] == attrs  # the options went too
-    assert list(model.state_dict().keys()) == keys
-    _assert_model_same(_lm_step(model, _batch(seed=2)), want)
 
 
 def test_disable_and_reenable_keep_state_dict():
@@ -290,34 +263,6 @@ def test_instance_level_forward_is_refused():
 
 
 # --- memory ------------------------------------------------------------------------------------
-
-
-def _layer_saved_bytes(
-    model, num_tokens: int, documents: tuple[int, ...] = ()
-) -> tuple[int, list[torch.Tensor]]:
-    """Bytes of the distinct non-parameter storages autograd saves in one decoder layer's forward,
-    over one document of `num_tokens` or, given `documents`, over those packed in one row."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storage_bytes: dict[int, int] = {}
-    saved: list[torch.Tensor] = []  # keeps every saved tensor alive, so no storage is reused
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in param_ptrs:
-            storage_bytes[ptr] = t.untyped_storage().nbytes()
-            saved.append(t)
-        return t
-
-    hidden = model.config.hidden_size
-    x = torch.randn(1, num_tokens, hidden, generator=torch.Generator().manual_seed(7))
-    x = x.to(torch.bfloat16).requires_grad_()
-    pos = torch.cat([torch.arange(n) for n in documents or (num_tokens,)])[None]
-    assert pos.shape[1] == num_tokens, f"documents {documents} do not sum to {num_tokens} tokens"
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[0](
-            x, attention_mask=None, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos)
-        )
-    return sum(storage_bytes.values()), saved
 
 
 def test_decoder_layer_saves_less_by_the_fp32_copies():

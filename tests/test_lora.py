@@ -345,7 +345,7 @@ def test_sft_with_lora_loss_falls_and_exports_the_merged_model(tmp_path):
 
 
 def test_areal_lora_fields_load(caplog):
-    from test_areal_configs import AREAL, PATHS
+    from areal_copies import AREAL, PATHS
 
     lora = ["+rollout.use_lora=true", "+actor.use_lora=${rollout.use_lora}", "+actor.peft_type=lora",
             "+actor.lora_rank=16", "+actor.lora_alpha=16", "+actor.target_modules=[all-linear]",
@@ -409,15 +409,15 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 def test_rl_with_lora_sends_only_the_adapted_projections(tmp_path, monkeypatch):
-    from test_rl_trainer import _cfg
+    from rl_runs import tiny_rl_config
 
     from laden.rl.trainer import run_rl
 
     lora = ["total_train_steps=3", "actor.use_lora=true", "actor.lora_rank=8", "actor.lora_alpha=16"]
     captured = _capture_updates(monkeypatch)
-    in_place = run_rl(_cfg(tmp_path / "a", *lora), progress=False)
+    in_place = run_rl(tiny_rl_config(tmp_path / "a", *lora), progress=False)
     _assert_same(captured["rollout"], captured["merged"])  # the engine holds the merged policy
-    disk = run_rl(_cfg(tmp_path / "b", *lora, "actor.weight_update_mode=disk"), progress=False)
+    disk = run_rl(tiny_rl_config(tmp_path / "b", *lora, "actor.weight_update_mode=disk"), progress=False)
     assert disk.rewards == in_place.rewards
     manifest = json.loads((disk.run_dir / "weight_updates" / "v00000003" / "manifest.json").read_text())
     assert manifest["partial"] is True
@@ -428,13 +428,13 @@ def test_rl_with_lora_sends_only_the_adapted_projections(tmp_path, monkeypatch):
 def test_rl_with_lora_sends_everything_to_an_engine_that_released_its_weights(tmp_path, monkeypatch):
     """Colocated and synchronous under roundpipe the engine frees its weights while the trainer trains,
     so the update after the step must refill all of them, not only the adapted projections."""
-    from test_rl_trainer import _cfg
+    from rl_runs import tiny_rl_config
 
     from laden.rl import trainer as rl_trainer
     from laden.rl.trainer import run_rl
 
     monkeypatch.setattr(rl_trainer._Run, "_sleeps_while_training", lambda self: True)
     captured = _capture_updates(monkeypatch)
-    cfg = _cfg(tmp_path, "total_train_steps=2", "actor.use_lora=true", "actor.backend=roundpipe:d1")
+    cfg = tiny_rl_config(tmp_path, "total_train_steps=2", "actor.use_lora=true", "actor.backend=roundpipe:d1")
     run_rl(cfg, progress=False)
     _assert_same(captured["rollout"], captured["merged"])

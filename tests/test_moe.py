@@ -14,35 +14,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_cases import TOP_K, moe_config, reference_aux, tiny_moe
 from torch import nn
-from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig
 from workers import run_workers
 
 from laden.model import moe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TOP_K = 2
 COEF, SCALE = 0.3, 0.7
-
-
-def moe_config(num_experts: int = 4, **overrides) -> Qwen3MoeConfig:
-    base = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=num_experts,
-        num_experts_per_tok=TOP_K, tie_word_embeddings=False, pad_token_id=0,
-    )  # fmt: skip
-    return Qwen3MoeConfig(**{**base, **overrides})
-
-
-def tiny_moe(num_experts: int = 4, **overrides) -> nn.Module:
-    """A seeded fp32 Qwen3-MoE whose routers have real preferences (std 0.5, not near-ties)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        moe_config(num_experts, **overrides), dtype=torch.float32, attn_implementation="eager"
-    )
-    for block in moe.moe_blocks(model):
-        nn.init.normal_(block.gate.weight, std=0.5)
-    return model
 
 
 def family_block(family: str) -> nn.Module:
@@ -79,14 +59,6 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 
 
 # ---- references --------------------------------------------------------------------------
-
-
-def reference_aux(logits: torch.Tensor, top_k: int = TOP_K) -> torch.Tensor:
-    """E * sum_i f_i * P_i: f_i the share of the N*k top-k choices on expert i, P_i its mean probability."""
-    probs = logits.float().softmax(-1)  # [N, E]
-    chosen = F.one_hot(probs.topk(top_k).indices, logits.shape[-1]).float()  # [N, k, E]
-    f = chosen.sum((0, 1)) / (logits.shape[0] * top_k)
-    return logits.shape[-1] * (f * probs.mean(0)).sum()
 
 
 def capacity_keep(index: torch.Tensor, num_experts: int, factor: float | None) -> torch.Tensor:

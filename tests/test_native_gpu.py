@@ -10,8 +10,16 @@ import textwrap
 import pytest
 import torch
 from interpreted import interpret, interpret_ok
+from native_cases import (
+    EOS,
+    KERNEL_OPTIONS,
+    _model,
+    _prompts,
+    _requests,
+    reference_greedy,
+    teacher_forced_logprobs,
+)
 from paged_case import paged_case
-from test_native_engine import EOS, _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 
 from laden.rollout.native.attention import decode_attention_torch, triton_available
 
@@ -250,19 +258,6 @@ def test_fused_decode_bf16_returns_the_models_logprobs(kind, batch):
             torch.testing.assert_close(
                 torch.tensor(r.output_logprobs), ref, atol=0.1, rtol=0.05, msg=str(fused)
             )
-
-
-# The benchmark's kernel options (benchmarks/run_rollout_h200.sh's `options` part), each as it
-# runs there, and all of them together (the part's pick may join several)
-KERNEL_OPTIONS = {
-    "swiglu": {"triton_swiglu.IN_DECODE": True},
-    "heads2": {"triton_decode.HEADS_PER_PROGRAM": 2},
-    "prefetch3": {"triton_decode.PREFETCH_TABLE": True, "triton_decode.NUM_STAGES": 3},
-    "maxreg128": {"triton_decode.MAX_REGISTERS": 128},
-    "rows256": {"triton_linear.MAX_ROWS": 256},
-    "cdf": {"triton_sampler.METHOD": "cdf"},
-}
-KERNEL_OPTIONS["all"] = {k: v for opt in KERNEL_OPTIONS.values() for k, v in opt.items()}
 
 
 @gpu

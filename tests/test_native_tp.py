@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_native_engine import _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
+from native_cases import _model, _prompts, _requests, reference_greedy, teacher_forced_logprobs
 from workers import run_workers
 
 from laden.model.hf.export import hf_state_names

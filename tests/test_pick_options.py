@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_roundpipe_benchmark import BENCH, load_script
+from benchmark_scripts import BENCH, load_script
 
 pick_options = load_script(BENCH / "pick_options.py")
 
@@ -161,7 +161,7 @@ def test_the_gpu_tests_cover_each_option_the_driver_measures():
     """The `options` part's default entries are the option sets `test_native_gpu` compiles and checks."""
     import re
 
-    from test_native_gpu import KERNEL_OPTIONS
+    from native_cases import KERNEL_OPTIONS
 
     driver = (BENCH / "run_rollout_h200.sh").read_text()
     default = re.search(r"\$\{OPTIONS:-([^}]*)\}", driver)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fsdp_cases import VOCAB, tiny_model
 from memtrack import LiveBytes
 from protocol_reference import (
     WeightedTokenLoss,
@@ -20,7 +21,6 @@ from protocol_reference import (
     reference_weighted_loss,
     sgd_step_reference,
 )
-from test_fsdp import VOCAB, tiny_model
 from torch.distributed.tensor import DTensor
 from workers import run_workers
 

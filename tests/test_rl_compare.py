@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from benchmark_scripts import BENCH, load_script
 from rl_runs import tiny_rl_config
-from test_roundpipe_benchmark import BENCH, load_script
 
 from laden.rl.trainer import run_rl
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_fsdp import VOCAB, tiny_model
+from fsdp_cases import VOCAB, tiny_model
 
 from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples
 from laden.engine.fsdp import FSDPEngine

@@ -111,8 +111,8 @@ def test_a_native_model_directory_without_a_tokenizer_refuses_stop_strings(bare,
 def test_a_native_engine_on_a_gguf_file_takes_the_files_tokenizer(tmp_path):
     """`actor.path` at a .gguf file: the model and the tokenizer both come from the file (transformers'
     GGUF tokenizer), so the engine ends sequences at the file's EOS and matches stop strings."""
-    from test_loading import GGUF_EOS, _write_tiny_gguf
-    from test_native_engine import fresh_stop_string
+    from gguf_model import GGUF_EOS, _write_tiny_gguf
+    from native_cases import fresh_stop_string
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(path, tokenizer=True)

@@ -11,32 +11,14 @@ import copy
 
 import pytest
 import torch
-from tiny import tiny_qwen3_config
+from roundpipe_cases import mlp, mse_sum, tied_tiny_qwen3
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from laden import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from laden.engine.roundpipe.plan import GIB
 from laden.model.split import causal_lm_loss, shift_labels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 16),
-        nn.Tanh(),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 16),
-        nn.GELU(),
-        nn.Linear(16, 4),
-    )
-
-
-def mse_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).sum()
 
 
 PLANS = {
@@ -317,13 +299,6 @@ def test_inference_forward_equals_resident():
 
 
 # ---- a tiny Qwen3 through the generic causal-LM split ------------------------------------
-
-
-def tied_tiny_qwen3() -> nn.Module:
-    cfg = tiny_qwen3_config(vocab_size=64, num_hidden_layers=3)
-    cfg.tie_word_embeddings = True
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
 def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

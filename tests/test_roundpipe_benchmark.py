@@ -9,23 +9,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import BENCH, SCRIPT, load_script
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPT = BENCH / "train_throughput.py"
 TINY = ["--model", "tiny", "--steps", "1", "--warmup", "1", "--seq-len", "32", "--num-seqs", "4",
         "--num-microbatch", "2"]  # fmt: skip
-
-
-def load_script(path: Path = SCRIPT):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def decoder_params() -> int:

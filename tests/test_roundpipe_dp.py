@@ -13,8 +13,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_roundpipe_api import mlp  # noqa: E402
-from test_roundpipe_engine import make_steps, settings, tied_model  # noqa: E402
+from roundpipe_cases import (  # noqa: E402
+    make_steps,
+    mlp,  # noqa: E402
+    settings,
+    tied_model,
+)
 from workers import run_workers  # noqa: E402
 
 from laden import RoundPipe, RoundPipeRunConfig  # noqa: E402

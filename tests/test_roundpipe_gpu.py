@@ -133,7 +133,7 @@ def test_cuda_bf16_engine_tracks_resident_reference(optim_step):
     micro-batch fp32 gradient folds (once issued on the default stream), the CUDA varlen attention
     kernel and the fp32-output loss matmul. The resident reference uses SDPA on the same GPU;
     tolerances are bf16-sized (different kernels), far below what a race produces."""
-    from test_roundpipe_engine import (
+    from roundpipe_cases import (
         check_tracks_mixed_precision_reference,
         reference_optimizer,
         settings,
@@ -161,7 +161,7 @@ def test_cuda_tied_gradient_kept_on_the_device_equals_the_host_add(monkeypatch):
     """fp32 on the GPU: the head's gradient of the tied embedding waits on the device for the
     embedding's stage (added on the compute stream behind the backward that wrote it) and trains
     as the two host landings added on the host."""
-    from test_roundpipe_engine import assert_same_masters, assert_same_step, make_steps, settings, tied_model
+    from roundpipe_cases import assert_same_masters, assert_same_step, make_steps, settings, tied_model
 
     from laden.engine.roundpipe import RoundPipeEngine
     from laden.engine.roundpipe.pipeline import Pipeline
@@ -273,7 +273,7 @@ def test_two_gpu_pool_equals_one_gpu():
 def test_cuda_compiled_layers_track_eager_engine():
     """actor.roundpipe.compile on CUDA: inductor's fused kernels round differently from eager
     ones, so the bf16 losses of three steps agree to bf16-sized tolerances, not bitwise."""
-    from test_roundpipe_engine import make_steps, settings, tied_model
+    from roundpipe_cases import make_steps, settings, tied_model
 
     from laden.engine.roundpipe import RoundPipeEngine
     from laden.model.attention import set_attention
@@ -332,7 +332,7 @@ def test_cuda_protocol_forward_custom_objective_and_offload():
         reference_weighted_grads,
         sgd_step_reference,
     )
-    from test_protocol_roundpipe import (
+    from roundpipe_protocol_cases import (
         ADAM,
         BATCHES,
         NORMALIZER,

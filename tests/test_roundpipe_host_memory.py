@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_roundpipe_engine import reference_loss
+from roundpipe_cases import reference_loss
 from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe import reference_aux, tiny_moe
+from moe_cases import reference_aux, tiny_moe
 
 from laden.data.batch import pack_samples
 from laden.engine.roundpipe import RoundPipeEngine

@@ -158,7 +158,7 @@ def test_decoder_activation_estimate_follows_the_long_context_knobs(tiled, lean_
     15%) to what autograd saves, with and without the tiled MLP, the lean MLP and the lean RMSNorms.
     Measured on a row of unequal documents (the per-document path, which saves the most); a row of
     equal ones (one SDPA batch) saves less, so the estimate stays conservative there."""
-    from test_lean_norm import _layer_saved_bytes
+    from lean_cases import _layer_saved_bytes
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from laden.model.attention import set_attention

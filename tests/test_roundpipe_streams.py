@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_roundpipe_api import mlp, mse_sum, tied_tiny_qwen3
-from test_roundpipe_engine import make_steps, settings, tied_model
+from roundpipe_cases import make_steps, mlp, mse_sum, settings, tied_model, tied_tiny_qwen3
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from laden import ModelExecutePlan, RoundPipe, RoundPipeRunConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_roundpipe_api import tied_tiny_qwen3
+from roundpipe_cases import tied_tiny_qwen3
 
 from laden import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from laden.engine.roundpipe import transfer

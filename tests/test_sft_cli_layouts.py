@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_roundpipe_benchmark import BENCH
+from benchmark_scripts import BENCH
 
 LAYOUTS = {"tiny": ["fsdp:d2", "archon:d1p2"], "tiny-moe": ["fsdp:d2", "archon:d2e2"]}
 

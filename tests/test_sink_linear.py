@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from test_grad_sink import RecordingSink
+from patch_cases import RecordingSink
 from tiny import tiny_qwen3_config
 from torch import nn
 from transformers import AutoModelForCausalLM

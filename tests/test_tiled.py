@@ -9,26 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from memtrack import LargestTensor
+from tiled_cases import (
+    HIDDEN,
+    INTERMEDIATE,
+    NUM_TOKENS,
+    GatedMLP,
+    _assert_model_same,
+    _batch,
+    _lm_step,
+    _other_arch,
+)
 from torch import nn
 
 from laden.model.attention import packed_causal_lm_loss, set_attention, shift_packed_labels
 from laden.model.patches.tiled import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, tiled_forward
-
-NUM_TOKENS, HIDDEN, INTERMEDIATE = 13, 8, 24
-
-
-class GatedMLP(nn.Module):
-    """The Qwen3/Llama feed-forward, written out: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _mlp(seed=0, **kwargs) -> GatedMLP:
@@ -162,28 +156,6 @@ def test_bad_tile_tokens():
 
 # --- whole models ------------------------------------------------------------------------------
 
-VOCAB = 96  # the tiny_model fixture's char tokenizer is smaller; ids below stay in range
-
-
-def _batch(seed=0, shape=(2, 24)):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 40, shape, generator=gen)
-
-
-def _lm_step(model, ids):
-    """Loss and every parameter gradient of one training step (no KV cache, as in training)."""
-    model.zero_grad()
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_model_same(got, want):
-    torch.testing.assert_close(got[0], want[0])
-    assert got[1].keys() == want[1].keys()
-    for name, w in want[1].items():
-        torch.testing.assert_close(got[1][name], w, msg=lambda m, n=name: f"{n}: {m}")
-
 
 def _tiled_copy(model, tile_tokens=5):
     tiled = copy.deepcopy(model)
@@ -199,24 +171,6 @@ def test_tiny_qwen3_tiled_equals_untiled(tiny_model):
     assert all(type(layer.mlp).__name__ == "TiledQwen3MLP" for layer in tiled.model.layers)
     assert all(isinstance(layer.mlp, type(tiny_model.model.layers[0].mlp)) for layer in tiled.model.layers)
     _assert_model_same(_lm_step(tiled, ids), want)
-
-
-def _other_arch(name: str) -> nn.Module:
-    import transformers
-
-    config_cls = getattr(transformers, f"{name}Config")
-    model_cls = getattr(transformers, f"{name}ForCausalLM")
-    cfg = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return model_cls(cfg).float()
 
 
 @pytest.mark.parametrize("arch", ["Qwen2", "Llama", "Mistral"])
