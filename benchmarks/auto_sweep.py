@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the character tokenizer
+# the character tokenizer
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from bench_common import git_commit  # noqa: E402
 from sft_cli import SHAPES, chat_overhead_tokens, write_dataset  # noqa: E402
 

@@ -34,7 +34,7 @@ run() {
 # gpu_tests TIMEOUT_S: the GPU tests of the native engine and the weight updates (part `tests`).
 gpu_tests() {
   run tests "$1" python -m pytest -q -m gpu -x -p no:cacheprovider \
-    tests/test_native_gpu.py tests/test_triton_linear.py tests/test_triton_qkv.py tests/test_triton_sampler.py tests/test_triton_swiglu.py \
-    tests/test_weights_disk.py tests/test_weights_xccl.py tests/test_weights_inplace.py tests/test_rl_gpu.py
+    tests/rollout/test_native_gpu.py tests/rollout/test_triton_linear.py tests/rollout/test_triton_qkv.py tests/rollout/test_triton_sampler.py tests/rollout/test_triton_swiglu.py \
+    tests/weights/test_weights_disk.py tests/weights/test_weights_xccl.py tests/weights/test_weights_inplace.py tests/rl/test_rl_gpu.py
   tail -n 6 "$out/tests.jsonl" >&2
 }

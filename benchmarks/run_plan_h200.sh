@@ -13,7 +13,7 @@ mkdir -p "$out"
 source benchmarks/parts_lib.sh
 work=${WORK:-/tmp/plan_acc}
 want tests && run tests "${TESTS_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_roundpipe_gpu.py tests/test_rl_gpu.py
+  tests/engine/roundpipe/test_roundpipe_gpu.py tests/rl/test_rl_gpu.py
 want train && run train "${TRAIN_S:-420}" python benchmarks/plan_accuracy.py --work "$work" --parallel "${PAR:-3}" \
   --only ${TRAIN_ONLY:-fsdp-0.6b-2k fsdp-0.6b-8k-gc fsdp-0.6b-4k-full-logits fsdp-1.7b-2k fsdp-1.7b-16k-gc fsdp-1.7b-32k-gc roundpipe-0.6b-2k roundpipe-0.6b-8k-layer roundpipe-0.6b-4k-full-logits roundpipe-1.7b-4k-limit8 roundpipe-1.7b-16k-layer roundpipe-1.7b-32k fsdp-0.6b-16k-gc-full-logits fsdp-1.7b-4k roundpipe-0.6b-16k-limit8 roundpipe-1.7b-8k-layer-full-logits}
 want gen && run gen "${GEN_S:-300}" python benchmarks/plan_accuracy.py --work "$work" \

@@ -41,7 +41,7 @@ want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/decode_kernel.
   --tiles 128 --warps 4 --stages 2 --splits none auto 4 8 16
 want kernels && run kernels "${KERNELS_S:-300}" python benchmarks/sampler_kernel.py
 # (with the block table prefetched, 3 stages double-buffer the key and value tiles: Triton's
-# pipeliner then has no load the addresses wait on; tests/test_triton_compile.py compiles them)
+# pipeliner then has no load the addresses wait on; tests/rollout/test_triton_compile.py compiles them)
 want tune && run tune "${TUNE_S:-200}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 64 128 \
   --warps 4 --stages 2 3 --splits auto --prefetch-table on off
 want tune && run tune "${TUNE_S:-200}" python benchmarks/decode_kernel.py --cases A B r16 r64 --tiles 32 64 \

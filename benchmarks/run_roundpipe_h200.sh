@@ -87,9 +87,9 @@ left=$((deadline_s - SECONDS))
 # one), then the GPU-marked tests of the others (the one-GPU kind).
 pytest_s=${PYTEST_S:-200}
 timeout -k 5 $((left < pytest_s ? left : pytest_s)) bash -c 'python3 -m pytest -q -x -p no:cacheprovider -m "not multigpu" \
-  tests/test_grad_sink.py tests/test_sink_linear.py && python3 -m pytest -q -x -p no:cacheprovider \
-  -m "gpu and not multigpu" tests/test_roundpipe_gpu.py tests/test_attention.py tests/test_fused_rotary.py \
-  tests/test_loss.py' \
+  tests/model/test_grad_sink.py tests/model/test_sink_linear.py && python3 -m pytest -q -x -p no:cacheprovider \
+  -m "gpu and not multigpu" tests/engine/roundpipe/test_roundpipe_gpu.py tests/model/test_attention.py tests/model/test_fused_rotary.py \
+  tests/model/test_loss.py' \
   >"$out/pytest.log" 2>&1
 rc=$?
 python3 -c 'import json, sys; print(json.dumps({"run": "pytest_roundpipe_gpu", "rc": int(sys.argv[1]),

@@ -29,7 +29,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 want tests && run tests "${TESTS_S:-540}" python -m pytest -q -m multigpu -p no:cacheprovider tests/
 want ckpt && run ckpt "${CKPT_S:-400}" python -m pytest -q -m multigpu -p no:cacheprovider --durations=0 \
-  tests/test_fsdp_gpu.py -k checkpoint
+  tests/engine/fsdp/test_fsdp_gpu.py -k checkpoint
 if want fsdp; then
   sft=(python3 benchmarks/sft_cli.py --model qwen3-1.7b --seq-len 4096 --batch-size 8 --steps 5 --warmup 2
     --variants 11)

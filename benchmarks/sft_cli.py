@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests" / "support"))  # the tiny test model
 from bench_common import shapes  # noqa: E402
 from moe_train import SHAPES as MOE_SHAPES  # noqa: E402
 

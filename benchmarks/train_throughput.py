@@ -67,7 +67,7 @@ from typing import Any, cast
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # the tiny test model
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests" / "support"))  # the tiny test model
 from bench_common import (  # noqa: E402
     attention_forward_flops,
     git_commit,

@@ -70,7 +70,7 @@ def tiny_model(tiny_dir):
 
 @pytest.fixture(scope="module")
 def vllm_python():
-    """The python of the venv with vLLM of the `server` tier (installed on first use: tests/vllm_cpu.py)."""
+    """The python of the venv with vLLM of the `server` tier (installed on first use: tests/support/vllm_cpu.py)."""
     from vllm_cpu import ensure_vllm_python
 
     return ensure_vllm_python()

@@ -330,7 +330,7 @@ def _decoder_bytes_per_token(config: Any, b: int, layer: nn.Module | None = None
     the attention and MLP outputs (residual adds) and gate, up, act(gate), act(gate) * up:
     5H + 4q + 4kv + 4I. In fp32: the inputs RMSNorm upcasts (two of width H, q- and k-norm),
     and a softmax statistic per head. On one Qwen3-1.7B layer in bf16 this is 122,944 bytes
-    against 117,416 measured with saved-tensor hooks (`tests/test_roundpipe_split.py` checks the
+    against 117,416 measured with saved-tensor hooks (`tests/model/test_roundpipe_split.py` checks the
     estimate against such a measurement).
 
     The long-context knobs (`actor.tiled_mlp_tokens`) change what `layer` saves: a tiled MLP

@@ -3,7 +3,7 @@
 The config holds AReaL's flat `actor.*` names (so AReaL's YAML sets them); the RL modules take
 small frozen settings that validate themselves (`PPOSettings`, `AdvantageSettings`). This module is
 the one place that maps the first onto the second, field by field under the same names, so a field
-added to either side without the other fails here (and in tests/test_rl_settings.py), not in a run.
+added to either side without the other fails here (and in tests/rl/test_rl_settings.py), not in a run.
 
 Group sizes are not settings: the trainer passes each batch's groups (a prompt's completions,
 `gconfig.n_samples` of them) to `grpo_advantages`. AReaL's copies of that number,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from repo_paths import ASSETS, TESTS
+from repo_paths import ASSETS, SUPPORT
 
-AREAL = TESTS / "areal_configs"
+AREAL = SUPPORT / "areal_configs"
 TINY_MODEL = ASSETS / "tiny"  # config.json: 4 heads, 2 kv, no dropout
 
 

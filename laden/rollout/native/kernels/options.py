@@ -53,7 +53,7 @@ class DecodeOptions:
     with twice the work to hide its start behind. Not measured yet."""
     max_registers: int | None = None
     """Registers a thread may use (Triton's `maxnreg`; None: the compiler's choice). Compiled for sm_90
-    (tests/test_triton_compile.py) the default configuration takes 197 a thread: 25,216 a program of
+    (tests/rollout/test_triton_compile.py) the default configuration takes 197 a thread: 25,216 a program of
     4 warps, so two programs fit an SM's 65,536. 128 fits three (with 64-token tiles, four) at the
     price of a few spilled bytes. Not measured yet."""
 
