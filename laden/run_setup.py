@@ -1,5 +1,5 @@
 """What `laden sft` and `laden rl` do before their first step, once: a Hub id in `actor.path` /
-`critic.path` replaced by its local snapshot in the Hugging Face cache (fetched if need be), the
+`critic.path` / `teacher.path` replaced by its local snapshot in the Hugging Face cache (fetched if need be), the
 engine's backend object from `actor.backend`, every `auto` knob set by the planner from this process's
 memory (before the runtime starts, so the runtime and the engines only ever see a finished config), the
 runtime, the launch checked against the allocation, and the fields that do nothing for this job and
@@ -54,18 +54,19 @@ def in_run_directory(cfg: LadenConfig, rt: Runtime, train: Callable[[RunDirector
 
 
 def resolve_model_paths(cfg: LadenConfig, *, weights: bool = True, show_progress: bool = True) -> LadenConfig:
-    """`cfg` with a Hub id in `actor.path` / `critic.path` replaced by its local snapshot (fetched into the
+    """`cfg` with a Hub id in `actor.path` / `critic.path` / `teacher.path` replaced by its local snapshot (fetched into the
     Hugging Face cache unless there; `weights=False`: config and tokenizer only), so every later reader
     sees a local directory. Local paths are kept as they are."""
     from laden.model.hf.hub import resolve_model_path
 
     a = cfg.actor
     a.path = resolve_model_path(a.path, revision=a.revision, weights=weights, show_progress=show_progress)
-    c = cfg.critic
-    if c is not None and c.path:
-        c.path = resolve_model_path(
-            c.path, revision=c.revision, weights=weights, show_progress=show_progress, field="critic.path"
-        )
+    for name, section in (("critic", cfg.critic), ("teacher", cfg.teacher)):
+        if section is not None and section.path:
+            section.path = resolve_model_path(
+                section.path, revision=section.revision, weights=weights, show_progress=show_progress,
+                field=f"{name}.path",
+            )  # fmt: skip
     return cfg
 
 

@@ -12,8 +12,9 @@ interpolation, before the strict loader) in four passes:
    `checkpoint.resume`, `actor.init_from_scratch` -> `actor.init_from_config` (the critic's
    likewise; its `is_critic: true` is what laden's `critic` section is), the token-mask
    form of `actor.rejection_sampling` -> `actor.behav_imp_weight_cap`, `async_training: false`
-   -> `rollout.max_head_offpolicyness: 0`. Features laden does not have (SAPO, M2PO, a
-   teacher, ...) are errors that say so.
+   -> `rollout.max_head_offpolicyness: 0`, the `teacher` section's `train` form and `init_from_scratch`
+   -> laden's `teacher`. Features laden does not have (SAPO, M2PO, tree training, ...) are errors
+   that say so.
 3. Copies (`rollout.experiment_name: ${experiment_name}`, `tokenizer_path: ${actor.path}`,
    `rollout.consumer_batch_size: ${train_dataset.batch_size}`, `stats_logger.fileroot:
    ${cluster.fileroot}`, ...) are dropped when they equal
@@ -85,7 +86,8 @@ def from_areal(
     _unsupported(data, errors)
     _map_allocation_mode(data, errors)
     run = _run_of(data, job)
-    rules = (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, _map_rejection, _map_critic)  # fmt: skip
+    rules = (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, _map_rejection, _map_critic,
+             _map_teacher)  # fmt: skip
     for rule in rules:
         rule(data, errors)
     for dotted in ("gconfig.stop", "actor.mb_spec.n_mbs", "sglang.mem_fraction_static"):
@@ -371,6 +373,30 @@ def _map_critic(data: dict[str, Any], errors: list[str]) -> None:
             f"critic.backend={bare!r} names an engine without parallel sizes and actor.backend={actor!r} is not a "
             f"{bare} allocation; write critic.backend: {bare}:d<N> (e.g. {bare}:d4), or leave it out for the actor's"
         )
+
+
+def _map_teacher(data: dict[str, Any], errors: list[str]) -> None:
+    """AReaL's `teacher`: the flat form of its example (a train engine's keys), or TeacherConfig's
+    `engine_type: train` with the engine under `train` (lifted into `teacher`) or `engine_type: rollout`
+    (an inference server in AReaL; `teacher.rollout` is dropped with a warning: laden scores the teacher
+    on the actor's engine). `init_from_scratch` is `teacher.init_from_config`; `disable_dropout` is what
+    laden's scoring does (engines score in eval mode)."""
+    teacher = _get(data, "teacher", None)
+    if not isinstance(teacher, dict):
+        return
+    kind, train = _pop(data, "teacher.engine_type"), _pop(data, "teacher.train")
+    if kind not in (MISSING, None, "train", "rollout"):
+        errors.append(f"teacher.engine_type={_short(kind)}: expected train or rollout (AReaL's choices)")
+    if kind == "train" and not isinstance(train, dict):
+        errors.append("teacher.engine_type='train' needs the teacher.train section (AReaL's); add it, or write "
+                      "the teacher's keys in teacher itself")  # fmt: skip
+    if isinstance(train, dict) and kind in (MISSING, None, "train"):
+        for key, value in train.items():
+            _assign(data, f"teacher.{key}", value, f"teacher.train.{key}={_short(value)}", errors)
+    init = _pop(data, "teacher.init_from_scratch")
+    if init is not MISSING:
+        _assign(data, "teacher.init_from_config", init, f"teacher.init_from_scratch={_short(init)}", errors)
+    _pop(data, "teacher.disable_dropout")  # the teacher scores in eval mode: no dropout either way
 
 
 _AREAL_ATTN = {"flash_attention_2": "auto", "flash_attention_3": "auto"}

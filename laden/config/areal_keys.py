@@ -187,7 +187,11 @@ AREAL_KEYS: KeyTree = _keys(
     actor=_PPO_ACTOR,
     ref=_PPO_ACTOR,
     critic=_TRAIN_ENGINE | _keys("ppo_n_minibatches eps_clip mask_no_eos_with_zero"),
-    teacher=_PPO_ACTOR | _keys("allocation_mode rl_loss_weight distill_loss_weight"),
+    # the flat form of AReaL's example (a train engine's keys), and TeacherConfig's `train` / `rollout` form
+    teacher=_PPO_ACTOR
+    | _keys(
+        "allocation_mode rl_loss_weight distill_loss_weight engine_type", train=_PPO_ACTOR, rollout=_ROLLOUT
+    ),
 )
 """Every key of AReaL's experiment configs (`areal/api/cli_args.py`: SFT, PPO/GRPO and their
 sections, fields of the releases since AReaL-lite included), as a tree of sections."""
@@ -319,6 +323,16 @@ GROUPS: tuple[Group, ...] = (
     Group("actor.pad_to_maximum actor.grad_reduce_dtype actor.use_kernels actor.ds_auto_tp "
            "actor.init_critic_from_actor", "laden's engines pack micro-batches without padding, reduce gradients "
            "in their own precision and pick attention kernels by actor.attn_impl"),
+    Group("teacher.backend teacher.allocation_mode teacher.rollout teacher.fsdp teacher.archon teacher.megatron "
+           "teacher.attn_impl teacher.use_kernels teacher.pad_to_maximum teacher.gradient_checkpointing",
+           "laden's teacher runs on the actor's engine, layout and attention kernel (actor.backend, actor.attn_impl), "
+           "in the actor's processes, as its reference model does (not on an inference server or GPUs of its own)",
+           _rl),
+    Group("teacher.mb_spec", "laden scores the teacher on the actor's micro-batches (actor.mb_spec)", _rl),
+    Group("teacher.offload", "laden keeps the teacher loaded between steps (on the roundpipe engine in host "
+           "memory, as the policy)", _rl),
+    Group("teacher.*", "the teacher only scores the completions, it is never trained: laden reads teacher.path, "
+           "init_from_scratch, dtype, temperature, rl_loss_weight and distill_loss_weight", _rl),
 )  # fmt: skip
 """First match wins, top-down: a section's pattern takes its whole subtree."""
 
@@ -359,6 +373,7 @@ MAPPED = (
     "allocation_mode", "async_training", "saver.freq_steps", "recover.mode", "actor.init_from_scratch",
     "actor.disable_dropout", "actor.rejection_sampling", "actor.behave_imp_weight_cap",
     "actor.behave_imp_weight_mode", "critic.is_critic", "critic.init_from_scratch", "critic.disable_dropout",
+    "teacher.engine_type", "teacher.train", "teacher.init_from_scratch", "teacher.disable_dropout",
 )  # fmt: skip
 """AReaL keys whose values land in laden's fields (or are checked against the model)."""
 
@@ -373,7 +388,6 @@ UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("critic.enable_tree_training", bool, "tree training is not implemented yet; remove it (laden packs sequences)"),
     ("actor.prox_logp_method", lambda v: v not in (None, "recompute"),
      "only 'recompute' is implemented (the decoupled loss recomputes the proximal log-probs); set it to recompute"),
-    ("teacher", lambda v: v is not None, "distillation from a teacher model is not implemented yet; remove the teacher section"),
     ("econfig", lambda v: v is not None, "the tau2-bench environment of AReaL's examples/tau2 agent, which needs the "
      "tau2-bench package (its module tau2) and AReaL's own code (examples/tau2/agent.py, on the areal package); laden "
      "has no tau2 agent: remove econfig and set workflow to an agent class of your own that builds the environment "

@@ -29,7 +29,14 @@ from laden.config.validate_model import is_hub_id
 
 log = logging.getLogger(__name__)
 
-PATH_FIELDS = ("actor.path", "critic.path", "train_dataset.path", "valid_dataset.path", "cluster.fileroot")
+PATH_FIELDS = (
+    "actor.path",
+    "critic.path",
+    "teacher.path",
+    "train_dataset.path",
+    "valid_dataset.path",
+    "cluster.fileroot",
+)
 """The fields that hold a local path (a model directory, a dataset, the run root)."""
 DATASETS = ("train_dataset", "valid_dataset")
 LOCAL_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")

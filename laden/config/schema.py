@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from laden.config.schema_agent import AgentFields
 from laden.config.schema_rollout import NativeConfig, RolloutConfig, SGLangConfig
+from laden.config.schema_teacher import TeacherConfig
 from laden.config.schema_trackers import (
     StatsLoggerConfig,
 )
@@ -530,6 +531,8 @@ class LadenConfig(AgentFields):
     """The trained model and its engine."""
     critic: CriticConfig | None = None
     """PPO's value model (`laden rl`); null = no critic: GRPO-style advantages from the rewards alone; `critic: {}` = one on the actor's settings."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation from a frozen teacher model (`laden rl`); null = none."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The generation engine."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -80,6 +80,7 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
             "reward_fn_path",
         )
     ),
+    ("teacher", frozenset({"rl"}), "`laden rl` (distillation from a teacher)"),
 )
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe", "archon": "actor.archon"}
 

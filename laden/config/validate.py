@@ -154,6 +154,8 @@ _RANGES |= {"critic.ppo_n_minibatches": "pos", "critic.eps_clip": "gt0"} | {
     for dotted, kind in _RANGES.items()
     if dotted.startswith(("actor.mb_spec.", "actor.optimizer.", "actor.fsdp.", "actor.roundpipe."))
 }  # the critic's engine sections, as the actor's
+_RANGES |= {"teacher.rl_loss_weight": "nonneg_finite", "teacher.distill_loss_weight": "nonneg_finite",
+            "teacher.temperature": "gt0_finite"}  # fmt: skip
 
 
 def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> list[str]:

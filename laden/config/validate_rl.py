@@ -114,7 +114,28 @@ def ppo_errors(cfg: LadenConfig) -> list[str]:
 
 def rl_errors(cfg: LadenConfig) -> list[str]:
     """RL rules that involve the generation settings or the actor's parallelism."""
-    return _sequence_level_errors(cfg) + _group_errors(cfg) + _overlong_budget_errors(cfg)
+    return (
+        _sequence_level_errors(cfg) + _group_errors(cfg) + _overlong_budget_errors(cfg) + _teacher_errors(cfg)
+    )
+
+
+def _teacher_errors(cfg: LadenConfig) -> list[str]:
+    """A teacher needs a model, and a loss with something in it."""
+    t = cfg.teacher
+    if t is None:
+        return []
+    errors = []
+    if not t.path:
+        errors.append(
+            "teacher.path='': the teacher section needs the teacher model; set teacher.path to a Hugging Face "
+            "model directory or Hub id whose tokenizer gives the actor's tokens the actor's ids, or set teacher: null"
+        )
+    if t.rl_loss_weight == 0 and t.distill_loss_weight == 0:
+        errors.append(
+            "teacher.rl_loss_weight=0 and teacher.distill_loss_weight=0: the actor's loss would be 0; set "
+            "distill_loss_weight > 0 (e.g. 0.005, AReaL's default), or remove the teacher section"
+        )
+    return errors
 
 
 def _sequence_level_errors(cfg: LadenConfig) -> list[str]:

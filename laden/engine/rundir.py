@@ -88,7 +88,7 @@ _MAY_CHANGE = (
     "critic.mb_spec", "critic.fsdp", "critic.roundpipe", "critic.optimizer.lr", "critic.optimizer.weight_decay",
     "critic.optimizer.beta1", "critic.optimizer.beta2", "critic.optimizer.eps", "critic.optimizer.momentum",
     "critic.optimizer.lr_scheduler_type", "critic.optimizer.warmup_steps_proportion", "critic.optimizer.min_lr_ratio",
-    "critic.optimizer.gradient_clipping",
+    "critic.optimizer.gradient_clipping", "teacher.dtype",
     # a reward fixed after a failure (its import path, style or settings), and when to evaluate
     "reward_fn", "reward_fns", "reward_fn_style", "reward_timeout_s", "reward_workers", "reward_error_tolerance",
     "reward_import_timeout_s", "evaluator.", "eval_gconfig", "reward_worker_max_calls", "reward_worker_max_rss_gb",

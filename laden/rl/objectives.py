@@ -16,7 +16,9 @@ label is -100), named after AReaL's batch keys:
 - `prox_logprobs`: log pi_prox(label), recomputed by the trainer before the update; read only
   with `use_decoupled_loss` (AReaL `prox_logp`);
 - `ref_logprobs`: log pi_ref(label) of the reference model; read only with `kl_ctl != 0`
-  (AReaL `ref_logp`).
+  (AReaL `ref_logp`);
+- `teacher_logprobs`: log pi_teacher(label) of the teacher; read only with `distill`
+  (`DistillSettings`, AReaL `teacher_logp`).
 Loss tokens are `labels != -100` (AReaL `loss_mask`); a sequence is a document of
 `batch.cu_seqlens`. With pi_old = pi_prox (decoupled) or pi_behav, per loss token:
 
@@ -26,6 +28,19 @@ Loss tokens are `labels != -100` (AReaL `loss_mask`); a sequence is a document o
     l_t = min(l_t, -c_clip A_t) where A_t < 0           dual clip (c_clip)
     l_t = l_t * w_t, w_t = exp(log pi_prox - log pi_behav), 0 above behav_imp_weight_cap
     l_t = l_t + kl_ctl * clamp(k(logp_t, log pi_ref), -10, 10)   k1 / k2 / k3
+
+With a teacher (`distill`, AReaL's joint loss of on-policy distillation and RL), with w_rl =
+`rl_loss_weight`, w_d = `distill_loss_weight` and sg() a value held constant:
+
+    l_t = w_rl l_t + w_d (logp_t - log pi_teacher)                          w_rl > 0
+    l_t = w_d exp(logp_t - log pi_behav) (sg(logp_t) - log pi_teacher)      w_rl = 0
+
+The first is the sampled reverse KL to the teacher as a loss: its gradient is that of logp_t,
+zero in expectation on on-policy samples, so it mostly keeps the term's value in view; the second
+(pure distillation) is the policy gradient of -KL(pi || pi_teacher) with the per-token reward
+log pi_teacher - log pi, importance-weighted from the behaviour policy: it is what moves the
+policy toward the teacher. Both are AReaL's terms, and the metric `rkl_loss` is their per-token
+value without w_d (AReaL's `rkl_loss`).
 
 `loss_agg_mode` "token-mean" returns `sum_t l_t` (the engine's normalizer: the global number
 of loss tokens, so the step's loss is AReaL's token mean); "seq-mean-token-mean" returns
@@ -148,6 +163,27 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> list[str]:
     return [f"actor.{name}={value!r} is not known; use one of {', '.join(choices)}"]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistillSettings:
+    """On-policy distillation from a teacher (AReaL's `teacher.rl_loss_weight`, `distill_loss_weight`)."""
+
+    rl_loss_weight: float = 1.0
+    """Weight of the RL loss (the PPO loss with its KL term); 0 = the teacher term alone, importance-weighted."""
+    distill_loss_weight: float = 0.005
+    """Weight of the teacher term; AReaL's default."""
+
+    def __post_init__(self) -> None:
+        for name in ("rl_loss_weight", "distill_loss_weight"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(
+                    f"teacher.{name}={value} must be a finite number >= 0; use e.g. 1.0 or 0.005"
+                )
+        if self.rl_loss_weight == 0 and self.distill_loss_weight == 0:
+            raise ValueError("teacher.rl_loss_weight=0 and teacher.distill_loss_weight=0 leave no loss; set "
+                             "distill_loss_weight > 0")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class _Sequences:
     """The documents of a packed row: each token's document, loss tokens per document, document means."""
@@ -224,11 +260,17 @@ class PPOObjective:
     """Summed PPO-family loss of a micro-batch (see the module docstring); an `Objective`."""
 
     def __init__(
-        self, settings: PPOSettings | None = None, *, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+        self,
+        settings: PPOSettings | None = None,
+        *,
+        chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+        distill: DistillSettings | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"actor.loss_chunk_size={chunk_size} must be >= 1 token, e.g. 1024")
         self.settings = settings if settings is not None else PPOSettings()
+        self.distill = distill
+        """The teacher term (reads the field `teacher_logprobs`); None = no teacher."""
         self.chunk_size = chunk_size
         self.last_stats: dict[str, torch.Tensor] = {}
         """The latest micro-batch's statistics: means over its loss tokens, and `num_loss_tokens`."""
@@ -259,6 +301,10 @@ class PPOObjective:
             kl = kl_estimate(logp, _field(batch, "ref_logprobs"), s.kl_estimator)
             losses = losses + s.kl_ctl * kl
             stats["kl"] = kl
+        if self.distill is not None:
+            losses, stats["rkl_loss"] = self._with_teacher(
+                losses, logp, behav, _field(batch, "teacher_logprobs")
+            )
         losses = torch.where(mask, losses, 0.0)  # [T]
         stats.update(approx_kl=log_ratio, importance_weight=ratio, entropy=entropy)
         self._record(stats, mask)
@@ -275,6 +321,18 @@ class PPOObjective:
         assert seqs is not None
         ratio = seqs.means(log_ratio).exp()[seqs.index]
         return ratio, seqs.means(torch.where(mask, advantages, 0.0))[seqs.index]
+
+    def _with_teacher(
+        self, losses: torch.Tensor, logp: torch.Tensor, behav: torch.Tensor, teacher: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-token loss with the teacher term, the term without its weight); see the module docstring."""
+        d = self.distill
+        assert d is not None
+        if d.rl_loss_weight == 0:
+            term = (logp - behav).exp() * (logp.detach() - teacher)
+            return d.distill_loss_weight * term, term
+        term = logp - teacher
+        return d.rl_loss_weight * losses + d.distill_loss_weight * term, term
 
     def _behaviour_weight(
         self, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor

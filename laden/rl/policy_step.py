@@ -1,12 +1,13 @@
 """`laden rl`'s training on a batch of trajectories: advantages (GRPO's, or GAE on the critic's values),
 packing into token-budget micro-batches with per-token advantages and log-probabilities, the PPO
-minibatches, the reference model's and the recomputed log-probabilities, and the re-split of a step
-that runs out of memory (`oom_policy: auto`)."""
+minibatches, the recomputed log-probabilities and those of the reference model and the teacher
+(`laden.rl.scoring`), and the re-split of a step that runs out of memory (`oom_policy: auto`)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from laden.data import PackedBatch
 from laden.engine.runtime import OOMRetry, batch_device
 from laden.rl.batches import pack_trajectories
 from laden.rl.run_part import RunPart
+from laden.rl.scoring import score, teacher_temperature
 
 log = logging.getLogger("laden.rl")
 
@@ -32,14 +34,23 @@ class PolicyStep(RunPart):
         fewest_groups = min(len(sizes) for _, sizes in shares)
         n = max(1, min(cfg.actor.ppo_n_minibatches, fewest_groups))
         chunks = [groups[i::n] for i in range(n)]
-        # The trainer's log-probs (proximal / old) and the reference's, all under the weights before
-        # this step's first update: later minibatches' ratios then measure how far the policy moved.
+        # The trainer's log-probs (proximal / old; with recompute_logprob alone the old ones the ratio is
+        # taken against), the reference's and the teacher's, all under the weights before this step's
+        # first update: later minibatches' ratios then measure how far the policy moved.
         chunk_mbs = [self._micro_batches([t for g in chunk for t in g], advantages) for chunk in chunks]
+        teacher_s = 0.0
         for mbs in chunk_mbs:
             if cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob:
-                self._recompute_logprobs(mbs)
-            if self.ref is not None:
-                self._reference_logprobs(mbs)
+                name = "prox_logprobs" if cfg.actor.use_decoupled_loss else "old_logprobs"
+                score(self.engine, mbs, name, temperature=cfg.actor.temperature)
+            if self.ref is not None:  # the KL term's reference
+                score(self.ref, mbs, "ref_logprobs", temperature=cfg.actor.temperature)
+            if self.teacher is not None:  # the distillation term's teacher
+                t0 = time.perf_counter()
+                score(self.teacher, mbs, "teacher_logprobs", temperature=teacher_temperature(cfg))
+                teacher_s += time.perf_counter() - t0
+        if self.teacher is not None:
+            metrics["teacher_logp_s"] = round(teacher_s, 3)
         for mbs in chunk_mbs:
             normalizer = self._sum(self.objective.loss_normalizer(mbs))
             loss = self._forward_backward(mbs, max(normalizer, 1))
@@ -139,18 +150,3 @@ class PolicyStep(RunPart):
             algorithm=spec.packing_algorithm, device=batch_device(self.rt.backend, self.rt),
         )  # fmt: skip
         return mbs
-
-    def _recompute_logprobs(self, mbs: list[PackedBatch]) -> None:
-        """The trainer's own log-probs of the completions: `prox_logprobs` (decoupled loss) or, with
-        `recompute_logprob` alone, the `old_logprobs` the ratio is taken against."""
-        outs = self.engine.forward(mbs, outputs=("logprobs",), temperature=self.cfg.actor.temperature)
-        name = "prox_logprobs" if self.cfg.actor.use_decoupled_loss else "old_logprobs"
-        for i, (mb, out) in enumerate(zip(mbs, outs)):
-            mbs[i] = mb.with_fields(**{name: out["logprobs"].to(mb.labels.device)})
-
-    def _reference_logprobs(self, mbs: list[PackedBatch]) -> None:
-        """`ref_logprobs` of the completions under the reference model (the KL term)."""
-        assert self.ref is not None
-        outs = self.ref.forward(mbs, outputs=("logprobs",), temperature=self.cfg.actor.temperature)
-        for i, (mb, out) in enumerate(zip(mbs, outs)):
-            mbs[i] = mb.with_fields(ref_logprobs=out["logprobs"].to(mb.labels.device))

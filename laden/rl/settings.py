@@ -20,7 +20,7 @@ from laden.config.loader import yaml_scalar
 from laden.config.schema import LadenConfig, NormConfig
 from laden.rl.advantages import AdvantageSettings, NormSettings
 from laden.rl.critic import ValueSettings
-from laden.rl.objectives import PPOSettings
+from laden.rl.objectives import DistillSettings, PPOSettings
 
 NOT_YET_IMPLEMENTED: tuple[tuple[str, str], ...] = ()
 """(dotted field, why it has no effect) for fields that `laden rl` parses but does not implement yet;
@@ -37,6 +37,13 @@ in laden (AReaL runs GAE on zero values without a critic, discounting the reward
 def ppo_settings(cfg: LadenConfig) -> PPOSettings:
     """The PPO-family loss of `cfg.actor` (every `PPOSettings` field has an `actor.*` field of that name)."""
     return PPOSettings(**_same_names(PPOSettings, cfg.actor))
+
+
+def distill_settings(cfg: LadenConfig) -> DistillSettings | None:
+    """The teacher term of the actor's loss (`teacher.rl_loss_weight`, `distill_loss_weight`); None without one."""
+    if cfg.teacher is None:
+        return None
+    return DistillSettings(**_same_names(DistillSettings, cfg.teacher))
 
 
 def value_settings(cfg: LadenConfig) -> ValueSettings:

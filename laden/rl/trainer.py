@@ -17,7 +17,10 @@ One training step:
    (`laden.rl.objectives`) in `actor.ppo_n_minibatches` optimizer steps; then the critic, on
    the returns, in `critic.ppo_n_minibatches` steps of the clipped value loss.
    With `actor.kl_ctl > 0` the loss adds a KL penalty (`actor.kl_estimator`) to a reference
-   model: the initial policy, loaded a second time and never stepped.
+   model: the initial policy, loaded a second time and never stepped. With a `teacher` section
+   the loss adds AReaL's distillation term on a teacher model's log-probs of the completions
+   (`teacher.distill_loss_weight`, beside `teacher.rl_loss_weight`); the teacher is built and
+   run as the reference model is (`laden.rl.scoring`).
    On a GPU shared with the synchronous trainer the rollout engine sleeps (frees its KV cache)
    while the trainer trains, and wakes before the update.
 4. **Weight update.** The rollout engine takes the new weights from the trainer's
@@ -265,15 +268,19 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         self.engine = backend.build(cfg, model, total_steps=self.total_steps, device=self.rt.device)
         log.info("policy %s loaded in %.1f s, %s engine built in %.1f s", cfg.actor.path, t1 - t0,
                  cfg.actor.backend, time.perf_counter() - t1)  # fmt: skip
+        from laden.rl.scoring import build_teacher, frozen_engine
+
         self.ref = None
         if cfg.actor.kl_ctl:  # the frozen initial policy, on the same engine (never stepped)
-            self.ref = backend.build(cfg, load_model(cfg, self.rt, backend), total_steps=self.total_steps,
-                                     device=self.rt.device)  # fmt: skip
+            self.ref = frozen_engine(cfg, self.rt, backend, total_steps=self.total_steps)
             log.info(
                 "reference model for actor.kl_ctl=%s: the initial policy (%s)",
                 cfg.actor.kl_ctl,
                 cfg.actor.path,
             )
+        self.teacher = None
+        if cfg.teacher is not None:  # a second frozen model, built as the reference is
+            self.teacher = build_teacher(cfg, self.rt, backend, self.tokenizer, total_steps=self.total_steps)
         self.critic = self._critic()
         self.settings = OptimSettings.from_config(cfg.actor.optimizer, self.total_steps)
         start = self._resume(history, changes)
@@ -340,10 +347,12 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
 
     def _objective(self):
         from laden.rl.objectives import PPOObjective
-        from laden.rl.settings import advantage_settings, ppo_settings
+        from laden.rl.settings import advantage_settings, distill_settings, ppo_settings
 
         cfg = self.cfg
-        return PPOObjective(ppo_settings(cfg), chunk_size=cfg.actor.loss_chunk_size), advantage_settings(cfg)
+        objective = PPOObjective(ppo_settings(cfg), chunk_size=cfg.actor.loss_chunk_size,
+                                 distill=distill_settings(cfg))  # fmt: skip
+        return objective, advantage_settings(cfg)
 
     # ------------------------------------------------------------------ the loop
 

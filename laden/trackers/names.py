@@ -46,6 +46,8 @@ _RL = {
     "train_s": "timeperf/train_step",
     "update_s": "timeperf/update_weights",
     "eval/time_s": "timeperf/eval",
+    "rkl_loss": "ppo_actor/update/rkl_loss/avg",
+    "teacher_logp_s": "timeperf/teacher_logp",
 }
 AREAL_NAMES: dict[str, dict[str, str]] = {"sft": _SFT, "rl": _RL}
 """Per job: laden's metrics.jsonl name -> AReaL's name."""

@@ -182,12 +182,19 @@ def test_unknown_keys_stay_errors_with_a_suggestion():
 def test_features_laden_lacks_are_errors_that_say_so():
     errors = _errors(
         AREAL / "gsm8k_grpo.yaml",
-        [*PATHS, "+actor.use_sapo_loss=true", "actor.rejection_sampling.action=clamp", "+teacher={path: x}"],
+        [
+            *PATHS,
+            "+actor.use_sapo_loss=true",
+            "actor.rejection_sampling.action=clamp",
+            "+actor.enable_tree_training=true",
+        ],
     )
     assert len(errors) == 3, errors
     assert any(e.startswith("actor.use_sapo_loss=true: SAPO's loss is not implemented yet") for e in errors)
     assert any("rejection_sampling" in e and "only level: token, action: mask" in e for e in errors)
-    assert any(e.startswith("teacher=") and "not implemented yet" in e for e in errors)
+    assert any(
+        e.startswith("actor.enable_tree_training=true: tree training is not implemented") for e in errors
+    )
 
 
 def test_copies_must_equal_what_they_copy():

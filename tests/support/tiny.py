@@ -96,6 +96,26 @@ def write_tiny_model_dir(out_dir: str | Path, **config_overrides) -> Path:
     return out
 
 
+def write_tiny_teacher(
+    out_dir: str | Path, source: str | Path, *, seed: int, head_scale: float = 1.0
+) -> Path:
+    """A tiny model with weights (a teacher for distillation tests): `source`'s tokenizer and config.json,
+    weights drawn with `seed`, the output head times `head_scale` (a sharper, more distinct distribution)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(out)
+    return out
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
