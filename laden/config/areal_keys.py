@@ -377,15 +377,27 @@ MAPPED = (
 )  # fmt: skip
 """AReaL keys whose values land in laden's fields (or are checked against the model)."""
 
+_TREE = (
+    "tree training (one token trie per batch, each shared prefix computed once under a tree attention mask) is "
+    "not implemented; remove it. laden packs every trajectory as a sequence of its own, so a prefix several "
+    "sequences share is computed once per sequence (laden.rl.batches.repeated_prefix_tokens counts it): a "
+    "group's prompt n_samples times, and with export_style: individual every earlier turn of an agent's "
+    "conversation once per later call. export_style: concat (rollout.agent.export_style) trains one sequence "
+    "per conversation, on the model's turns, so within a conversation nothing is computed twice; what is "
+    "left is the group's prompt, (n_samples - 1) x its tokens per group (e.g. 8 conversations of a 2000-token "
+    "prompt and 5 calls of 200 tokens with 300-token tool outputs: 128000 tokens individual, 33600 concat, "
+    "19600 as a tree)"
+)
+
 UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("actor.use_sapo_loss", bool, "SAPO's loss is not implemented yet; remove it for the PPO clip loss (actor.eps_clip)"),
     ("actor.m2_threshold", lambda v: v is not None, "M2PO is not implemented yet; remove actor.m2_threshold"),
-    ("actor.enable_tree_training", bool, "tree training is not implemented yet; remove it (laden packs sequences)"),
+    ("actor.enable_tree_training", bool, _TREE),
     ("actor.is_critic", bool, "training the actor as a value or reward model is not implemented yet (PPO's value "
      "model is the critic section); remove actor.is_critic"),
     ("critic.use_lora", bool, "LoRA on the critic is not implemented: laden trains all of the value model's weights; "
      "remove critic.use_lora"),
-    ("critic.enable_tree_training", bool, "tree training is not implemented yet; remove it (laden packs sequences)"),
+    ("critic.enable_tree_training", bool, _TREE),
     ("actor.prox_logp_method", lambda v: v not in (None, "recompute"),
      "only 'recompute' is implemented (the decoupled loss recomputes the proximal log-probs); set it to recompute"),
     ("econfig", lambda v: v is not None, "the tau2-bench environment of AReaL's examples/tau2 agent, which needs the "

@@ -57,3 +57,27 @@ def pack_trajectories(
         )
         batches.append(batch.to(device, non_blocking=True))
     return batches, [list(b) for b in bins]
+
+
+def repeated_prefix_tokens(sequences: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(tokens packing computes, tokens a prefix tree computes) for `sequences` (prompt + completion ids).
+
+    laden packs every trajectory as a sequence of its own, so tokens that several sequences begin with
+    (a group's shared prompt; with `export_style: individual`, every earlier turn of an agent's
+    conversation) are computed once per sequence. AReaL's tree training (`enable_tree_training`, not
+    implemented here) computes each distinct prefix once: the nodes of the sequences' token trie,
+    counted here as the sum over the sorted sequences of each one's length past its common prefix with
+    the one before it.
+    """
+    ordered = sorted(tuple(s) for s in sequences)
+    tree = 0
+    previous: tuple[int, ...] = ()
+    for seq in ordered:
+        common = 0
+        for a, b in zip(seq, previous):
+            if a != b:
+                break
+            common += 1
+        tree += len(seq) - common
+        previous = seq
+    return sum(len(s) for s in ordered), tree
