@@ -3,8 +3,9 @@
 
 Both are built the same way (`frozen_engine`): loaded as the actor's model is (`load_model`: the
 engine's loader, its patches), on the actor's engine and layout (`actor.backend`) in the actor's
-processes, and never stepped. Under `roundpipe` they live in host memory and stream through the GPU
-as the policy does; under `fsdp` and `archon` they are sharded as the policy is. `score` adds their
+processes, and never stepped: their weights are stored in the compute dtype with no master copy and no
+optimizer state (`_never_stepped`). Under `roundpipe` they live in host memory and stream through the
+GPU as the policy does; under `fsdp` and `archon` they are sharded as the policy is. `score` adds their
 log-probs of the labels to the policy's micro-batches as a per-token field, the same call the
 trainer's own recomputed log-probs use. The reference model is the initial policy (`actor.path`); the
 teacher is `teacher.path` (`teacher_engine_config`), whose tokenizer must agree with the actor's
@@ -35,12 +36,25 @@ def frozen_engine(
     total_steps: int,
     check: Callable[[nn.Module], None] | None = None,
 ) -> Any:
-    """An engine over the model `cfg.actor` names, on `backend` (the actor's engine), never stepped;
-    `check(model)` runs on the loaded model before the engine takes it."""
+    """An engine over the model `cfg.actor` names, on `backend` (the actor's engine), never stepped
+    (`_never_stepped`); `check(model)` runs on the loaded model before the engine takes it."""
+    cfg = _never_stepped(cfg)
     model = load_model(cfg, rt, backend)
     if check is not None:
         check(model)
     return backend.build(cfg, model, total_steps=total_steps, device=rt.device)
+
+
+def _never_stepped(cfg: LadenConfig) -> LadenConfig:
+    """`cfg` for a model that is never stepped: its weights stored in the compute dtype (no fp32 masters
+    beside them) and a stateless optimizer (SGD without momentum), so it holds its weights and nothing else.
+    The weights computed with are the same: the compute copy is the checkpoint cast to `actor.dtype` either way."""
+    a = cfg.actor
+    optimizer = dataclasses.replace(a.optimizer, type="sgd", momentum=0.0)
+    storage = a.dtype if a.dtype in ("float32", "bfloat16") else a.optimizer_dtype  # float16: fp32 masters
+    return dataclasses.replace(
+        cfg, actor=dataclasses.replace(a, optimizer_dtype=storage, optimizer=optimizer)
+    )
 
 
 def score(engine: Any, mbs: list[PackedBatch], name: str, *, temperature: float) -> None:

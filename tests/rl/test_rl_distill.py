@@ -139,6 +139,29 @@ def test_teacher_scores_like_the_hugging_face_model_on_every_engine(tmp_path, ba
     assert_close(got, torch.tensor(want), rtol=1e-4, atol=1e-5)
 
 
+def test_a_frozen_model_holds_its_weights_in_the_compute_dtype_and_nothing_else(tmp_path):
+    """The teacher (and the reference model, built alike) keeps no fp32 masters beside its bf16 weights and no
+    optimizer state: on roundpipe 2 bytes of host memory per parameter, on fsdp bf16 parameters and SGD."""
+    from laden.engine.backend import resolve_backend
+    from laden.engine.runtime import Runtime
+    from laden.model.hf.loading import load_tokenizer
+    from laden.rl.scoring import build_teacher
+
+    teacher_dir = write_tiny_teacher(tmp_path / "teacher", ASSETS / "tiny", seed=5)
+    rt = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
+    for backend in ("fsdp:d1", "roundpipe:d1"):
+        cfg = tiny_rl_config(
+            tmp_path, f"actor.backend={backend}", f"teacher.path={teacher_dir}", "teacher.dtype=bfloat16"
+        )
+        engine = build_teacher(cfg, rt, resolve_backend(cfg), load_tokenizer(cfg.actor.path), total_steps=1)
+        if backend.startswith("fsdp"):
+            assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+            assert type(engine.optimizer).__name__ == "SGD"
+        else:
+            held = {kind: n for kind, n in engine.host_bytes_by_kind().items() if n}
+            assert held.keys() <= {"weights", "buffers"} and held["weights"] == 2 * 87_424, held
+
+
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     from laden.rl.scoring import check_teacher_vocab
 
