@@ -26,6 +26,7 @@ for the network. Run untrusted code of real consequence in a container or VM as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import resource
@@ -211,10 +212,8 @@ class _Limits:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
 
 
 def _read_capped(path: Path, max_chars: int) -> tuple[str, bool]:
