@@ -1,0 +1,58 @@
+"""What the math agents share: the row's opening messages, the final answer in a reply, and its correctness."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from laden.tools.calculator import CalculatorError, evaluate_arithmetic
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
+
+
+def opening_messages(data: dict[str, Any], system_prompt: str | None) -> list[dict[str, Any]]:
+    """The conversation an episode starts from: the row's `messages`, else its `prompt` (or `question`) as a user
+    turn; `system_prompt` first unless the row has a system turn. `KeyError` naming the fields when it has none."""
+    if "messages" in data:
+        messages = [dict(m) for m in data["messages"]]
+    else:
+        text = data.get("prompt", data.get("question"))
+        if text is None:
+            raise KeyError(
+                f"the row has none of 'messages', 'prompt' or 'question' (its fields: {sorted(data)})"
+            )
+        messages = [{"role": "user", "content": str(text)}]
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def final_answer(text: str | None) -> str | None:
+    """The answer a reply gives: the last `\\boxed{...}`, else its last number (a fraction `a/b` counts as one)."""
+    text = text or ""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(" ", "") if numbers else None
+
+
+def is_correct(answer: str | None, reference: Any, *, tolerance: float = 1e-6) -> bool:
+    """Whether `answer` is the number `reference` is (both read by the safe calculator, so `7/2` equals `3.5`)."""
+    if answer is None:
+        return False
+    try:
+        got, want = evaluate_arithmetic(answer), evaluate_arithmetic(str(reference))
+    except CalculatorError:
+        return answer.strip() == str(reference).strip()
+    return abs(got - want) <= tolerance * max(1.0, abs(want))
+
+
+def reference_answer(data: dict[str, Any]) -> Any:
+    """The row's `answer` (`KeyError` naming the row's fields when it has none)."""
+    if "answer" not in data:
+        raise KeyError(
+            f"the row has no 'answer' to check the agent's answer against (its fields: {sorted(data)})"
+        )
+    return data["answer"]
