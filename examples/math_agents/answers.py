@@ -1,9 +1,12 @@
-"""What the math agents share: the row's opening messages, the final answer in a reply, and its correctness."""
+"""What the math agents share: the client, the row's opening messages, the final answer in a reply, and its
+correctness."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from openai import AsyncOpenAI
 
 from laden.tools.calculator import CalculatorError, evaluate_arithmetic
 
@@ -56,3 +59,17 @@ def reference_answer(data: dict[str, Any]) -> Any:
             f"the row has no 'answer' to check the agent's answer against (its fields: {sorted(data)})"
         )
     return data["answer"]
+
+
+def endpoint_client(extra_kwargs: dict[str, Any]) -> AsyncOpenAI:
+    """The client of the episode's endpoint: `base_url` and `api_key` from `run`'s keyword arguments (None: the
+    OPENAI_BASE_URL / OPENAI_API_KEY environment, as the openai package reads it); no retries, so that a refused
+    call ends the episode instead of being sent again."""
+    return AsyncOpenAI(
+        base_url=extra_kwargs.get("base_url"), api_key=extra_kwargs.get("api_key"), max_retries=0
+    )
+
+
+def sampling_args(max_tokens: int, temperature: float | None) -> dict[str, Any]:
+    """A call's sampling arguments: `max_tokens`, and `temperature` unless None (the run's `gconfig` decides)."""
+    return {"max_tokens": max_tokens} | ({} if temperature is None else {"temperature": temperature})

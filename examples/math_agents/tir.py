@@ -14,10 +14,16 @@ import re
 from typing import Any
 
 import openai
-from openai import AsyncOpenAI
 
 from laden.tools.sandbox import arun_python
-from math_agents.answers import final_answer, is_correct, opening_messages, reference_answer
+from math_agents.answers import (
+    endpoint_client,
+    final_answer,
+    is_correct,
+    opening_messages,
+    reference_answer,
+    sampling_args,
+)
 
 SYSTEM_PROMPT = (
     "Solve the problem. You may write Python in a ```python block; it is run and its output is shown to you. "
@@ -55,12 +61,9 @@ class TIRAgent:
 
     async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
         reference = reference_answer(data)
-        messages = opening_messages(data, self.system_prompt)
-        sampling: dict[str, Any] = {"max_tokens": self.max_tokens}
-        if self.temperature is not None:
-            sampling["temperature"] = self.temperature
-        async with AsyncOpenAI(base_url=extra_kwargs.get("base_url"), api_key=extra_kwargs.get("api_key"),
-                               max_retries=0) as client:  # fmt: skip
+        messages: list[Any] = opening_messages(data, self.system_prompt)
+        sampling = sampling_args(self.max_tokens, self.temperature)
+        async with endpoint_client(extra_kwargs) as client:
             for turn in range(self.max_turns):
                 try:
                     response = await client.chat.completions.create(
