@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import openai
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessage
 
 from laden.tools.calculator import CalculatorError, evaluate_arithmetic
 
@@ -73,3 +75,17 @@ def endpoint_client(extra_kwargs: dict[str, Any]) -> AsyncOpenAI:
 def sampling_args(max_tokens: int, temperature: float | None) -> dict[str, Any]:
     """A call's sampling arguments: `max_tokens`, and `temperature` unless None (the run's `gconfig` decides)."""
     return {"max_tokens": max_tokens} | ({} if temperature is None else {"temperature": temperature})
+
+
+async def reply(
+    client: AsyncOpenAI, messages: list[Any], sampling: dict[str, Any], **request: Any
+) -> ChatCompletionMessage | None:
+    """The model's next message, or None when the endpoint refuses the call (HTTP 400: the conversation no longer
+    leaves room for a reply in the context), which ends the episode."""
+    try:
+        response = await client.chat.completions.create(
+            model="default", messages=messages, **sampling, **request
+        )
+    except openai.BadRequestError:
+        return None
+    return response.choices[0].message

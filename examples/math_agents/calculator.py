@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
-
 from laden.tools.calculator import CalculatorError, evaluate_arithmetic, format_number
 from math_agents.answers import (
     endpoint_client,
@@ -21,6 +19,7 @@ from math_agents.answers import (
     is_correct,
     opening_messages,
     reference_answer,
+    reply,
     sampling_args,
 )
 
@@ -81,15 +80,9 @@ class CalculatorAgent:
         sampling = sampling_args(self.max_tokens, self.temperature)
         async with endpoint_client(extra_kwargs) as client:
             for _ in range(self.max_turns):
-                try:
-                    response = await client.chat.completions.create(
-                        model="default", messages=messages, tools=[CALCULATOR_TOOL], **sampling
-                    )
-                except (
-                    openai.BadRequestError
-                ):  # the conversation no longer fits the context: the episode ends
+                message = await reply(client, messages, sampling, tools=[CALCULATOR_TOOL])
+                if message is None:
                     break
-                message = response.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 if message.tool_calls:
                     for call in message.tool_calls:

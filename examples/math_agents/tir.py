@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import openai
-
 from laden.tools.sandbox import arun_python
 from math_agents.answers import (
     endpoint_client,
@@ -22,6 +20,7 @@ from math_agents.answers import (
     is_correct,
     opening_messages,
     reference_answer,
+    reply,
     sampling_args,
 )
 
@@ -65,15 +64,10 @@ class TIRAgent:
         sampling = sampling_args(self.max_tokens, self.temperature)
         async with endpoint_client(extra_kwargs) as client:
             for turn in range(self.max_turns):
-                try:
-                    response = await client.chat.completions.create(
-                        model="default", messages=messages, **sampling
-                    )
-                except (
-                    openai.BadRequestError
-                ):  # the conversation no longer fits the context: the episode ends
+                message = await reply(client, messages, sampling)
+                if message is None:
                     return 0.0
-                content = response.choices[0].message.content
+                content = message.content
                 code = code_block(content)
                 if code is None or turn == self.max_turns - 1:
                     return 1.0 if is_correct(final_answer(_without_code(content)), reference) else 0.0
