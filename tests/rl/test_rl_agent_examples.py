@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 from agent_fixtures import ScriptedEngine
+from repo_paths import ROOT
 
 from laden.config import load_config
 from laden.rl.agent import AgentWorkflow
 from laden.rollout import SamplingParams
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(autouse=True)
