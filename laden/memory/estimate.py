@@ -96,7 +96,8 @@ class NativeGeneration:
         )  # fmt: skip
         max_len = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
         s = shapes
-        # the engine's profiling pass: one layer's prefill tensors at its largest prefill batch
+        # one layer's prefill tensors at the engine's largest prefill batch (its profiling pass on CUDA; on
+        # the CPU every prefill of `max_prefill_tokens`, 2048 there)
         prefill_tokens = 16384 if on_gpu else 2048
         widths = 4 * s.hidden_size + 3 * s.intermediate_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         prefill = prefill_tokens * widths * dtype.itemsize
@@ -104,10 +105,8 @@ class NativeGeneration:
         if self.trainer_resident:
             where = "same GPU" if self.gpu_capacity is not None else "same process, on the CPU"
             parts.insert(0, Component(f"the trainer's model states ({where})", gpu=self.trainer_resident))
+        parts.append(Component(f"prefill activations ({prefill_tokens} tokens)", gpu=prefill, exact=False))
         if self.gpu_capacity is not None:
-            parts.append(
-                Component(f"prefill activations ({prefill_tokens} tokens)", gpu=prefill, exact=False)
-            )
             taken = weights + prefill + self.trainer_resident
             cache = max(0, int(cfg.native.mem_fraction_static * self.gpu_capacity) - taken)
             cache = cache // per_block * per_block

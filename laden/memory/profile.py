@@ -145,6 +145,7 @@ def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> lis
 def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     """Run each phase of `job` once at its worst case in this process and measure it (module docstring)."""
     from laden.engine.backend import resolve_backend
+    from laden.engine.device import trim_host_heap
     from laden.engine.runtime import batch_device, load_model, seed_everything, start_runtime
 
     backend = resolve_backend(cfg)
@@ -173,6 +174,8 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
         "profile: %d training steps done (loss %.3f) in %.1f s", TRAINING_STEPS, loss, phase.result.seconds
     )
     if job == "rl" and resolve_rollout(cfg).in_process:
+        if device.type == "cpu":  # as `laden rl` does after each step on the CPU
+            trim_host_heap()
         results += _profile_rollout(cfg, engine, device, vocab)
     return results
 

@@ -86,6 +86,7 @@ from laden.engine import signals
 from laden.engine.checkpoint import (
     load_checkpoint,
 )
+from laden.engine.device import trim_host_heap
 from laden.engine.oom import PhaseOOMError, is_oom
 from laden.engine.rundir import RunDirectory
 from laden.engine.runtime import Runtime, load_model, seed_everything
@@ -509,6 +510,8 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
             # update after the step fills it again in place
             await self.rollout.sleep(weights=self._sleep_releases_weights())
         out = await asyncio.get_running_loop().run_in_executor(self.train_pool, self._train_on, kept, shares)
+        if self.rt.device.type == "cpu":  # the step's freed activations would stay resident while generating
+            trim_host_heap()
         if sleeps:
             await self.rollout.wake()
         if measure:

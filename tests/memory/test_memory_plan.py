@@ -95,6 +95,9 @@ def test_the_native_kv_cache_equals_the_engines(tmp_path):
     parts = _by_name(phase)
     assert parts["KV cache (8 sequences x 56 tokens)"].gpu == engine.core.cache.nbytes
     assert parts["weights (float32)"].gpu == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (
+        parts[f"prefill activations ({engine.max_prefill_tokens} tokens)"].gpu > 0
+    )  # the engine's CPU budget
     sized = NativeGeneration(gpu_capacity=2**30).estimate(cfg, _shapes())
     (cache,) = [c for c in sized.components if c.name.startswith("KV cache")]
     assert cache.gpu <= int(cfg.native.mem_fraction_static * 2**30) - parts["weights (float32)"].gpu
