@@ -10,11 +10,11 @@ interpolation, before the strict loader) in four passes:
 2. AReaL keys with a laden meaning are mapped: `allocation_mode` -> `rollout.backend` and
    `actor.backend`, `saver.freq_steps` -> `checkpoint.save_freq_steps`, `recover.mode` ->
    `checkpoint.resume`, `actor.init_from_scratch` -> `actor.init_from_config` (the critic's
-   likewise; its `is_critic: true` is what laden's `critic` section is), the token-mask
-   form of `actor.rejection_sampling` -> `actor.behav_imp_weight_cap`, `async_training: false`
-   -> `rollout.max_head_offpolicyness: 0`, the `teacher` section's `train` form and `init_from_scratch`
-   -> laden's `teacher`. Features laden does not have (SAPO, M2PO, tree training, ...) are errors
-   that say so.
+   likewise; its `is_critic: true` is what laden's `critic` section is), the decoupled loss's
+   behaviour weight (`_map_rejection`: AReaL 1.0.4's `actor.rejection_sampling`, or the names before
+   it), `async_training: false` -> `rollout.max_head_offpolicyness: 0`, the `teacher` section's `train`
+   form and `init_from_scratch` -> laden's `teacher`. Features laden does not have (tree training, ...)
+   are errors that say so.
 3. Copies (`rollout.experiment_name: ${experiment_name}`, `tokenizer_path: ${actor.path}`,
    `rollout.consumer_batch_size: ${train_dataset.batch_size}`, `stats_logger.fileroot:
    ${cluster.fileroot}`, ...) are dropped when they equal
@@ -82,11 +82,13 @@ def from_areal(
     """
     data = copy.deepcopy(raw)
     laden = _laden_tree(laden_keys)
+    areal_file = _speaks_areal(data, *laden)
     _drop_unknown(data, AREAL_KEYS, "", laden, errors)
     _unsupported(data, errors)
     _map_allocation_mode(data, errors)
     run = _run_of(data, job)
-    rules = (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, _map_rejection, _map_critic,
+    rejection = functools.partial(_map_rejection, areal_file=areal_file)
+    rules = (_map_async, _map_checkpoint, _map_init, _map_dropout, _map_attn_impl, rejection, _map_critic,
              _map_teacher)  # fmt: skip
     for rule in rules:
         rule(data, errors)
@@ -112,6 +114,20 @@ def _laden_tree(laden_keys: tuple[str, ...]) -> tuple[frozenset[str], frozenset[
 def _laden_tree_cached(laden_keys: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
     keys = frozenset(laden_keys)
     return keys, frozenset(k.rsplit(".", 1)[0] for k in keys if "." in k)
+
+
+def _speaks_areal(
+    node: dict[str, Any], keys: frozenset[str], sections: frozenset[str], prefix: str = ""
+) -> bool:
+    """Whether the tree holds a key that is not laden's (an AReaL file, not one of laden's own)."""
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        if dotted in sections and isinstance(value, dict):
+            if _speaks_areal(value, keys, sections, f"{dotted}."):
+                return True
+        elif dotted not in keys:
+            return True
+    return False
 
 
 def _drop_unknown(
@@ -417,35 +433,85 @@ def _map_attn_impl(data: dict[str, Any], errors: list[str]) -> None:
         )
 
 
-def _map_rejection(data: dict[str, Any], errors: list[str]) -> None:
-    """AReaL's token-mask filter of stale tokens is laden's `actor.behav_imp_weight_cap`."""
+def _map_rejection(data: dict[str, Any], errors: list[str], *, areal_file: bool) -> None:
+    """The behaviour weight of AReaL's decoupled loss. 1.0.4's `rejection_sampling` is laden's section of that
+    name, and without it an AReaL file (`areal_file`: it has keys laden lacks) gets 1.0.4's no weight
+    (`apply_behav_imp_weight: false`); laden's own files keep laden's default. The names before 1.0.4
+    (`behave_imp_weight_mode`, `behave_imp_weight_cap`) get what they meant then (`_legacy_weight`)."""
     spec, cap = _pop(data, "actor.rejection_sampling"), _pop(data, "actor.behave_imp_weight_cap")
     mode = _pop(data, "actor.behave_imp_weight_mode")
+    if not areal_file:  # laden's own section, read by laden's rules
+        if spec is not MISSING:
+            _put(data, "actor.rejection_sampling", spec)
+        return
+    legacy = {
+        k: v
+        for k, v in (("behave_imp_weight_mode", mode), ("behave_imp_weight_cap", cap))
+        if v is not MISSING
+    }
     if not _get(data, "actor.use_decoupled_loss", False):
-        if isinstance(spec, dict):  # AReaL ignores it too, and says so
-            log.warning(
-                "actor.rejection_sampling=%s is ignored without actor.use_decoupled_loss (as in AReaL); set "
-                "actor.use_decoupled_loss: true to filter stale tokens",
-                _short(spec),
+        for shown in [f"rejection_sampling={_short(spec)}"] * isinstance(spec, dict) + [f"{k}={_short(v)}" for k, v in legacy.items()]:  # fmt: skip
+            log.warning(  # AReaL ignores them too, and says so
+                "actor.%s is ignored without actor.use_decoupled_loss (as in AReaL); set "
+                "actor.use_decoupled_loss: true to weight or filter stale tokens",
+                shown,
             )
         return
-    if isinstance(spec, dict):
-        shown = f"actor.rejection_sampling={_short(spec)}"
-        form = tuple(spec.get(k, d) for k, d in (("level", "token"), ("action", "mask"), ("metric", "ratio")))
-        if form == ("token", "mask", "ratio") and spec.get("lower") is None:
-            _assign(data, "actor.behav_imp_weight_cap", spec.get("upper", 5.0), shown, errors)
-        else:
-            errors.append(
-                f"{shown}: only level: token, action: mask, metric: ratio without lower is implemented (laden's "
-                "actor.behav_imp_weight_cap: tokens whose behaviour weight exceeds `upper` leave the loss); "
-                "change it to that form, or remove it"
-            )
-    elif cap not in (MISSING, None) and mode in (MISSING, "token_mask"):
-        _assign(data, "actor.behav_imp_weight_cap", cap, f"actor.behave_imp_weight_cap={cap!r}", errors)
-    elif cap not in (MISSING, None) and mode != "disabled":
+    if isinstance(spec, dict) and legacy:
         errors.append(
-            f"actor.behave_imp_weight_mode={_short(mode)}: only token_mask is implemented "
-            "(actor.behav_imp_weight_cap); set it to token_mask or disabled"
+            f"actor.rejection_sampling={_short(spec)} (AReaL 1.0.4) and actor.{', actor.'.join(legacy)} (before "
+            "1.0.4) both set the decoupled loss's behaviour weight; keep one of them"
+        )
+    elif isinstance(spec, dict):
+        _put(data, "actor.rejection_sampling", spec)
+    elif spec not in (MISSING, None):
+        errors.append(
+            f"actor.rejection_sampling={_short(spec)} must be a section (level, action, metric, agg, upper, lower) "
+            "or null"
+        )
+    elif legacy:
+        _legacy_weight(data, mode, cap, errors)
+    elif areal_file and _get(data, "actor.behav_imp_weight_cap", None) is None:  # 1.0.4: no weight by default
+        shown = "actor.rejection_sampling=null" if spec is None else "actor.use_decoupled_loss=true"
+        _assign(data, "actor.apply_behav_imp_weight", False, f"{shown} (AReaL 1.0.4)", errors)
+
+
+_LEGACY_MODES = {  # behave_imp_weight_mode -> (level, action) of AReaL 1.0.4's migration table
+    "token_truncate": ("token", "clamp"),
+    "sequence_mask": ("sequence", "mask"),
+    "sequence_truncate": ("sequence", "clamp"),
+}
+
+
+def _legacy_weight(data: dict[str, Any], mode: Any, cap: Any, errors: list[str]) -> None:
+    """AReaL's names before 1.0.4 (defaults `token_mask`, cap 5.0): `disabled` is no behaviour weight; `token_mask`
+    is laden's `behav_imp_weight_cap` (the weight on every token, 0 above the cap); the other modes are the
+    `rejection_sampling` AReaL 1.0.4's migration table gives them (clamping leaves every token in the loss, so
+    the truncating modes mean the same under both semantics)."""
+    mode = "token_mask" if mode in (MISSING, None) else mode
+    cap = 5.0 if cap in (MISSING, None) else cap
+    shown = f"actor.behave_imp_weight_mode={_short(mode)}"
+    if mode == "disabled":
+        _assign(data, "actor.apply_behav_imp_weight", False, shown, errors)
+    elif mode == "token_mask":
+        _assign(
+            data,
+            "actor.behav_imp_weight_cap",
+            cap,
+            f"{shown} with behave_imp_weight_cap={_short(cap)}",
+            errors,
+        )
+    elif mode in _LEGACY_MODES:
+        level, action = _LEGACY_MODES[mode]
+        spec = {"level": level, "action": action, "metric": "ratio", "upper": cap}
+        _put(data, "actor.rejection_sampling", spec)
+        log.info(
+            "%s (before AReaL 1.0.4) is actor.rejection_sampling=%s, as AReaL 1.0.4 migrates it", shown, spec
+        )
+    else:
+        errors.append(
+            f"{shown} is not one of AReaL's modes; use disabled, token_mask, token_truncate, sequence_mask or "
+            "sequence_truncate, or AReaL 1.0.4's actor.rejection_sampling section"
         )
 
 

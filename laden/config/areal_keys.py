@@ -238,7 +238,6 @@ def _serves(backend: str) -> Callable[[Run], bool]:
 
 
 GROUPS: tuple[Group, ...] = (
-    Group("actor.sapo_tau_*", "read only with actor.use_sapo_loss, which laden refuses", _never),
     Group("gconfig.lora_name", "laden's weight updates carry the LoRA-merged weights (actor.use_lora), which "
            "the rollout engine serves as a plain model: no adapter is loaded or named", _rl),
     Group("sglang.*lora*", "laden's weight updates carry the LoRA-merged weights (actor.use_lora), which SGLang "
@@ -390,16 +389,12 @@ _TREE = (
 )
 
 UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("actor.use_sapo_loss", bool, "SAPO's loss is not implemented yet; remove it for the PPO clip loss (actor.eps_clip)"),
-    ("actor.m2_threshold", lambda v: v is not None, "M2PO is not implemented yet; remove actor.m2_threshold"),
     ("actor.enable_tree_training", bool, _TREE),
     ("actor.is_critic", bool, "training the actor as a value or reward model is not implemented yet (PPO's value "
      "model is the critic section); remove actor.is_critic"),
     ("critic.use_lora", bool, "LoRA on the critic is not implemented: laden trains all of the value model's weights; "
      "remove critic.use_lora"),
     ("critic.enable_tree_training", bool, _TREE),
-    ("actor.prox_logp_method", lambda v: v not in (None, "recompute"),
-     "only 'recompute' is implemented (the decoupled loss recomputes the proximal log-probs); set it to recompute"),
     ("econfig", lambda v: v is not None, "the tau2-bench environment of AReaL's examples/tau2 agent, which needs the "
      "tau2-bench package (its module tau2) and AReaL's own code (examples/tau2/agent.py, on the areal package); laden "
      "has no tau2 agent: remove econfig and set workflow to an agent class of your own that builds the environment "

@@ -1,6 +1,6 @@
 """Generate the configuration reference from the dataclasses' attribute docstrings.
 
-The one-line string literal after each field in `schema.py` (and `schema_agent.py`, `schema_rollout.py`, `schema_teacher.py`, `schema_trackers.py`) is the only description a
+The one-line string literal after each field in `schema.py` (and `schema_agent.py`, `schema_rl.py`, `schema_rollout.py`, `schema_teacher.py`, `schema_trackers.py`) is the only description a
 field has; this module reads it back with `ast` so the reference cannot drift from the
 code. Types are shown as written in the source (e.g. `Literal['ffd', 'kk']`), defaults
 as YAML. Trade-off: attribute docstrings are not kept by Python at run time, so the
@@ -15,7 +15,7 @@ import functools
 import inspect
 import typing
 
-from laden.config import schema, schema_agent, schema_rollout, schema_teacher, schema_trackers
+from laden.config import schema, schema_agent, schema_rl, schema_rollout, schema_teacher, schema_trackers
 from laden.config.loader import list_section_type, section_type, yaml_scalar
 from laden.config.schema import LadenConfig
 
@@ -36,7 +36,7 @@ class FieldDoc:
 def _class_docs() -> dict[str, list[FieldDoc]]:
     """Class name -> its annotated fields, in order, with their attribute docstrings."""
     out: dict[str, list[FieldDoc]] = {}
-    for module in (schema, schema_agent, schema_rollout, schema_teacher, schema_trackers):
+    for module in (schema, schema_agent, schema_rl, schema_rollout, schema_teacher, schema_trackers):
         for node in ast.parse(inspect.getsource(module)).body:
             if isinstance(node, ast.ClassDef):
                 out[node.name] = _fields_of(node)
@@ -107,7 +107,7 @@ def config_reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `laden/config/schema.py` (and `schema_agent.py`, `schema_rollout.py`, `schema_teacher.py`, `schema_trackers.py`). Set fields in YAML or as `dotted.key=value` overrides.",
+        "Generated from `laden/config/schema.py` (and `schema_agent.py`, `schema_rl.py`, `schema_rollout.py`, `schema_teacher.py`, `schema_trackers.py`). Set fields in YAML or as `dotted.key=value` overrides.",
     ]
     for name, cls in sections():
         title = f"`{name}`" if name else "Top level"

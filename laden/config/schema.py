@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from laden.config.schema_agent import AgentFields
+from laden.config.schema_rl import RejectionSamplingConfig
 from laden.config.schema_rollout import NativeConfig, RolloutConfig, SGLangConfig
 from laden.config.schema_teacher import TeacherConfig
 from laden.config.schema_trackers import (
@@ -307,7 +308,7 @@ class ActorConfig:
     ppo_n_minibatches: int = 1
     """Optimizer steps per RL step: the batch's prompt groups are split into this many minibatches (AReaL's default is 4)."""
     eps_clip: float = 0.2
-    """PPO clip: the importance ratio is clipped to `[1 - eps_clip, 1 + eps_clip_higher]`; in (0, 1)."""
+    """PPO clip: the importance ratio is clipped to `[1 - eps_clip, 1 + eps_clip_higher]`; in (0, 1), or [0, 1) with `m2_threshold`."""
     eps_clip_higher: float | None = None
     """Upper clip of the ratio (DAPO's clip-higher, e.g. 0.28); null = `eps_clip`."""
     c_clip: float | None = None
@@ -343,9 +344,23 @@ class ActorConfig:
     recompute_logprob: bool = False
     """The trainer recomputes the completions' log-probs before the update and takes the ratio against them instead of the rollout engine's."""
     use_decoupled_loss: bool = False
-    """Decoupled PPO (asynchronous RL): the ratio against recomputed log-probs, times the behaviour weight pi_prox / pi_behav; implies `recompute_logprob`."""
+    """Decoupled PPO (asynchronous RL): the ratio against the proximal policy's log-probs (recomputed), times a behaviour weight (`rejection_sampling`, `apply_behav_imp_weight`); implies `recompute_logprob`."""
+    rejection_sampling: RejectionSamplingConfig | None = None
+    """With `use_decoupled_loss`: AReaL 1.0.4's rejection sampling of stale tokens, whose behaviour weight the loss then takes; null = off."""
+    apply_behav_imp_weight: bool = True
+    """With `use_decoupled_loss` and no `rejection_sampling`: weight every token's loss by pi_prox / pi_behav (before AReaL 1.0.4); false: no behaviour weight (AReaL 1.0.4)."""
     behav_imp_weight_cap: float | None = None
-    """With `use_decoupled_loss`: tokens whose behaviour weight pi_prox / pi_behav exceeds this (> 1) leave the loss; null = off."""
+    """With `use_decoupled_loss`, before-1.0.4 semantics: tokens whose behaviour weight pi_prox / pi_behav exceeds this (> 1) get weight 0; null = off."""
+    prox_logp_method: Literal["recompute", "loglinear", "metrics"] = "recompute"
+    """With `use_decoupled_loss`: pi_prox `recompute`d by a forward pass, `loglinear` approximated from the behaviour and current log-probs and versions (no forward pass), or recomputed with the approximations' errors logged (`metrics`)."""
+    m2_threshold: float | None = None
+    """M2PO, with `use_decoupled_loss`: per micro-batch the tokens of largest (log pi_behav - log pi_prox)^2 leave the loss until the rest's mean is below it (> 0); null = off."""
+    use_sapo_loss: bool = False
+    """SAPO: soft sigmoid gates of the ratio instead of the clip (not with `use_decoupled_loss`)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages (> 0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages (> 0)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (no gradient) are dropped and the batch refilled from the next prompts."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)

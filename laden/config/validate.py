@@ -103,7 +103,6 @@ _RANGES: dict[str, str] = {
     "actor.weight_chunked_mem_mb": "pos",
     "actor.group_size": "pos",
     "actor.ppo_n_minibatches": "pos",
-    "actor.eps_clip": "open_unit",
     "actor.eps_clip_higher": "gt0_finite",
     "actor.c_clip": "gt1",
     "actor.temperature": "gt0_finite",
@@ -175,7 +174,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += fused_errors(cfg)
     errors += import_path_errors(cfg)
     errors += agent_errors(cfg)
-    errors += ppo_errors(cfg)
+    errors += [e for e in ppo_errors(cfg) if e.split("=")[0] not in {r.split("=")[0] for r in errors}]
     errors += lora_errors(cfg)
     errors += critic_errors(cfg, rl=rl)
     if rl:

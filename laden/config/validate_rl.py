@@ -91,13 +91,16 @@ def warn_rewards(cfg: LadenConfig) -> None:
 
 def ppo_errors(cfg: LadenConfig) -> list[str]:
     """Fields of the PPO loss and reward shaping that only make sense together."""
+    from laden.rl.ppo_settings import SettingsError, ppo_settings_of  # torch-free
+
     a = cfg.actor
     errors = []
-    if a.behav_imp_weight_cap is not None and not a.use_decoupled_loss:
-        errors.append(
-            f"actor.behav_imp_weight_cap={a.behav_imp_weight_cap} is only read by the decoupled loss; set "
-            "actor.use_decoupled_loss: true, or actor.behav_imp_weight_cap: null"
-        )
+    try:
+        ppo_settings_of(a)
+    except SettingsError as e:  # the loss's own rules (decoupled loss, rejection sampling, M2PO, SAPO)
+        errors += e.errors
+    except (TypeError, ValueError):
+        pass  # a value of the wrong type: the loader and the range checks report it
     if a.overlong_reward_penalty:
         if a.overlong_tokens is None:
             errors.append(

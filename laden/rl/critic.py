@@ -44,7 +44,7 @@ from laden.engine.runtime import batch_device, load_model
 from laden.model.value_head import to_value_model, token_values
 from laden.optim import OptimSettings
 from laden.rl.batches import pack_trajectories
-from laden.rl.objectives import TokenStats
+from laden.rl.token_stats import TokenStats
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,8 +39,10 @@ class PolicyStep(RunPart):
         # first update: later minibatches' ratios then measure how far the policy moved.
         chunk_mbs = [self._micro_batches([t for g in chunk for t in g], advantages) for chunk in chunks]
         teacher_s = 0.0
-        for mbs in chunk_mbs:
-            if cfg.actor.use_decoupled_loss or cfg.actor.recompute_logprob:
+        settings = self.objective.settings
+        self.objective.version = self._step_now - 1  # the weights' version (the proximal approximation's)
+        for mbs in chunk_mbs:  # AReaL's should_compute_prox_logp: not with prox_logp_method loglinear
+            if settings.recomputes_prox or (not cfg.actor.use_decoupled_loss and cfg.actor.recompute_logprob):
                 name = "prox_logprobs" if cfg.actor.use_decoupled_loss else "old_logprobs"
                 score(self.engine, mbs, name, temperature=cfg.actor.temperature)
             if self.ref is not None:  # the KL term's reference
@@ -141,9 +143,12 @@ class PolicyStep(RunPart):
         return by_id, targets, metrics
 
     def _micro_batches(self, trajs: Sequence[Any], advantages: dict[int, list[float]]) -> list[PackedBatch]:
-        """The policy's micro-batches: per-token `advantages` and the rollout's `old_logprobs`."""
+        """The policy's micro-batches: per-token `advantages`, the rollout's `old_logprobs` (and `versions`
+        for the proximal approximation)."""
         spec = self.cfg.actor.mb_spec
         fields = {"advantages": [advantages[id(t)] for t in trajs], "old_logprobs": [t.logprobs for t in trajs]}  # fmt: skip
+        if self.objective.settings.reads_versions:
+            fields["versions"] = [t.versions for t in trajs]
         mbs, _ = pack_trajectories(
             trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
             + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, self.rt.backend.min_micro_batches(self.cfg)),

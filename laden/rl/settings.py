@@ -20,7 +20,8 @@ from laden.config.loader import yaml_scalar
 from laden.config.schema import LadenConfig, NormConfig
 from laden.rl.advantages import AdvantageSettings, NormSettings
 from laden.rl.critic import ValueSettings
-from laden.rl.objectives import DistillSettings, PPOSettings
+from laden.rl.objectives import DistillSettings
+from laden.rl.ppo_settings import PPOSettings, ppo_settings_of
 
 NOT_YET_IMPLEMENTED: tuple[tuple[str, str], ...] = ()
 """(dotted field, why it has no effect) for fields that `laden rl` parses but does not implement yet;
@@ -36,7 +37,7 @@ in laden (AReaL runs GAE on zero values without a critic, discounting the reward
 
 def ppo_settings(cfg: LadenConfig) -> PPOSettings:
     """The PPO-family loss of `cfg.actor` (every `PPOSettings` field has an `actor.*` field of that name)."""
-    return PPOSettings(**_same_names(PPOSettings, cfg.actor))
+    return ppo_settings_of(cfg.actor)
 
 
 def distill_settings(cfg: LadenConfig) -> DistillSettings | None:

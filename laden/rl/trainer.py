@@ -351,8 +351,11 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
         from laden.rl.settings import advantage_settings, distill_settings, ppo_settings
 
         cfg = self.cfg
-        objective = PPOObjective(ppo_settings(cfg), chunk_size=cfg.actor.loss_chunk_size,
-                                 distill=distill_settings(cfg))  # fmt: skip
+        settings = ppo_settings(cfg)
+        log.info("%s", settings.decoupled_semantics())
+        objective = PPOObjective(
+            settings, chunk_size=cfg.actor.loss_chunk_size, distill=distill_settings(cfg)
+        )
         return objective, advantage_settings(cfg)
 
     # ------------------------------------------------------------------ the loop

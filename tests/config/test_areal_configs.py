@@ -23,6 +23,7 @@ from laden.config import AllocationMode, ConfigError, check_alloc, config_from_d
 from laden.config.alloc import split_areal_allocation
 from laden.config.areal_keys import areal_leaf_keys, key_role
 from laden.config.loader import all_keys
+from laden.config.schema_rl import RejectionSamplingConfig
 
 _RL_COMMON = {
     "rollout.backend": "sglang:d4p1t1",
@@ -44,7 +45,8 @@ _RL_COMMON = {
     "actor.reward_scaling": 10.0,
     "actor.reward_bias": -0.5,
     "actor.use_decoupled_loss": True,
-    "actor.behav_imp_weight_cap": 5.0,  # AReaL's rejection_sampling {metric: ratio, upper: 5.0}
+    "actor.rejection_sampling": RejectionSamplingConfig(metric="ratio", upper=5.0),  # AReaL 1.0.4's section
+    "actor.apply_behav_imp_weight": True,
     "actor.adv_norm.mean_level": "batch",
     "actor.init_from_config": False,  # actor.init_from_scratch
     "checkpoint.resume": "never",  # recover.mode: disabled
@@ -94,7 +96,8 @@ CASES = {
     ),
     "gsm8k_grpo_2025_11": (  # allocation_mode: sglang.d4p1t1+d4p1t1, actor.backend: fsdp, async_training
         "rl",
-        _RL_COMMON | {"actor.group_size": 4, "actor.dynamic_sampling": False},
+        _RL_COMMON | {"actor.group_size": 4, "actor.dynamic_sampling": False, "actor.rejection_sampling": None,
+                      "actor.behav_imp_weight_cap": 5.0},  # the name before 1.0.4: its semantics
         [["cluster.name_resolve", "launcher"], *_RL_WARNED[2:]],
     ),
 }  # fmt: skip
@@ -137,6 +140,43 @@ def test_areal_example_loads_with_its_values_in_ladens_fields(name, caplog):
         assert not any(_mentions(m, key) for m in messages), key
 
 
+_RS = RejectionSamplingConfig(metric="ratio", upper=5.0)
+ALGORITHMS = {
+    "gsm8k_m2po": ({"actor.m2_threshold": 0.04, "actor.eps_clip": 0.0, "actor.use_decoupled_loss": True,
+                    "actor.rejection_sampling": _RS, "actor.recompute_logprob": True},
+                   "decoupled loss: AReaL 1.0.4 semantics (rejection_sampling token/ratio mask upper 5.0, M2PO "
+                   "m2_threshold 0.04)"),
+    "gsm8k_sapo": ({"actor.use_sapo_loss": True, "actor.sapo_tau_pos": 1.0, "actor.sapo_tau_neg": 1.05,
+                    "actor.use_decoupled_loss": False, "actor.rejection_sampling": None},
+                   "SAPO loss (tau_pos 1.0, tau_neg 1.05): no behaviour weight"),
+    "gsm8k_gspo": ({"actor.importance_sampling_level": "sequence", "actor.use_decoupled_loss": True,
+                    "actor.rejection_sampling": _RS, "actor.eps_clip": 0.4},
+                   "decoupled loss: AReaL 1.0.4 semantics (rejection_sampling token/ratio mask upper 5.0)"),
+    "gsm8k_grpo_prox_approx": ({"actor.prox_logp_method": "loglinear", "actor.recompute_logprob": False,
+                                "actor.rejection_sampling": _RS},
+                               "decoupled loss: AReaL 1.0.4 semantics (rejection_sampling token/ratio mask upper "
+                               "5.0, prox_logp_method loglinear)"),
+    "gsm8k_grpo_prox_approx_eval": ({"actor.prox_logp_method": "metrics", "actor.recompute_logprob": True,
+                                     "actor.rejection_sampling": _RS},
+                                    "decoupled loss: AReaL 1.0.4 semantics (rejection_sampling token/ratio mask "
+                                    "upper 5.0, prox_logp_method metrics)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_areal_algorithm_examples_load_with_their_values(name, caplog):
+    from laden.rl.settings import ppo_settings
+
+    expected, semantics = ALGORITHMS[name]
+    with caplog.at_level(logging.WARNING, logger="laden.config.areal"):
+        cfg = load_config(AREAL / f"{name}.yaml", PATHS, job="rl")
+    for dotted, value in expected.items():
+        assert _value(cfg, dotted) == value, dotted
+    assert ppo_settings(cfg).decoupled_semantics() == semantics
+    ignored = [m for m in _areal_warnings(caplog) if "rejection_sampling" in m]
+    assert len(ignored) == (name == "gsm8k_sapo"), ignored  # AReaL ignores it without the decoupled loss too
+
+
 def test_loaded_areal_config_round_trips_as_a_laden_config(tmp_path):
     from laden.config import dump_config
 
@@ -151,7 +191,8 @@ def test_every_areal_key_has_a_role():
     assert [k for k in leaves if key_role(k, keys) is None] == []
     assert key_role("saver.freq_steps", keys) == "mapped"
     assert key_role("rollout.experiment_name", keys) == "copy"
-    assert key_role("actor.use_sapo_loss", keys) == "unsupported"
+    assert key_role("actor.use_sapo_loss", keys) == "laden"
+    assert key_role("actor.enable_tree_training", keys) == "unsupported"
     assert key_role("actor.use_lora", keys) == "laden"
     assert key_role("rollout.use_lora", keys) == "copy"
     assert key_role("stats_logger.wandb.mode", keys) == "laden"
@@ -184,17 +225,21 @@ def test_features_laden_lacks_are_errors_that_say_so():
         AREAL / "gsm8k_grpo.yaml",
         [
             *PATHS,
-            "+actor.use_sapo_loss=true",
-            "actor.rejection_sampling.action=clamp",
             "+actor.enable_tree_training=true",
+            "actor.rejection_sampling.action=truncate",
         ],
     )
-    assert len(errors) == 3, errors
-    assert any(e.startswith("actor.use_sapo_loss=true: SAPO's loss is not implemented yet") for e in errors)
-    assert any("rejection_sampling" in e and "only level: token, action: mask" in e for e in errors)
+    assert len(errors) == 2, errors
+    assert any(
+        e.startswith("actor.rejection_sampling.action='truncate': expected one of 'mask'") for e in errors
+    )
     assert any(
         e.startswith("actor.enable_tree_training=true: tree training (") and "not implemented" in e
         for e in errors
+    )
+    (error,) = _errors(AREAL / "gsm8k_grpo.yaml", [*PATHS, "+actor.use_sapo_loss=true"])
+    assert error.startswith(
+        "actor.use_sapo_loss is not defined with the decoupled loss (AReaL refuses it too)"
     )
 
 

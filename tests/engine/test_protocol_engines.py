@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from protocol_reference import WeightedTokenLoss, packed_batches, reference_weighted_grads, sgd_step_reference
+from protocol_reference import (
+    WeightedTokenLoss,
+    packed_batches,
+    protocol_engine,
+    reference_weighted_grads,
+    sgd_step_reference,
+)
 from tiny import tiny_qwen3_config
 from workers import run_workers
 
-from laden.config import load_config
-from laden.engine.backend import resolve_backend
 from laden.engine.base import TrainEngine
 from laden.model.hf.export import hf_state_names
 
@@ -32,13 +36,7 @@ def _model():
 
 
 def _engine(backend: str) -> TrainEngine:
-    cfg = load_config("laden/assets/sft_tiny.yaml", [
-        f"actor.backend={backend}", "actor.dtype=float32", "actor.optimizer.type=sgd", f"actor.optimizer.lr={LR}",
-        "actor.optimizer.weight_decay=0", "actor.optimizer.gradient_clipping=0",
-        "actor.optimizer.lr_scheduler_type=constant", "actor.optimizer.warmup_steps_proportion=0",
-        "actor.gradient_checkpointing=false",
-    ], job="sft")  # fmt: skip
-    engine = resolve_backend(cfg).build(cfg, _model(), total_steps=4, device=torch.device("cpu"))
+    engine = protocol_engine(backend, _model(), lr=LR)
     assert isinstance(engine, TrainEngine)
     return engine
 

@@ -215,7 +215,7 @@ def test_settings_report_every_error_at_once():
     with pytest.raises(ValueError) as info:
         PPOSettings(eps_clip=1.5, c_clip=0.5, behav_imp_weight_cap=3.0, kl_estimator="k4")  # type: ignore[arg-type]
     message = str(info.value)
-    for part in ("actor.eps_clip=1.5", "actor.c_clip=0.5", "use_decoupled_loss=true", "kl_estimator='k4'"):
+    for part in ("actor.eps_clip=1.5", "actor.c_clip=0.5", "use_decoupled_loss: true", "kl_estimator='k4'"):
         assert part in message
     with pytest.raises(ValueError, match="must be > 1"):
         PPOSettings(use_decoupled_loss=True, behav_imp_weight_cap=0.9)

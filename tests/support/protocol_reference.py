@@ -9,7 +9,8 @@ are compared with what the textbook computation gives:
 - `WeightedTokenLoss`: a custom per-token objective (weighted negative log-likelihood, the
   weights in `batch.fields["loss_weights"]`), and `reference_weighted_grads`, its gradients
   through plain autograd on full logits;
-- `packed_batches`: a few packed micro-batches with loss weights, fixed by a seed.
+- `packed_batches`: a few packed micro-batches with loss weights, fixed by a seed;
+- `protocol_engine`: an engine of `actor.backend` built as the trainers build it, plain SGD in fp32.
 """
 
 from __future__ import annotations
@@ -114,3 +115,18 @@ def sgd_step_reference(
 ) -> dict[str, torch.Tensor]:
     """The weights after one plain SGD step (no momentum, no weight decay): w - lr * grad."""
     return {n: (p.detach() - lr * grads[n]) for n, p in model.named_parameters()}
+
+
+def protocol_engine(backend: str, model: nn.Module, *, lr: float, total_steps: int = 4):
+    """The `TrainEngine` of `actor.backend=backend` on `model` (CPU, fp32, plain SGD at `lr`: no momentum,
+    weight decay, clipping or warmup), built from the backend object as the trainers build it."""
+    from laden.config import load_config
+    from laden.engine.backend import resolve_backend
+
+    cfg = load_config("laden/assets/sft_tiny.yaml", [
+        f"actor.backend={backend}", "actor.dtype=float32", "actor.optimizer.type=sgd", f"actor.optimizer.lr={lr}",
+        "actor.optimizer.weight_decay=0", "actor.optimizer.gradient_clipping=0",
+        "actor.optimizer.lr_scheduler_type=constant", "actor.optimizer.warmup_steps_proportion=0",
+        "actor.gradient_checkpointing=false",
+    ], job="sft")  # fmt: skip
+    return resolve_backend(cfg).build(cfg, model, total_steps=total_steps, device=torch.device("cpu"))
