@@ -77,7 +77,9 @@ Differences from AReaL, chosen deliberately: the KL term is a loss on the curren
 has a gradient without a critic; its default is therefore 0. `loss_agg_mode` is verl's name (AReaL
 only has the token mean). Micro-batches are laden's (`mb_spec`), so M2PO's per-micro-batch selection
 sees laden's packing of the tokens. `rs_filtered_fraction` is a token mean over the step, where AReaL
-averages the micro-batches' fractions.
+averages the micro-batches' fractions. The `compute_logp/*` statistics are logged with the decoupled
+loss only (AReaL logs its drift estimators on every run). The KL term, laden's, leaves with the tokens
+rejection sampling masks.
 
 Sequence-level modes need whole documents: a context-parallel slice (`actor.backend` with
 `c > 1`) would give per-slice means, so it raises instead. `last_stats` holds the latest

@@ -47,6 +47,12 @@ _RL = {
     "update_s": "timeperf/update_weights",
     "eval/time_s": "timeperf/eval",
     "rkl_loss": "ppo_actor/update/rkl_loss/avg",
+    "behav_imp_weight": "ppo_actor/update/behave_imp_weight/avg",
+    "behave_approx_kl": "ppo_actor/update/behave_approx_kl/avg",
+    "rs_filtered_fraction": "ppo_actor/update/rs_filtered_fraction",
+    "sapo_soft_gate": "ppo_actor/update/sapo_soft_gate/avg",
+    "sapo_scaled_gate_pos": "ppo_actor/update/sapo_scaled_gate_pos/avg",
+    "sapo_scaled_gate_neg": "ppo_actor/update/sapo_scaled_gate_neg/avg",
     "teacher_logp_s": "timeperf/teacher_logp",
 }
 AREAL_NAMES: dict[str, dict[str, str]] = {"sft": _SFT, "rl": _RL}
