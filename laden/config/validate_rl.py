@@ -158,6 +158,17 @@ def _sequence_level_errors(cfg: LadenConfig) -> list[str]:
             f"actor.loss_agg_mode='seq-mean-token-mean' needs whole sequences, but {split}; train with c=1 "
             "in actor.backend, or set actor.loss_agg_mode: token-mean"
         )
+    if a.rejection_sampling is not None and a.rejection_sampling.level == "sequence":
+        errors.append(
+            f"actor.rejection_sampling.level='sequence' needs whole sequences, but {split}; train with c=1 "
+            "in actor.backend, or set actor.rejection_sampling.level: token"
+        )
+    if a.m2_threshold is not None:
+        errors.append(
+            f"actor.m2_threshold={a.m2_threshold} selects tokens over each micro-batch (AReaL's M2PO), but "
+            f"{split}, so each rank would select over its slice; train with c=1 in actor.backend, or set "
+            "actor.m2_threshold: null"
+        )
     return errors
 
 

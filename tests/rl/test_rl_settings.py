@@ -247,15 +247,18 @@ def test_dynamic_sampling_needs_groups_of_two():
     [
         ("actor.importance_sampling_level=sequence", "actor.importance_sampling_level='sequence'"),
         ("actor.loss_agg_mode=seq-mean-token-mean", "actor.loss_agg_mode='seq-mean-token-mean'"),
+        ("actor.rejection_sampling={level: sequence}", "actor.rejection_sampling.level='sequence'"),
+        ("actor.m2_threshold=0.04", "actor.m2_threshold=0.04"),
     ],
 )
 def test_sequence_level_modes_refuse_context_parallelism(override, field):
     cp = ["actor.backend=fsdp:d1c2", "cluster.n_gpus_per_node=2"]
-    (error,) = _errors(*cp, override)
-    assert error.startswith(f"{field} needs whole sequences, but actor.backend='fsdp:d1c2' splits")
+    decoupled = ["actor.use_decoupled_loss=true"] if "rejection" in override or "m2" in override else []
+    (error,) = _errors(*cp, *decoupled, override)
+    assert error.startswith(field) and "actor.backend='fsdp:d1c2' splits" in error
     assert "c=1" in error
     _rl(*cp)  # token level with c=2 is fine
-    _rl(override)  # and the sequence level with c=1
+    _rl(*decoupled, override)  # and the sequence level with c=1
 
 
 def test_rl_settings_warn_where_they_would_silently_hurt():
