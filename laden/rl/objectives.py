@@ -16,8 +16,9 @@ label is -100), named after AReaL's batch keys:
   `recompute_logprob`);
 - `prox_logprobs`: log pi_prox(label), recomputed by the trainer before the update; read only
   with `use_decoupled_loss` and `prox_logp_method` recompute or metrics (AReaL `prox_logp`);
-- `versions`: the weight version that generated each token; read only with `prox_logp_method`
-  loglinear or metrics (AReaL `versions`; the trained version is `PPOObjective.version`);
+- `versions`: the weight version of each label's input token (`laden.rl.prox_approx.input_token_versions`);
+  read only with `prox_logp_method` loglinear or metrics (AReaL `versions`; the trained version is
+  `PPOObjective.version`);
 - `ref_logprobs`: log pi_ref(label) of the reference model; read only with `kl_ctl != 0`
   (AReaL `ref_logp`);
 - `teacher_logprobs`: log pi_teacher(label) of the teacher; read only with `distill`

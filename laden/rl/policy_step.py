@@ -16,6 +16,7 @@ import torch
 from laden.data import PackedBatch
 from laden.engine.runtime import OOMRetry, batch_device
 from laden.rl.batches import pack_trajectories
+from laden.rl.prox_approx import input_token_versions
 from laden.rl.run_part import RunPart
 from laden.rl.scoring import score, teacher_temperature
 
@@ -148,7 +149,7 @@ class PolicyStep(RunPart):
         spec = self.cfg.actor.mb_spec
         fields = {"advantages": [advantages[id(t)] for t in trajs], "old_logprobs": [t.logprobs for t in trajs]}  # fmt: skip
         if self.objective.settings.reads_versions:
-            fields["versions"] = [t.versions for t in trajs]
+            fields["versions"] = [input_token_versions(t.versions) for t in trajs]
         mbs, _ = pack_trajectories(
             trajs, fields, max_tokens_per_mb=spec.max_tokens_per_mb or self.cfg.train_dataset.max_length
             + self.cfg.gconfig.max_new_tokens, n_mbs=max(1, self.rt.backend.min_micro_batches(self.cfg)),

@@ -1,7 +1,8 @@
 """The proximal policy's log-probs approximated from the behaviour and current ones (AReaL 1.0.4's
 `prox_logp_method`), instead of, or beside, the trainer's recompute.
 
-With `v_t` the weight version that generated token t (-1: not generated), `v` the version of the
+With `v_t` the weight version of token t's input token (-1: not generated; `input_token_versions`,
+as AReaL 1.0.4 reads its unshifted `versions` next to shifted log-probs), `v` the version of the
 weights being trained and the proximal version `v - 1` (AReaL's), per token
 `alpha_t = clamp((v - 1 - v_t) / (v - v_t), 0, 1)` where `v > v_t` and `v_t >= 0`, else 0, and
 - `loglinear`: log pi_prox ~ log pi_behav + alpha_t (log pi - log pi_behav);
@@ -19,6 +20,13 @@ from laden.rl.ppo_settings import ProxLogpMethod
 
 APPROXIMATIONS: tuple[str, ...] = ("loglinear", "linear", "rollout")
 _REL_EPS = 1e-8
+
+
+def input_token_versions(versions: list[int]) -> list[int]:
+    """A completion's `versions` field as AReaL 1.0.4 reads it: at each label the version of the token before
+    it (AReaL shifts the log-probs and the loss mask to the labels, not the versions), so the first
+    completion token gets -1 (a prompt token's) and hence alpha 0."""
+    return [-1, *versions[:-1]] if versions else []
 
 
 def approximate(

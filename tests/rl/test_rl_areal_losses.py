@@ -372,6 +372,17 @@ def test_settings_refuse_what_areal_refuses_or_cannot_mean():
     RS(metric="kl_k2", upper=0.5)  # below 1 is fine for a KL metric
 
 
+def test_versions_are_read_at_the_input_token_as_areal_reads_them():
+    """AReaL 1.0.4 shifts the log-probs and the loss mask to the labels but not `versions`: a label's
+    approximation uses the version of the token before it, -1 for the first completion token."""
+    from laden.rl.prox_approx import input_token_versions
+
+    assert input_token_versions([4, 4, 5]) == [-1, 4, 4]
+    assert input_token_versions([]) == []
+    batch = pack_samples([([1, 2, 3, 4], [0, 1, 1, 1])], fields={"versions": [[0.0, *input_token_versions([2, 3, 3])]]})
+    assert batch.fields["versions"].tolist()[:3] == [-1.0, 2.0, 3.0]  # labels 2, 3, 4: versions of 1, 2, 3
+
+
 def test_semantics_note_names_what_a_setting_gets():
     assert D(rejection_sampling=RS()).decoupled_semantics() == (
         "decoupled loss: AReaL 1.0.4 semantics (rejection_sampling token/ratio mask upper 5.0)"
