@@ -1,4 +1,4 @@
-"""`laden sft | rl | eval | init | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
+"""`laden sft | rl | dpo | rw | eval | init | plan | config | doctor [RUN_DIR]`: parse arguments and call the library; nothing else lives here.
 
 Errors about the user's input (a config, a data file, a model directory, the run directory)
 and Ctrl-C end in one line on stderr and an exit status, never a traceback; anything else is
@@ -48,27 +48,34 @@ def _embedded_rl_default() -> tuple[str, list[str]]:
     ]
 
 
-def _load(args: argparse.Namespace, job: Literal["sft", "rl", "any"]):
+def _load(args: argparse.Namespace, job: Literal["sft", "rl", "dpo", "rw", "any"]):
     from laden.config import load_config
 
     config, overrides = args.config, list(args.overrides)
+    if config is None and job in ("dpo", "rw"):
+        raise ValueError(
+            f"laden {job} has no embedded example: pass --config with train_dataset.type: {job} and preference "
+            "pairs (prompt, chosen, rejected; docs/data.md)"
+        )
     if config is None:
         config, defaults = _embedded_rl_default() if job == "rl" else _embedded_default()
         overrides = defaults + overrides
     return load_config(config, overrides, job=job)
 
 
-def _run_job(args: argparse.Namespace, job: Literal["sft", "rl"]) -> Any:
+def _run_job(args: argparse.Namespace, job: Literal["sft", "rl", "dpo", "rw"]) -> Any:
     """Load the config and run the job; its result, or the exit status after Ctrl-C or an unusable
     run directory (said in one line)."""
     from laden.config import run_dir
 
     cfg = _load(args, job)
     directory = run_dir(cfg)
+    from laden.align.task import run_pairs
     from laden.rl.trainer import run_rl
     from laden.sft.trainer import run_sft
 
-    run: Callable[..., Any] = run_sft if job == "sft" else run_rl
+    jobs: dict[str, Callable[..., Any]] = {"sft": run_sft, "rl": run_rl, "dpo": run_pairs, "rw": run_pairs}
+    run = jobs[job]
     try:
         return run(cfg, progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -102,6 +109,23 @@ def cmd_sft(args: argparse.Namespace) -> int:
         accuracy, *samples = result.before_after or [""]
         line = f"{result.num_steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}"
         _done("\n".join([line + (f", {accuracy}" if accuracy else ""), *samples, _results(result.run_dir)]))
+    return 0
+
+
+def cmd_pairs(args: argparse.Namespace) -> int:
+    """`laden dpo` and `laden rw`: the loss and the held-out pair accuracy, first -> last."""
+    result = _run_job(args, args.command)
+    if isinstance(result, int):
+        return result
+    if result.already_finished:
+        _done(f"run directory {result.run_dir} already holds a finished run ({result.num_steps} steps, last "
+              f"loss {result.last_loss}); {_FINISHED}")  # fmt: skip
+        return 0
+    line = f"{result.num_steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}"
+    if result.held_out:
+        (s0, a0), (s1, a1) = result.held_out[0], result.held_out[-1]
+        line += f", held-out pair accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"
+    _done(f"{line}\n{_results(result.run_dir)}")
     return 0
 
 
@@ -312,6 +336,8 @@ training state does not fit on the GPU, and sets the memory knobs before a run i
 The commands you run:
   laden sft --config X.yaml [key=value ...]   supervised fine-tuning (no --config: a tiny example on this machine)
   laden rl  --config X.yaml [key=value ...]   RL (GRPO/PPO family) with held-out evaluation
+  laden dpo --config X.yaml [key=value ...]   DPO on preference pairs (prompt, chosen, rejected)
+  laden rw  --config X.yaml [key=value ...]   a reward model trained on preference pairs
   laden init sft|rl --model M --data D        a commented config for your model and data, checked
   laden plan --config X.yaml                  predicted GPU and host memory per phase, and the fixes
   laden serve --config X.yaml                 the rollout servers of rollout.server_urls on this node
@@ -355,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(rl)
     rl.add_argument("--no-progress", action="store_true", help="no progress bar")
     rl.set_defaults(func=cmd_rl)
+
+    for name, text in (("dpo", "direct preference optimization on preference pairs"),
+                       ("rw", "reward-model training on preference pairs")):  # fmt: skip
+        pairs = sub.add_parser(name, help=text)
+        with_config(pairs)
+        pairs.add_argument("--no-progress", action="store_true", help="no progress bar")
+        pairs.set_defaults(func=cmd_pairs)
 
     evaluate = sub.add_parser(
         "eval",

@@ -73,12 +73,25 @@ _PANELS: dict[str, tuple[_Panel, ...]] = {
                lines=(_Line(key="loss", label="training loss"),
                       _Line(key="eval_loss", label="validation loss", markers=True, annotate=True))),
     ),
+    **{
+        job: (
+            _Panel(title="pair loss", ylabel="loss",
+                   lines=(_Line(key="loss", label="training loss"),
+                          _Line(key="eval/loss", label="validation loss", markers=True, annotate=True))),
+            _Panel(title="pair accuracy (chosen > rejected)", ylabel="accuracy",
+                   lines=(_Line(key="accuracy", label="training pairs"),
+                          _Line(key="eval/accuracy", label="held-out pairs", markers=True, annotate=True))),
+        )
+        for job in ("dpo", "rw")
+    },
 }  # fmt: skip
 
 _X_LABELS = {"step": "step", "elapsed_s": "wall-clock seconds"}
 
 
-def write_curves(run_dir: Path, job: Literal["rl", "sft"], *, min_interval_s: float = 0.0) -> Path | None:
+def write_curves(
+    run_dir: Path, job: Literal["rl", "sft", "dpo", "rw"] | str, *, min_interval_s: float = 0.0
+) -> Path | None:
     """Draw `run_dir/metrics.jsonl` into `run_dir/curves.png` (replaced atomically); its path, or
     None when nothing was drawn (matplotlib is not installed, no row has the job's metrics, or the
     figure on disk is younger than `min_interval_s`: checkpoints of short runs redraw at most that often,
@@ -120,11 +133,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def draw_curves(rows: list[dict[str, Any]], job: Literal["rl", "sft"], *, title: str = "") -> Figure | None:
+def draw_curves(
+    rows: list[dict[str, Any]], job: Literal["rl", "sft", "dpo", "rw"] | str, *, title: str = ""
+) -> Figure | None:
     """The figure of `write_curves` for these metrics rows, not written anywhere; None when matplotlib
     is not installed or no row has the job's metrics."""
     if job not in _PANELS:
-        raise ValueError(f"job={job!r} has no curves; use 'rl' or 'sft'")
+        raise ValueError(f"job={job!r} has no curves; use 'rl', 'sft', 'dpo' or 'rw'")
     panels = [p for p in _PANELS[job] if _series(rows, "step", p.lines[0].key)[0]]
     if not panels:
         return None

@@ -92,6 +92,7 @@ def from_areal(
              _map_teacher)  # fmt: skip
     for rule in rules:
         rule(data, errors)
+    _map_is_critic(data, run, errors)
     for dotted in ("gconfig.stop", "actor.mb_spec.n_mbs", "sglang.mem_fraction_static"):
         if _get(data, dotted, 0) is None:  # AReaL's null: the engine's default, which laden has too
             _pop(data, dotted)
@@ -172,8 +173,26 @@ def _run_of(data: dict[str, Any], job: str) -> Run:
     kl = _get(data, "actor.kl_ctl", 0)
     recover = _get(data, "recover.mode", "disabled") in ("on", "auto", "fault", "resume")
     evaluator = _get(data, "valid_dataset", None) is not None
+    kind = job if job != "any" else _get(data, "train_dataset.type", "sft")
     return Run(rl=rl, rollout=rollout, kl=isinstance(kl, (int, float)) and kl > 0, recover=recover,
-                evaluator=evaluator)  # fmt: skip
+                evaluator=evaluator, pairs=kind if kind in ("dpo", "rw") else None)  # fmt: skip
+
+
+def _map_is_critic(data: dict[str, Any], run: Run, errors: list[str]) -> None:
+    """AReaL's `actor.is_critic: true` is a reward model's actor: what `laden rw` trains, and only it."""
+    value = _pop(data, "actor.is_critic")
+    if value is MISSING or value is None or bool(value) == (run.pairs == "rw"):
+        return
+    if value:
+        errors.append(
+            "actor.is_critic=true trains the actor as a reward model (a scalar head): run `laden rw` with "
+            "train_dataset.type: rw; PPO's value model is laden's critic section; else remove actor.is_critic"
+        )
+    else:
+        errors.append(
+            "actor.is_critic=false: `laden rw` trains a reward model (AReaL's is_critic: true); set it to true "
+            "or remove it, or run `laden dpo` / `laden sft` to train a language model"
+        )
 
 
 def _sort_out(

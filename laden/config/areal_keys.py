@@ -209,6 +209,8 @@ class Run:
     kl: bool
     recover: bool
     evaluator: bool
+    pairs: str | None = None
+    """`dpo` or `rw` for a preference-pair job (`laden dpo`, `laden rw`), else None."""
 
 
 def _always(run: Run) -> bool:
@@ -248,8 +250,10 @@ GROUPS: tuple[Group, ...] = (
     Group("vllm", "laden starts each vLLM server itself: the model at actor.path, --tensor-parallel-size from "
            "rollout.backend, --gpu-memory-utilization 0.9, the model's own context length; vLLM's other options "
            "are not passed", _serves("vllm")),
-    Group("ref", "laden's reference model for actor.kl_ctl is the initial weights of actor.path, loaded a second "
-           "time on the actor's engine (actor.backend, actor.mb_spec, actor.dtype)", lambda run: run.rl and run.kl),
+    Group("ref", "laden's reference model (actor.kl_ctl's in `laden rl`, DPO's in `laden dpo`) is the initial weights "
+           "of actor.path on the actor's engine (actor.backend, actor.mb_spec, actor.dtype): `laden rl` loads them a "
+           "second time, `laden dpo` computes their log-probs of every pair once before the first step",
+          lambda run: (run.rl and run.kl) or run.pairs == "dpo"),
     Group("critic.attn_impl critic.temperature critic.pad_to_maximum critic.grad_reduce_dtype critic.use_kernels "
            "critic.ds_auto_tp critic.init_critic_from_actor critic.weight_update_mode critic.offload "
            "critic.optimizer.offload", "laden's critic runs with the actor's attention kernel and model patches "
@@ -365,14 +369,15 @@ COPIES: tuple[Copy, ...] = (
             ("vllm", "dtype", "actor.dtype"),
         )
     ),
-    Copy("ref.path", "actor.path", lambda run: run.rl and run.kl),
+    Copy("ref.path", "actor.path", lambda run: (run.rl and run.kl) or run.pairs == "dpo"),
 )
 
 MAPPED = (
     "allocation_mode", "async_training", "saver.freq_steps", "recover.mode", "actor.init_from_scratch",
     "actor.disable_dropout", "actor.rejection_sampling", "actor.behave_imp_weight_cap",
-    "actor.behave_imp_weight_mode", "critic.is_critic", "critic.init_from_scratch", "critic.disable_dropout",
-    "teacher.engine_type", "teacher.train", "teacher.init_from_scratch", "teacher.disable_dropout",
+    "actor.behave_imp_weight_mode", "actor.is_critic", "critic.is_critic", "critic.init_from_scratch",
+    "critic.disable_dropout", "teacher.engine_type", "teacher.train", "teacher.init_from_scratch",
+    "teacher.disable_dropout",
 )  # fmt: skip
 """AReaL keys whose values land in laden's fields (or are checked against the model)."""
 
@@ -390,8 +395,6 @@ _TREE = (
 
 UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("actor.enable_tree_training", bool, _TREE),
-    ("actor.is_critic", bool, "training the actor as a value or reward model is not implemented yet (PPO's value "
-     "model is the critic section); remove actor.is_critic"),
     ("critic.use_lora", bool, "LoRA on the critic is not implemented: laden trains all of the value model's weights; "
      "remove critic.use_lora"),
     ("critic.enable_tree_training", bool, _TREE),

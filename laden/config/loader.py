@@ -40,7 +40,7 @@ from laden.config.validate import validate_config
 from laden.config.validate_agent import apply_agent_aliases
 from laden.config.validate_data import dataset_errors
 
-Job = Literal["sft", "rl", "any"]
+Job = Literal["sft", "rl", "dpo", "rw", "any"]
 
 
 class ConfigError(ValueError):
@@ -83,8 +83,8 @@ def _from_raw(
     errors: list[str],
     from_file: dict[str, tuple[str, PathRule]] | None = None,
 ) -> LadenConfig:
-    if job not in ("sft", "rl", "any"):
-        raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'any'")
+    if job not in ("sft", "rl", "dpo", "rw", "any"):
+        raise ValueError(f"job={job!r} is not one of 'sft', 'rl', 'dpo', 'rw', 'any'")
     data = _resolve_interpolations(dict(data), errors)
     data = from_areal(data, job=job, laden_keys=all_keys(), errors=errors)
     plain: dict[str, Any] = copy.deepcopy(dict(data))

@@ -44,8 +44,9 @@ class DatasetConfig:
     """Column map applied to every row as it is read, `{source: new}`, e.g. `{question: prompt}`; before `transform_fn`."""
     transform_fn: str | None = None
     """Import path `module:function` of a function applied to every row (a dict in, a dict out), after `rename_columns`."""
-    type: Literal["sft", "rl"] = "sft"
-    """`sft`: prompt + completion (or chat messages) to imitate; `rl`: prompts (+ answers) to roll out."""
+    type: Literal["sft", "rl", "dpo", "rw"] = "sft"
+    """`sft`: prompt + completion (or chat messages) to imitate; `rl`: prompts (+ answers) to roll out; `dpo`, `rw`:
+    preference pairs (prompt + chosen + rejected) for `laden dpo` and `laden rw`; the job's name."""
     max_length: int = 1024
     """Longest prompt (+ completion for SFT) in tokens; longer samples follow `length_policy`."""
     length_policy: Literal["filter", "truncate"] = "filter"
@@ -64,6 +65,10 @@ class DatasetConfig:
     """Column holding the completion text (SFT)."""
     messages_key: str = "messages"
     """Column holding chat messages; used instead of prompt/completion when present."""
+    chosen_key: str = "chosen"
+    """Column holding the preferred completion of a preference pair (DPO, reward model)."""
+    rejected_key: str = "rejected"
+    """Column holding the dispreferred completion of a preference pair (DPO, reward model)."""
     answer_key: str = "answer"
     """Column holding the reference answer passed to the reward function (RL)."""
     on_bad_row: Literal["stop", "skip"] = "stop"
@@ -337,6 +342,10 @@ class ActorConfig:
     """Discount of future rewards per token (GAE's gamma), in [0, 1]; read with a `critic` only (without one every token's return is its completion's reward)."""
     gae_lambda: float = 1.0
     """GAE's lambda, in [0, 1]: 1 = Monte Carlo returns minus the critic's value, 0 = one-step TD errors; read with a `critic` only."""
+    beta: float = 0.1
+    """`laden dpo`: strength of the implicit KL constraint to the reference model (the initial weights); > 0."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """`laden dpo`: `sigmoid` is DPO's loss, `ipo` IPO's squared loss on length-normalised log-ratios."""
     kl_ctl: float = 0.0
     """Coefficient of a per-token KL(pi || pi_ref) loss term; 0 = off, no reference model (AReaL's default is 0.1)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"

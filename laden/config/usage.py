@@ -45,6 +45,13 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
         frozenset({"sft"}),
         "`laden sft` (`laden rl` always generates for its evaluation)",
     ),
+    ("actor.beta", frozenset({"dpo"}), "`laden dpo` (DPO's loss)"),
+    ("actor.loss_type", frozenset({"dpo"}), "`laden dpo` (DPO's loss)"),
+    *(
+        (f"{ds}.{key}", frozenset({"dpo", "rw"}), "`laden dpo` and `laden rw` (preference pairs)")
+        for ds in ("train_dataset", "valid_dataset")
+        for key in ("chosen_key", "rejected_key")
+    ),
     # every job evaluates the validation set whole: only the training order has a first step
     ("valid_dataset.fail_fast", frozenset(), "train_dataset.fail_fast (the training order)"),
     *((f"actor.{name}", frozenset({"rl"}), _RL_LOSS) for name in _RL_ACTOR_FIELDS),

@@ -37,6 +37,7 @@ from laden.config.validate_actor import (
 from laden.config.validate_agent import agent_errors
 from laden.config.validate_alloc import alloc_errors, critic_errors, warn_ignored_sections
 from laden.config.validate_model import model_errors
+from laden.config.validate_pairs import pair_errors
 from laden.config.validate_rl import (
     generation_errors,
     import_path_errors,
@@ -114,6 +115,7 @@ _RANGES: dict[str, str] = {
     "actor.discount": "unit",
     "actor.gae_lambda": "unit",
     "actor.kl_ctl": "nonneg_finite",
+    "actor.beta": "gt0_finite",
     "actor.behav_imp_weight_cap": "gt1",
     "actor.reward_norm.eps": "nonneg_finite",
     "actor.reward_norm.group_size": "pos",
@@ -157,7 +159,7 @@ _RANGES |= {"teacher.rl_loss_weight": "nonneg_finite", "teacher.distill_loss_wei
             "teacher.temperature": "gt0_finite"}  # fmt: skip
 
 
-def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> list[str]:
+def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "dpo", "rw", "any"]) -> list[str]:
     """Every cross-field and range error of `cfg` for `job`; warnings for ignored/harmful settings.
 
     `job="any"` judges the config by `train_dataset.type`.
@@ -179,6 +181,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "any"]) -> li
     errors += critic_errors(cfg, rl=rl)
     if rl:
         errors += rl_errors(cfg)
+    errors += pair_errors(cfg, job)
     errors += _fileroot_errors(cfg)
     errors += model_errors(cfg, rl=rl)
     warn_optimizer(cfg)

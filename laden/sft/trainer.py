@@ -187,26 +187,69 @@ def evaluate(cfg: LadenConfig, rt: Runtime, engine, valid) -> torch.Tensor:
     return loss
 
 
-def run_sft(cfg: LadenConfig, *, progress: bool = True) -> SFTResult:
-    """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written."""
+class SFTTask:
+    """What the loop runs for `laden sft`: token samples, the cross-entropy step, the validation loss.
+
+    Another job of the same loop (`laden.align.task.PairTask`: `laden dpo`, `laden rw`) gives the same
+    methods: `prepare` (samples and their length statistics), `lengths` (tokens per sample), `model` (the
+    model before the engine wraps it), `setup` (after the engine is built and resumed), `step` (one
+    optimizer step: metrics with `loss`, micro-batches, tokens), `evaluate` (the validation metrics) and
+    `export`.
+    """
+
+    job = "sft"
+
+    def __init__(self, cfg: LadenConfig) -> None:
+        self.cfg = cfg
+
+    def prepare(self, ds: DatasetConfig, tokenizer: Any, name: str):
+        return prepare_data(ds, tokenizer, name)
+
+    @staticmethod
+    def lengths(samples) -> list[int]:
+        return [len(ids) for ids, _ in samples]
+
+    @staticmethod
+    def model(model: Any) -> Any:
+        return model
+
+    def setup(self, rt: Runtime, engine: Any, run_path: Path, start_step: int, data: dict[str, Any]) -> None:
+        pass
+
+    def step(self, rt: Runtime, engine: Any, samples, indices: list[int], *, step: int):
+        return train_step(self.cfg, rt, engine, samples, indices, step=step)
+
+    def evaluate(self, rt: Runtime, engine: Any, valid) -> dict[str, torch.Tensor]:
+        return {"eval_loss": evaluate(self.cfg, rt, engine, valid)}
+
+    @staticmethod
+    def export(engine: Any, out_dir: Path, tokenizer: Any) -> None:
+        engine.export_hf(out_dir, tokenizer=tokenizer)
+
+
+def run_sft(cfg: LadenConfig, *, progress: bool = True, task: Any = None) -> SFTResult:
+    """Train `cfg.actor.path` on `cfg.train_dataset` and return where everything was written.
+
+    `task`: the job the loop runs (default `SFTTask`; see it for what a task gives)."""
+    task = task if task is not None else SFTTask(cfg)
     check_trackers(cfg)
-    rt = start_run(cfg, "sft")
-    return in_run_directory(cfg, rt, lambda run: _run(cfg, rt, run, progress))
+    rt = start_run(cfg, task.job)
+    return in_run_directory(cfg, rt, lambda run: _run(cfg, rt, run, progress, task))
 
 
-def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SFTResult:
+def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool, task: Any) -> SFTResult:
     history = rt.share(rt.on_main(lambda: run.history(on_damage=cfg.checkpoint.on_damage)))
     assert history is not None, "rank 0 shares the run's history"
     config_dict = yaml.safe_load(format_config(cfg))
     changes = rt.on_main(lambda: run.check_resume(history, config_dict, resume=cfg.checkpoint.resume)) or []
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.actor.path)
-    samples, stats = prepare_data(cfg.train_dataset, tokenizer, "train")
+    samples, stats = task.prepare(cfg.train_dataset, tokenizer, "train")
     valid, valid_stats = (
-        prepare_data(cfg.valid_dataset, tokenizer, "valid") if cfg.valid_dataset else (None, None)
+        task.prepare(cfg.valid_dataset, tokenizer, "valid") if cfg.valid_dataset else (None, None)
     )
     first = (
-        longest_first([len(ids) for ids, _ in samples], cfg.train_dataset.batch_size)
+        longest_first(task.lengths(samples), cfg.train_dataset.batch_size)
         if cfg.train_dataset.fail_fast else []
     )  # fmt: skip
     batches = GlobalBatchIterator(len(samples), batch_size=cfg.train_dataset.batch_size,
@@ -215,50 +258,52 @@ def _run(cfg: LadenConfig, rt: Runtime, run: RunDirectory, progress: bool) -> SF
                       batches.steps_per_epoch * cfg.total_train_epochs)  # fmt: skip
     if history.checkpoint is not None and history.checkpoint_step >= total_steps:
         if cfg.checkpoint.export_hf and not rt.share(run.export_done() if rt.is_main else False):
-            _export_finished(cfg, rt, run, history, total_steps, tokenizer)
+            _export_finished(cfg, rt, run, history, total_steps, tokenizer, task)
         return _already_finished(cfg, run, history, total_steps)
     if rt.is_main:  # only now, once the directory may continue this history, is anything written
         dump_config(cfg, run.path / "config.yaml")
         write_data_stats(cfg.train_dataset, stats, run.path, "train")
         if cfg.valid_dataset is not None:
             write_data_stats(cfg.valid_dataset, valid_stats, run.path, "valid")
-    model = load_model(cfg, rt, rt.backend)
+    model = task.model(load_model(cfg, rt, rt.backend))
     engine = rt.backend.build(cfg, model, total_steps=total_steps, device=rt.device)
     log.info(
         "model: %.1fM parameters, engine %s on %s", engine.num_params / 1e6, type(engine).__name__, rt.device
     )
     settings = OptimSettings.from_config(cfg.actor.optimizer, total_steps)
     start_step = _resume(cfg, rt, run, engine, batches, history, settings, changes)
+    task.setup(rt, engine, run.path, start_step, {"train": samples, **({"valid": valid} if valid else {})})
     accuracy = (
         HeldOutAccuracy.from_config(cfg, tokenizer, is_main=rt.is_main)
-        if valid is not None and cfg.evaluator.generate else None
+        if valid is not None and cfg.evaluator.generate and task.job == "sft" else None
     )  # fmt: skip
     loop = _Loop(cfg=cfg, rt=rt, run=run, engine=engine, samples=samples, valid=valid, batches=batches,
-                 total_steps=total_steps, tokenizer=tokenizer, accuracy=accuracy)  # fmt: skip
+                 total_steps=total_steps, tokenizer=tokenizer, accuracy=accuracy, task=task)  # fmt: skip
     losses = loop.train(start_step, progress)
     before_after = accuracy.before_after() if accuracy is not None else []
     if start_step < total_steps and cfg.checkpoint.save_at_end:
         loop.save(total_steps)
     if cfg.checkpoint.export_hf:
-        engine.export_hf(run.path / "hf", tokenizer=tokenizer)
+        task.export(engine, run.path / "hf", tokenizer)
     if rt.is_main:
-        _write_curves(run)
+        _write_curves(run, task.job)
     rt.barrier()
-    held_out = [(step, r.accuracy) for step, r in accuracy.results] if accuracy is not None else []
+    held_out = loop.held_out
     return SFTResult(run_dir=run.path, num_steps=total_steps, first_loss=losses[0], last_loss=losses[1],
                      held_out=held_out, before_after=before_after)  # fmt: skip
 
 
 def _export_finished(cfg: LadenConfig, rt: Runtime, run: RunDirectory, history: History, total_steps: int,
-                     tokenizer: Any) -> None:  # fmt: skip
+                     tokenizer: Any, task: Any) -> None:  # fmt: skip
     """The export of a finished run that stopped before it was in place (killed, or the disk filled)."""
     log.warning(
         "run directory %s holds a finished run without its export: exporting %s", run.path, history.checkpoint
     )
-    engine = rt.backend.build(cfg, load_model(cfg, rt, rt.backend), total_steps=total_steps, device=rt.device)
+    model = task.model(load_model(cfg, rt, rt.backend))
+    engine = rt.backend.build(cfg, model, total_steps=total_steps, device=rt.device)
     assert history.checkpoint is not None, "a finished run has its final checkpoint"
     load_checkpoint(history.checkpoint, engine, rank=rt.rank)
-    engine.export_hf(run.hf_path, tokenizer=tokenizer)
+    task.export(engine, run.hf_path, tokenizer)
     rt.barrier()
 
 
@@ -308,12 +353,16 @@ class _Loop:
     tokenizer: Any = None
     accuracy: HeldOutAccuracy | None = None
     """`evaluator.generate`'s held-out accuracy, taken at every evaluation."""
+    task: Any = None
+    """The job's data, step and evaluation (`SFTTask`, `laden.align.task.PairTask`)."""
+    held_out: list[tuple[int, float]] = field(default_factory=list)
+    """(step, `eval/accuracy`) of every evaluation this process logged (rank 0)."""
 
     def train(self, start_step: int, progress: bool) -> tuple[float | None, float | None]:
         """Steps `start_step + 1 .. total_steps`; returns the (first, last) logged loss."""
         cfg, rt = self.cfg, self.rt
         first_loss = last_loss = None
-        bar = tqdm(total=self.total_steps, initial=start_step, disable=not (progress and rt.is_main), desc="sft",
+        bar = tqdm(total=self.total_steps, initial=start_step, disable=not (progress and rt.is_main), desc=self.task.job,
                    unit="step")  # fmt: skip
         window_tokens, window_start = 0, time.perf_counter()
         # `elapsed_s`: seconds of training loop up to each logged step's end, counted on across resumes
@@ -327,39 +376,43 @@ class _Loop:
         last_eval_s = float((last or {}).get("elapsed_s", 0.0))
         before: list[dict[str, Any]] = []
         if start_step == 0 and self.valid is not None and cfg.evaluator.eval_before_train:
-            loss = float(evaluate(cfg, rt, self.engine, self.valid))  # where the run starts from
-            before.append({"step": 0, "eval_loss": loss, **self._accuracy(0), "elapsed_s": 0.0})
+            evaluated = self.task.evaluate(rt, self.engine, self.valid)  # where the run starts from
+            before.append({"step": 0, **{k: float(v) for k, v in evaluated.items()}, **self._accuracy(0),
+                           "elapsed_s": 0.0})  # fmt: skip
+            self._note_held_out(before[0])
             if metrics is not None:
                 metrics.append_line(json.dumps(before[0]))
             t_start = time.perf_counter()
         stops = StopRequests()
         last_save_t = signals.now()
-        trackers = Trackers.open(cfg, self.run.path, job="sft", main=rt.is_main)
+        trackers = Trackers.open(cfg, self.run.path, job=self.task.job, main=rt.is_main)
         try:
             stops.__enter__()
             for row in before:
                 trackers.log(row)
             for step in range(start_step, self.total_steps):
                 indices = next(self.batches)
-                out, num_mbs, num_tokens = train_step(
-                    cfg, rt, self.engine, self.samples, indices, step=step + 1
+                out, num_mbs, num_tokens = self.task.step(
+                    rt, self.engine, self.samples, indices, step=step + 1
                 )
                 data_state = self.batches.state_dict()
                 window_tokens += num_tokens
                 done = step + 1
-                if self.valid is not None and self._eval_due(
+                evaluated = self.valid is not None and self._eval_due(
                     done, time.perf_counter() - t_start - last_eval_s
-                ):
-                    out["eval_loss"] = evaluate(cfg, rt, self.engine, self.valid)
+                )
+                if evaluated:
+                    out |= self.task.evaluate(rt, self.engine, self.valid)
                     out |= self._accuracy(done)
                     last_eval_s = time.perf_counter() - t_start
-                if done % cfg.log_freq_steps == 0 or done == self.total_steps or "eval_loss" in out:
+                if done % cfg.log_freq_steps == 0 or done == self.total_steps or evaluated:
                     record = _log_record(out, done, num_mbs, num_tokens, window_tokens, window_start, rt)
                     record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
                     window_tokens, window_start = 0, time.perf_counter()
                     if metrics is not None:
                         metrics.append_line(json.dumps(record))
                     trackers.log(record)
+                    self._note_held_out(record)
                     first_loss = record["loss"] if first_loss is None else first_loss
                     last_loss = record["loss"]
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -371,7 +424,7 @@ class _Loop:
                     saved, last_save_t = done, signals.now()
                 export_freq = cfg.checkpoint.export_hf_freq_steps
                 if export_freq and done % export_freq == 0 and done < self.total_steps:  # the last: hf/
-                    self.engine.export_hf(step_export_dir(self.run.path, done), tokenizer=self.tokenizer)
+                    self.task.export(self.engine, step_export_dir(self.run.path, done), self.tokenizer)
                 if stop and done < self.total_steps:
                     raise stops.interrupted(done, self.run.path)
         except (KeyboardInterrupt, TrainingOOMError) as stop:
@@ -393,6 +446,10 @@ class _Loop:
                 metrics.close()
             trackers.close(failed=sys.exc_info()[0] is not None)
         return first_loss, last_loss
+
+    def _note_held_out(self, record: dict[str, Any]) -> None:
+        if "eval/accuracy" in record:
+            self.held_out.append((int(record["step"]), float(record["eval/accuracy"])))
 
     def _accuracy(self, step: int) -> dict[str, float]:
         """`eval/accuracy` after `step` when `evaluator.generate` is on (rank 0's metrics row)."""
@@ -417,13 +474,13 @@ class _Loop:
             barrier=rt.barrier, any_rank=rt.any_rank,
         )  # fmt: skip
         if rt.is_main:
-            _write_curves(self.run, min_interval_s=CHECKPOINT_INTERVAL_S)
+            _write_curves(self.run, self.task.job, min_interval_s=CHECKPOINT_INTERVAL_S)
 
 
-def _write_curves(run: RunDirectory, *, min_interval_s: float = 0.0) -> None:
+def _write_curves(run: RunDirectory, job: str, *, min_interval_s: float = 0.0) -> None:
     """`curves.png` in the run directory (`laden.plots`); a figure that cannot be drawn never fails the run."""
     try:
-        write_curves(run.path, "sft", min_interval_s=min_interval_s)
+        write_curves(run.path, job, min_interval_s=min_interval_s)
     except Exception as exc:  # the curves are a view of metrics.jsonl, which is kept whatever happens here
         log.warning("curves.png was not written: %s: %s", type(exc).__name__, exc)
 

@@ -55,7 +55,22 @@ _RL = {
     "sapo_scaled_gate_neg": "ppo_actor/update/sapo_scaled_gate_neg/avg",
     "teacher_logp_s": "timeperf/teacher_logp",
 }
-AREAL_NAMES: dict[str, dict[str, str]] = {"sft": _SFT, "rl": _RL}
+
+
+def _pairs(scope: str, names: dict[str, str]) -> dict[str, str]:
+    """A pair job's names: the per-pair means under `scope/` (training) and `scope-eval/` (evaluation)."""
+    out = {"grad_norm": f"{scope}/grad_norm", "lr": f"{scope}/lr", "num_tokens": f"{scope}/n_tokens"}
+    for laden, areal in names.items():
+        out[laden] = f"{scope}/{areal}/avg"
+        out[f"eval/{laden}"] = f"{scope}-eval/{areal}/avg"
+    return out
+
+
+_DPO = _pairs("dpo", {"loss": "loss", "accuracy": "reward_accuracy", "margin": "reward_margin",
+                      "chosen_reward": "chosen_reward", "rejected_reward": "rejected_reward"})  # fmt: skip
+_RW = _pairs("rw", {"loss": "loss", "accuracy": "correct_ratio", "chosen_score": "pos_score",
+                    "rejected_score": "neg_score"})  # fmt: skip
+AREAL_NAMES: dict[str, dict[str, str]] = {"sft": _SFT, "rl": _RL, "dpo": _DPO, "rw": _RW}
 """Per job: laden's metrics.jsonl name -> AReaL's name."""
 
 

@@ -1,0 +1,151 @@
+"""`laden dpo` and `laden rw` on the tiny model on the CPU: the loss falls and the training pair accuracy
+rises, held-out pair accuracy is reported on a disjoint valid set (the overlap counted in code), the reward
+model's export loads back and scores text; AReaL's two alignment configs load; bad input is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from areal_copies import AREAL, PATHS, TINY_MODEL
+
+from laden.align.data import build_pairs
+from laden.cli import main
+from laden.config import ConfigError, load_config
+from laden.data.overlap import prompt_overlap
+
+
+def _rows(sums) -> list[dict]:
+    # the preference: the sum itself over a refusal (one pattern across prompts, so it generalises)
+    return [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": "no idea"} for a, b in sums]
+
+
+TRAIN = _rows([(a, b) for a in range(1, 7) for b in range(1, 5)])  # 24 pairs
+VALID = _rows([(a, b) for a in (7, 8) for b in range(5, 9)])  # 8 pairs, disjoint prompts
+
+
+def _config(tmp_path: Path, job: str, **extra) -> Path:
+    for name, rows in (("train", TRAIN), ("valid", VALID)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "experiment_name": job, "trial_name": "t", "seed": 1, "total_train_epochs": 3,
+        "cluster": {"fileroot": str(tmp_path / "runs")},
+        "train_dataset": {"path": "train.jsonl", "type": job, "batch_size": 8, "max_length": 32},
+        "valid_dataset": {"path": "valid.jsonl", "type": job, "batch_size": 8, "max_length": 32},
+        "evaluator": {"freq_epochs": None},
+        "actor": {"path": str(TINY_MODEL), "init_from_config": True, "dtype": "float32",
+                  "optimizer": {"type": "adam", "lr": 1e-2, "gradient_clipping": 1.0}, **extra},
+    }  # fmt: skip
+    path = tmp_path / f"{job}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _rows_of(tmp_path: Path, job: str) -> list[dict]:
+    lines = (tmp_path / "runs" / job / "t" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_held_out_pairs_share_no_prompt_with_training_pairs():
+    overlap = prompt_overlap(TRAIN, VALID)
+    assert overlap.num_held_out == len(VALID) and overlap.num_shared == 0, overlap.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["dpo", "rw"])
+def test_tiny_run_learns_the_training_pairs_and_reports_held_out_accuracy(tmp_path, job, capsys):
+    assert main([job, "--config", str(_config(tmp_path, job)), "--no-progress"]) == 0
+    rows = _rows_of(tmp_path, job)
+    before, steps = rows[0], [r for r in rows if "loss" in r]
+    assert before["step"] == 0 and "eval/accuracy" in before and "eval/loss" in before
+    assert len(steps) == 9 and steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[-1]["accuracy"] > steps[0]["accuracy"]
+    if job == "dpo":  # the policy starts as the reference: every pair's log-ratio is 0
+        assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and steps[0]["accuracy"] == 0
+        assert {"chosen_reward", "rejected_reward", "margin"} <= set(steps[-1])
+    else:
+        assert {"chosen_score", "rejected_score", "margin"} <= set(steps[-1])
+    assert steps[-1]["eval/accuracy"] >= before["eval/accuracy"]
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "9 steps, loss" in out and "held-out pair accuracy" in out, out
+
+
+@pytest.mark.slow
+def test_reward_model_export_loads_back_and_scores_text(tmp_path):
+    from laden.align.reward_model import load_reward_model, score_texts
+
+    assert main(["rw", "--config", str(_config(tmp_path, "rw")), "--no-progress", "total_train_steps=2"]) == 0
+    model, tokenizer = load_reward_model(tmp_path / "runs" / "rw" / "t" / "hf")
+    chosen, rejected = score_texts(
+        model,
+        tokenizer,
+        [
+            "<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\n12",
+            "<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\nno idea",
+        ],
+    )
+    assert chosen != rejected
+
+
+@pytest.mark.slow
+def test_dpo_resumes_with_the_reference_log_probs_of_its_start(tmp_path):
+    config = _config(tmp_path, "dpo")
+    assert main(["dpo", "--config", str(config), "--no-progress", "total_train_steps=2",
+                 "checkpoint.save_freq_steps=1"]) == 0  # fmt: skip
+    assert (tmp_path / "runs" / "dpo" / "t" / "ref_logprobs.pt").exists()
+    assert main(["dpo", "--config", str(config), "--no-progress", "total_train_steps=3"]) == 0
+    steps = [r for r in _rows_of(tmp_path, "dpo") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # with the reference recomputed from the trained weights, step 3 would start at log 2 again
+    assert steps[-1]["loss"] < 0.69
+
+
+def test_areal_alignment_configs_load():
+    dpo = load_config(AREAL / "hhrlhf_dpo.yaml", PATHS, job="dpo")
+    assert dpo.train_dataset.type == "dpo" and dpo.actor.beta == 0.1 and dpo.actor.loss_type == "sigmoid"
+    assert dpo.actor.mb_spec.max_tokens_per_mb == 4096 and dpo.train_dataset.max_length == 2048
+    rw = load_config(AREAL / "hhrlhf_rw.yaml", PATHS, job="rw")
+    assert rw.train_dataset.type == "rw" and rw.actor.optimizer.lr == 2e-5
+
+
+def test_is_critic_belongs_to_the_reward_model_job():
+    with pytest.raises(ConfigError, match=r"actor.is_critic=true trains the actor as a reward model"):
+        load_config(AREAL / "hhrlhf_rw.yaml", [*PATHS, "train_dataset.type=dpo", "valid_dataset.type=dpo"],
+                    job="dpo")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("actor.beta=0", r"actor.beta=0.* must be a finite number greater than 0"),
+     ("actor.beta=-1", r"actor.beta=-1.* must be a finite number greater than 0"),
+     ("actor.mb_spec.max_tokens_per_mb=2048", r"cannot hold a pair"),
+     ("actor.backend=fsdp:d1c2", r"context-parallel")],
+)  # fmt: skip
+def test_bad_pair_settings_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(AREAL / "hhrlhf_dpo.yaml", [*PATHS, override], job="dpo")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [({"prompt": "1+1=", "chosen": "2"}, r"no 'rejected' field"),
+     ({"prompt": "1+1=", "rejected": "3"}, r"no 'chosen' field"),
+     ({"chosen": "2", "rejected": ["x"]}, r"must be whole texts")],
+)  # fmt: skip
+def test_rows_without_a_pair_are_named(tiny_tokenizer, row, message):
+    with pytest.raises(ValueError, match=message):
+        build_pairs([row], tiny_tokenizer, max_length=32)
+
+
+def test_rows_without_a_prompt_take_the_common_prefix_as_prompt(tiny_tokenizer):
+    pairs, _ = build_pairs(
+        [{"chosen": "Q: 1+1? A: 2", "rejected": "Q: 1+1? A: 3"}], tiny_tokenizer, max_length=64
+    )
+    (ids, mask), (rids, rmask) = pairs[0].chosen, pairs[0].rejected
+    assert (
+        mask.index(1) == rmask.index(1) == len("Q: 1+1? A: ")
+    )  # a character tokenizer: one token a character
+    assert ids[-1] == rids[-1] == tiny_tokenizer.eos_token_id
