@@ -46,9 +46,13 @@ def export_run(run_dir: str | Path, *, step: int | None = None, out_dir: str | P
     dtype = _dtype(cfg.actor.dtype)
     weights, adapter = export_views(model, trained, dtype)
     log.info("exporting %s to %s (%s)", checkpoint, out, dtype)
-    return export_hf(
-        model, out, dtype=dtype, tokenizer=_tokenizer(cfg.actor.path), weights=weights, adapter=adapter
-    )
+    tokenizer = _tokenizer(cfg.actor.path)
+    if cfg.train_dataset.type == "rw":  # a reward model: a sequence classifier (`laden.align.reward_model`)
+        from laden.align.reward_model import as_classifier
+
+        shim, renamed = as_classifier(model.config, weights, tokenizer)
+        return export_hf(shim, out, dtype=dtype, tokenizer=tokenizer, weights=renamed)
+    return export_hf(model, out, dtype=dtype, tokenizer=tokenizer, weights=weights, adapter=adapter)
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -94,6 +98,10 @@ def model_from_checkpoint(cfg: Any, checkpoint: Path) -> tuple[torch.nn.Module, 
     actor = cfg.actor
     master = OptimSettings(type=actor.optimizer.type).master_dtype(_dtype(actor.optimizer_dtype))
     model = load_causal_lm(actor.path, dtype=master, init_from_config=actor.init_from_config, seed=cfg.seed)
+    if cfg.train_dataset.type == "rw":  # `laden rw` trains the causal LM with a one-row head
+        from laden.model.value_head import to_value_model
+
+        to_value_model(model)
     lora = LoraSettings.from_actor(actor)
     if lora is not None:
         apply_lora(model, LoraSettings(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules),

@@ -12,7 +12,7 @@ naming the type.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,24 +47,30 @@ def classifier_config(config: Any) -> Any:
     return out
 
 
+def as_classifier(
+    config: Any, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: Any | None
+) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
+    """What `export_hf` takes for a value model written as a classifier: (a stand-in model with the
+    classifier's config, the weights with the head named `score.weight`)."""
+    out = classifier_config(config)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if out.pad_token_id is not None and out.pad_token_id == eos:
+        # the classifier scores the last token that is not padding: with padding = EOS that would skip the EOS
+        # the score was trained at; without one it scores the last token of an unpadded row
+        out.pad_token_id = None
+    renamed = ((("score.weight" if name == "lm_head.weight" else name), t) for name, t in weights)
+    return _WithConfig(out), renamed
+
+
 def export_reward_model(engine: Any, out_dir: Path, *, tokenizer: Any | None = None) -> None:
     """Write the engine's value model to `out_dir` as a sequence classifier (every rank calls it; one writes)."""
     from laden.model.hf.export import export_hf
 
-    config = classifier_config(engine.model.config)
     write = engine._writes_export()
     reads = write or engine.collective_export
-    weights = (
-        (("score.weight" if name == "lm_head.weight" else name), t)
-        for name, t in (engine.named_weights(engine.compute_dtype) if reads else iter(()))
-    )
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if config.pad_token_id is not None and config.pad_token_id == eos:
-        # the classifier scores the last token that is not padding: with padding = EOS that would skip the EOS
-        # the score was trained at; without one it scores the last token of an unpadded row
-        config.pad_token_id = None
-    export_hf(_WithConfig(config), out_dir, dtype=engine.compute_dtype, tokenizer=tokenizer, weights=weights,  # type: ignore[arg-type]
-              write=write)  # fmt: skip
+    weights = engine.named_weights(engine.compute_dtype) if reads else iter(())
+    model, renamed = as_classifier(engine.model.config, weights, tokenizer)
+    export_hf(model, out_dir, dtype=engine.compute_dtype, tokenizer=tokenizer, weights=renamed, write=write)
     if engine.collective_export and dist.is_initialized():
         dist.barrier()
 

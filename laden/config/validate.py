@@ -229,7 +229,7 @@ def _job_errors(cfg: LadenConfig, job: str) -> list[str]:
     if cfg.train_dataset.type != job:
         errors.append(
             f"train_dataset.type={cfg.train_dataset.type!r} does not match the '{job}' job; "
-            f"set train_dataset.type: {job}"
+            f"set train_dataset.type: {job}, or run `laden {cfg.train_dataset.type}` for this data"
         )
     if not cfg.train_dataset.path:
         errors.append(

@@ -45,7 +45,9 @@ def _model(value: bool):
     if value:
         to_value_model(model)
         with torch.no_grad():
-            model.lm_head.weight.normal_(0, 0.1)  # a head that is not zero, so its gradient is not all that moves
+            model.lm_head.weight.normal_(
+                0, 0.1
+            )  # a head that is not zero, so its gradient is not all that moves
     return model
 
 
@@ -86,7 +88,9 @@ def _reference(pairs: list[Pair], job: str) -> tuple[torch.Tensor, dict[str, tor
 def test_pair_objectives_through_every_engine_match_plain_pytorch(backend, job):
     pairs = _pairs()
     engine = _engine(backend, job == "rw")
-    objective = DPOObjective(DPOSettings(beta=BETA), chunk_size=5) if job == "dpo" else PairwiseRewardObjective()
+    objective = (
+        DPOObjective(DPOSettings(beta=BETA), chunk_size=5) if job == "dpo" else PairwiseRewardObjective()
+    )
     mbs = [pack_pairs(pairs[:2], with_ref=True), pack_pairs(pairs[2:], with_ref=True)]
     loss = engine.forward_backward(mbs, objective, normalizer=len(pairs))
     engine.optimizer_step()
@@ -106,7 +110,9 @@ def test_forward_gives_the_log_probs_dpo_sums(backend):
     mb = pack_pairs(pairs)
     (out,) = engine.forward([mb], outputs=("logprobs",))
     model = _model(False)
-    for doc, (ids, mask) in zip(unpack(mb, out["logprobs"]), [s for p in pairs for s in (p.chosen, p.rejected)]):
+    for doc, (ids, mask) in zip(
+        unpack(mb, out["logprobs"]), [s for p in pairs for s in (p.chosen, p.rejected)]
+    ):
         logp = torch.log_softmax(model(input_ids=torch.tensor(ids)[None]).logits[0, :-1].float(), dim=-1)
         token = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         keep = torch.tensor(mask[1:], dtype=torch.bool)

@@ -78,16 +78,16 @@ def test_reward_model_export_loads_back_and_scores_text(tmp_path):
     from laden.align.reward_model import load_reward_model, score_texts
 
     assert main(["rw", "--config", str(_config(tmp_path, "rw")), "--no-progress", "total_train_steps=2"]) == 0
-    model, tokenizer = load_reward_model(tmp_path / "runs" / "rw" / "t" / "hf")
-    chosen, rejected = score_texts(
-        model,
-        tokenizer,
-        [
-            "<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\n12",
-            "<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\nno idea",
-        ],
-    )
+    run = tmp_path / "runs" / "rw" / "t"
+    model, tokenizer = load_reward_model(run / "hf")
+    texts = ["<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\n12",
+             "<|im_start|>user\n7+5=<|im_end|>\n<|im_start|>assistant\nno idea"]  # fmt: skip
+    chosen, rejected = score_texts(model, tokenizer, texts)
     assert chosen != rejected
+    # `laden export` of the final checkpoint writes the same classifier
+    assert main(["export", str(run), "--step", "2"]) == 0
+    again = score_texts(*load_reward_model(run / "hf_steps" / "step_2"), texts)
+    assert again == pytest.approx([chosen, rejected], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow
