@@ -63,13 +63,14 @@ def reference_answer(data: dict[str, Any]) -> Any:
     return data["answer"]
 
 
-def endpoint_client(extra_kwargs: dict[str, Any]) -> AsyncOpenAI:
+def endpoint_client(extra_kwargs: dict[str, Any], timeout: float = 600.0) -> AsyncOpenAI:
     """The client of the episode's endpoint: `base_url` and `api_key` from `run`'s keyword arguments (None: the
-    OPENAI_BASE_URL / OPENAI_API_KEY environment, as the openai package reads it); no retries, so that a refused
-    call ends the episode instead of being sent again."""
-    return AsyncOpenAI(
-        base_url=extra_kwargs.get("base_url"), api_key=extra_kwargs.get("api_key"), max_retries=0
-    )
+    OPENAI_BASE_URL / OPENAI_API_KEY environment, as the openai package reads it). No retries, so that a refused
+    call ends the episode instead of being sent again; `timeout` seconds for every part of a call, connecting
+    included (the openai package's own connect timeout, 5 s, is too short for an endpoint whose event loop a
+    large batch keeps busy: such calls fail with APITimeoutError and their rows are rejected)."""
+    return AsyncOpenAI(base_url=extra_kwargs.get("base_url"), api_key=extra_kwargs.get("api_key"), max_retries=0,
+                       timeout=timeout)  # fmt: skip
 
 
 def sampling_args(max_tokens: int, temperature: float | None) -> dict[str, Any]:

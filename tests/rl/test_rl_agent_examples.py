@@ -71,6 +71,11 @@ def test_answers_are_read_and_checked_as_numbers():
     with pytest.raises(KeyError, match="none of 'messages', 'prompt' or 'question'"):
         opening_messages({"q": 1}, None)
 
+    from math_agents.answers import endpoint_client
+
+    client = endpoint_client({"base_url": "http://127.0.0.1:1/v1", "api_key": "k"})
+    assert client.timeout == 600.0 and client.max_retries == 0  # a busy endpoint's slow connect is no failure
+
 
 def test_the_calculator_tool_answers_each_call_or_says_what_is_wrong():
     from math_agents.calculator import call_calculator
