@@ -53,7 +53,6 @@ def test_held_out_pairs_share_no_prompt_with_training_pairs():
     assert overlap.num_held_out == len(VALID) and overlap.num_shared == 0, overlap.summary()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("job", ["dpo", "rw"])
 def test_tiny_run_learns_the_training_pairs_and_reports_held_out_accuracy(tmp_path, job, capsys):
     assert main([job, "--config", str(_config(tmp_path, job)), "--no-progress"]) == 0
