@@ -70,9 +70,13 @@ def _run_job(args: argparse.Namespace, job: Literal["sft", "rl", "dpo", "rw"]) -
 
     cfg = _load(args, job)
     directory = run_dir(cfg)
-    from laden.align.task import run_pairs
+    from laden.align.task import PairTask
     from laden.rl.trainer import run_rl
     from laden.sft.trainer import run_sft
+
+    def run_pairs(cfg: Any, *, progress: bool = True) -> Any:
+        """`laden dpo` / `laden rw` (by `train_dataset.type`): `laden sft`'s loop with the pair task."""
+        return run_sft(cfg, progress=progress, task=PairTask(cfg, cfg.train_dataset.type))
 
     jobs: dict[str, Callable[..., Any]] = {"sft": run_sft, "rl": run_rl, "dpo": run_pairs, "rw": run_pairs}
     run = jobs[job]

@@ -232,11 +232,3 @@ class PairTask:
             export_reward_model(engine, out_dir, tokenizer=tokenizer)
         else:
             engine.export_hf(out_dir, tokenizer=tokenizer)
-
-
-def run_pairs(cfg: LadenConfig, *, progress: bool = True) -> Any:
-    """`laden dpo` or `laden rw` (by `train_dataset.type`): `laden sft`'s loop with the pair task; its `SFTResult`,
-    whose `held_out` lists (step, held-out pair accuracy) of every evaluation."""
-    from laden.sft.trainer import run_sft
-
-    return run_sft(cfg, progress=progress, task=PairTask(cfg, cfg.train_dataset.type))

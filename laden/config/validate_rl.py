@@ -91,7 +91,7 @@ def warn_rewards(cfg: LadenConfig) -> None:
 
 def ppo_errors(cfg: LadenConfig) -> list[str]:
     """Fields of the PPO loss and reward shaping that only make sense together."""
-    from laden.rl.ppo_settings import SettingsError, ppo_settings_of  # torch-free
+    from laden.config.ppo_settings import SettingsError, ppo_settings_of  # torch-free
 
     a = cfg.actor
     errors = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from laden.rl.ppo_settings import ProxLogpMethod
+from laden.config.ppo_settings import ProxLogpMethod
 
 APPROXIMATIONS: tuple[str, ...] = ("loglinear", "linear", "rollout")
 _REL_EPS = 1e-8

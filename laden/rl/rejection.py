@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laden.rl.ppo_settings import RejectionSampling
+from laden.config.ppo_settings import RejectionSampling
 from laden.rl.token_stats import kl_estimate
 
 

@@ -152,7 +152,12 @@ def test_each_backend_answers_for_its_engine(tmp_path):
     assert (native.accepts_partial_updates, server.accepts_partial_updates) == (True, False)
     cpu = torch.device("cpu")
     assert native.placement(tiny_rl_config(tmp_path), cpu, world_size=1, train=fsdp) == cpu
-    assert len(server.refusals(tiny_rl_config(tmp_path, *servers), world_size=2)) == 2  # two processes, xccl
+    (xccl,) = server.refusals(tiny_rl_config(tmp_path, *servers), world_size=2)  # two processes are served
+    assert "actor.weight_update_mode='xccl'" in xccl
+    assert (
+        server.refusals(tiny_rl_config(tmp_path, *servers, "actor.weight_update_mode=disk"), world_size=2)
+        == []
+    )
 
 
 def test_plan_and_auto_give_one_answer_for_an_engine_without_an_estimator(tmp_path, capsys):

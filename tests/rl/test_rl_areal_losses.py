@@ -28,7 +28,7 @@ from laden.config import ConfigError, load_config
 from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples
 from laden.rl import PPOObjective, PPOSettings
 from laden.rl.objectives import RejectionSampling as RS
-from laden.rl.ppo_settings import SettingsError
+from laden.config.ppo_settings import SettingsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -379,7 +379,9 @@ def test_versions_are_read_at_the_input_token_as_areal_reads_them():
 
     assert input_token_versions([4, 4, 5]) == [-1, 4, 4]
     assert input_token_versions([]) == []
-    batch = pack_samples([([1, 2, 3, 4], [0, 1, 1, 1])], fields={"versions": [[0.0, *input_token_versions([2, 3, 3])]]})
+    batch = pack_samples(
+        [([1, 2, 3, 4], [0, 1, 1, 1])], fields={"versions": [[0.0, *input_token_versions([2, 3, 3])]]}
+    )
     assert batch.fields["versions"].tolist()[:3] == [-1.0, 2.0, 3.0]  # labels 2, 3, 4: versions of 1, 2, 3
 
 

@@ -32,8 +32,9 @@ def _cfg(tmp_path, *overrides):
 
 def test_a_roundpipe_actor_trains_on_cuda(tmp_path):
     result = run_rl(_cfg(tmp_path, "total_train_steps=3"), progress=False)
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the held-out evaluation before training
+    records = rows[1:]
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
 
 
@@ -81,6 +82,7 @@ def test_generation_and_training_on_separate_gpus(tmp_path, caplog):
             progress=False,
         )
     assert "on cuda:1, the trainer on cuda:0" in caplog.text
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the held-out evaluation before training
+    records = rows[1:]
     assert all(math.isfinite(r["grad_norm"]) for r in records)

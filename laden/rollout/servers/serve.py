@@ -48,10 +48,12 @@ def serve(
     """Start the servers of `rollout.server_urls` that name this node (`names`: its host names and
     addresses, default `node_names()`), call `announce` with their URLs, and serve until `stop` is set
     (default: until SIGTERM or Ctrl-C). `RunFailedError` when a server exits meanwhile."""
-    from laden.rollout.servers import SERVER_BACKENDS, start_server_engine
+    from laden.rollout.backend import resolve_rollout
+    from laden.rollout.servers import start_server_engine
 
-    mode = AllocationMode.parse(cfg.rollout.backend)
-    if mode.backend not in SERVER_BACKENDS:
+    backend = resolve_rollout(cfg)
+    mode = backend.mode
+    if backend.in_process:
         raise ValueError(
             f"rollout.backend={cfg.rollout.backend!r} generates in the trainer's processes; laden serve starts "
             "servers: set rollout.backend: vllm:dN or sglang:dN, and rollout.server_urls to the N servers"
