@@ -96,9 +96,9 @@ from dataclasses import dataclass
 
 import torch
 
+from laden.config.ppo_settings import PPOSettings, RejectionSampling
 from laden.data.batch import IGNORE_INDEX, PackedBatch, unpack
 from laden.model.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_token_logprobs_and_entropy
-from laden.config.ppo_settings import PPOSettings, RejectionSampling
 from laden.rl.prox_approx import approximate, approximation_stats
 from laden.rl.rejection import m2po_keep, reject
 from laden.rl.token_stats import KL_CLAMP, Sequences, TokenStats, kl_estimate, token_means

@@ -17,11 +17,11 @@ import dataclasses
 from typing import Any
 
 from laden.config.loader import yaml_scalar
+from laden.config.ppo_settings import PPOSettings, ppo_settings_of
 from laden.config.schema import LadenConfig, NormConfig
 from laden.rl.advantages import AdvantageSettings, NormSettings
 from laden.rl.critic import ValueSettings
 from laden.rl.objectives import DistillSettings
-from laden.config.ppo_settings import PPOSettings, ppo_settings_of
 
 NOT_YET_IMPLEMENTED: tuple[tuple[str, str], ...] = ()
 """(dotted field, why it has no effect) for fields that `laden rl` parses but does not implement yet;

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from laden.data.batch import PackedBatch
 from laden.config.ppo_settings import KLEstimator
+from laden.data.batch import PackedBatch
 
 KL_CLAMP = 10.0
 """|KL estimate| per token is clamped to this (AReaL's `KLEstimator`), against exploding log-ratios."""

@@ -25,10 +25,10 @@ from repo_paths import ASSETS
 from tiny import tiny_qwen3_config
 
 from laden.config import ConfigError, load_config
+from laden.config.ppo_settings import SettingsError
 from laden.data.batch import IGNORE_INDEX, PackedBatch, pack_samples
 from laden.rl import PPOObjective, PPOSettings
 from laden.rl.objectives import RejectionSampling as RS
-from laden.config.ppo_settings import SettingsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
