@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from laden.config.schema import LadenConfig
-from laden.config.validate_rl import is_import_path
+from laden.import_path import import_path_error
 
 _PARSERS = ("auto", "hermes", "qwen", "qwen25", "qwen2_5", "qwen3")
 
@@ -32,8 +32,9 @@ def agent_errors(cfg: LadenConfig) -> list[str]:
             errors.append(f"{dotted}={value!r} must be a positive integer (or null); set it to e.g. 4")
     for dotted in ("eval_workflow", "agent_builder_path", "reward_fn_path"):
         value = getattr(cfg, dotted)
-        if value is not None and not is_import_path(value):
-            errors.append(f"{dotted}={value!r} is not an import path; write `module:name`")
+        error = None if value is None else import_path_error(value, field=dotted, fix="write `module:name`")
+        if error:
+            errors.append(error)
     if str(agent.tool_call_parser).lower() not in _PARSERS:
         errors.append(
             f"rollout.agent.tool_call_parser={agent.tool_call_parser!r} is not a format laden parses; use one of "

@@ -8,15 +8,13 @@ imported, and the columns checked, when the data is read).
 
 from __future__ import annotations
 
-import re
-
 from laden.config.schema import DatasetConfig, LadenConfig
+from laden.import_path import import_path_error
 
 HUB_ONLY = ("name", "revision", "data_files", "dataset_kwargs")
 """Fields passed to `datasets.load_dataset`, read for `hf:` paths only."""
 _OWN_ARGUMENTS = ("path", "name", "split", "revision", "data_files")
 """Arguments of `datasets.load_dataset` that laden passes from fields of their own."""
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
 
 
 def dataset_errors(cfg: LadenConfig) -> list[str]:
@@ -76,10 +74,11 @@ def _rename_errors(ds: DatasetConfig, field: str) -> list[str]:
 
 
 def _transform_errors(ds: DatasetConfig, field: str) -> list[str]:
-    value = ds.transform_fn
-    if value is None or (_IMPORT_PATH.fullmatch(value) and ("." in value or ":" in value)):
+    if ds.transform_fn is None:
         return []
-    return [
-        f"{field}.transform_fn={value!r} is not an import path; write `module:function`, e.g. "
-        f"{field}.transform_fn=my_data:to_prompt (a function of one row, a dict, returning a dict)"
-    ]
+    error = import_path_error(
+        ds.transform_fn, field=f"{field}.transform_fn",
+        fix=f"write `module:function`, e.g. {field}.transform_fn=my_data:to_prompt (a function of one row, "
+        "a dict, returning a dict)",
+    )  # fmt: skip
+    return [error] if error else []

@@ -10,11 +10,11 @@ for their form only; nothing is imported here.
 from __future__ import annotations
 
 import math
-import re
 import warnings
 
 from laden.config.schema import LadenConfig
 from laden.config.validate_alloc import parse_or_none
+from laden.import_path import import_path_error
 
 __all__ = [
     "generation_errors",
@@ -44,32 +44,21 @@ def generation_errors(cfg: LadenConfig) -> list[str]:
     return errors
 
 
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
-
-
-def is_import_path(value: str) -> bool:
-    """Whether `value` has the form `module:name` or `module.name`."""
-    return bool(_IMPORT_PATH.fullmatch(value)) and ("." in value or ":" in value)
-
-
 def import_path_errors(cfg: LadenConfig) -> list[str]:
     """`reward_fn` and `workflow` name an object as `module:name` (or `module.name`); nothing is imported here."""
     errors = []
-    for dotted, example in (
-        ("reward_fn", "laden.rl.rewards:math_reward"),
-        ("workflow", "laden.rl.workflow:RLVRWorkflow"),
+    for dotted, value, example in (
+        ("reward_fn", cfg.reward_fn, "reward_fn=laden.rl.rewards:math_reward"),
+        ("workflow", cfg.workflow, "workflow=laden.rl.workflow:RLVRWorkflow"),
+        *(
+            (f"reward_fns[{i}].fn", spec.fn, "laden.rl.rewards:math_reward")
+            for i, spec in enumerate(cfg.reward_fns)
+        ),
     ):
-        value = getattr(cfg, dotted)
-        if not is_import_path(value):
-            errors.append(
-                f"{dotted}={value!r} is not an import path; write `module:name`, e.g. {dotted}={example}"
-            )
+        error = import_path_error(value, field=dotted, fix=f"write `module:name`, e.g. {example}")
+        if error:
+            errors.append(error)
     for i, spec in enumerate(cfg.reward_fns):
-        if not is_import_path(spec.fn):
-            errors.append(
-                f"reward_fns[{i}].fn={spec.fn!r} is not an import path; write `module:name`, e.g. "
-                "laden.rl.rewards:math_reward"
-            )
         if not math.isfinite(spec.weight):
             errors.append(
                 f"reward_fns[{i}].weight={spec.weight!r} must be a finite number; set it to e.g. 1.0"

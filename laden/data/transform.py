@@ -11,9 +11,10 @@ Python (about a microsecond each for a dict rebuild; 1M rows add about a second 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, MutableSequence
 from typing import Any
+
+from laden.import_path import resolve_import_path
 
 Row = dict[str, Any]
 
@@ -65,28 +66,10 @@ def transform_records(records: MutableSequence[Row], import_path: str, *, field:
 
 
 def import_transform(import_path: str, *, field: str) -> Callable[[Row], Any]:
-    """The callable at `module:function` (or `module.function`); ValueError saying why it cannot be had."""
-    module_name, sep, attribute = import_path.partition(":")
-    if not sep:
-        module_name, _, attribute = import_path.rpartition(".")
-    fix = f"set {field}.transform_fn to `module:function`, with the module importable (on PYTHONPATH)"
-    if not module_name or not attribute:
-        raise ValueError(f"{field}.transform_fn={import_path!r} is not an import path; {fix}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"{field}.transform_fn={import_path!r}: module {module_name!r} cannot be imported "
-            f"({type(e).__name__}: {e}); {fix}"
-        ) from e
-    function: Any = module
-    for part in attribute.split("."):
-        function = getattr(function, part, None)
-    if not callable(function):
-        raise ValueError(
-            f"{field}.transform_fn={import_path!r}: {module_name} has no function {attribute!r}; {fix}"
-        )
-    return function
+    """The callable at `module:function` (or `module.function`); ValueError (`ImportPathError`) saying why it
+    cannot be had: the path's form, a missing module or package, an import that raised, a missing name."""
+    fix = f"set {field}.transform_fn to `module:function`, a function of one row (a dict) that returns a dict"
+    return resolve_import_path(import_path, field=f"{field}.transform_fn", fix=fix, callable_as="a function")
 
 
 def _where(records: MutableSequence[Row], index: int) -> str:

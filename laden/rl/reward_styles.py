@@ -26,22 +26,22 @@ Several functions (`RewardSpec`s, TRL's `reward_funcs` with `reward_weights`) sc
 them. The raw prompt travels in the reserved keyword `RAW_PROMPT_KEY`, which every style removes.
 
 A reward is a number: a `str` ("1.0"), a `bool` or a non-finite value is a failed call, never coerced;
-numpy and torch scalars convert. This module imports only the standard library: reward worker
-processes import it before the reward module.
+numpy and torch scalars convert. Import paths are resolved by `laden.import_path`. This module imports
+only the standard library and that module (which imports only the standard library too): reward
+worker processes import it before the reward module.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
-import os
 import traceback
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from laden.import_path import resolve_import_path, split_import_path
 
 RewardFn = Callable[..., float]
 """`fn(prompt, completion, prompt_ids, completion_ids, **data_fields) -> float` (laden's style)."""
@@ -75,6 +75,7 @@ _SIGNATURE_HINT = (
     "a reward function takes (prompt, completion, prompt_ids, completion_ids, **data_fields) "
     "and returns a float"
 )
+_PATH_HINT = "write 'package.module:function' (or 'package.module.function')"
 
 
 class RewardSetupError(ValueError):
@@ -88,92 +89,19 @@ class RewardCallError(RuntimeError):
 # --- loading a reward function by name --------------------------------------------------
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, field: str = "reward_fn") -> RewardFn:
     """Import the reward function named by `spec`: "pkg.module:func" or "pkg.module.func".
 
-    After a colon, a dotted name (`"pkg.module:Scorer.score"`) walks attributes. Raises
-    `ValueError` naming what is missing (module, attribute, or a non-callable object).
+    After a colon, a dotted name (`"pkg.module:Scorer.score"`) walks attributes. Raises `ValueError`
+    (`laden.import_path.ImportPathError`) naming what is missing: the module, a package it imports,
+    an attribute, or a callable (the object is something else).
     """
-    module_name, attr_path = split_spec(spec)
-    module = _import_module(module_name, spec)
-    obj: Any = module
-    for depth, attr in enumerate(attr_path.split(".")):
-        if not hasattr(obj, attr):
-            owner = ".".join([module_name, *attr_path.split(".")[:depth]])
-            raise ValueError(
-                f"reward_fn {spec!r}: {owner!r} has no attribute {attr!r}{_known_names(obj)}; "
-                "fix the name after the colon"
-            )
-        obj = getattr(obj, attr)
-    if not callable(obj):
-        raise ValueError(
-            f"reward_fn {spec!r} names a {type(obj).__name__}, not a callable; {_SIGNATURE_HINT}"
-        )
-    return obj
+    return resolve_import_path(spec, field=field, fix=_SIGNATURE_HINT, callable_as="a callable")
 
 
-def split_spec(spec: str) -> tuple[str, str]:
+def split_spec(spec: str, field: str = "reward_fn") -> tuple[str, str]:
     """`(module, attribute path)` of an import path; `ValueError` when it is not one."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward_fn={spec!r} must be a non-empty string like 'my_pkg.rewards:score'")
-    if ":" in spec:
-        module_name, _, attr_path = spec.strip().partition(":")
-    else:
-        module_name, _, attr_path = spec.strip().rpartition(".")
-    if not module_name or not attr_path or "" in attr_path.split("."):
-        raise ValueError(
-            f"reward_fn={spec!r} is not an import path; write 'package.module:function' "
-            "(or 'package.module.function')"
-        )
-    return module_name, attr_path
-
-
-def _import_module(module_name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        parts = module_name.split(".")
-        if exc.name in {".".join(parts[: i + 1]) for i in range(len(parts))}:
-            raise ValueError(
-                f"reward_fn {spec!r}: no module named {exc.name!r}; check the spelling and that "
-                f"its folder is on PYTHONPATH (the working directory is {os.getcwd()})"
-            ) from exc
-        package = (exc.name or "?").split(".")[0]
-        raise ValueError(
-            f"reward_fn {spec!r}: importing {module_name!r} failed because it imports the missing "
-            f"module {exc.name!r}; install it (pip install {package}, or the package that provides it)"
-        ) from exc
-    except BaseException as exc:  # SystemExit from a module that exits at import, too
-        raise ValueError(
-            f"reward_fn {spec!r}: importing {module_name!r} raised {_last_line(exc)}{_where(exc)}"
-        ) from exc
-
-
-def _last_line(exc: BaseException) -> str:
-    return traceback.format_exception_only(type(exc), exc)[-1].strip()
-
-
-def _where(exc: BaseException) -> str:
-    """ " (at file, line n)": where the exception was raised."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
-
-
-def _known_names(obj: Any) -> str:
-    """ " (it has: f, g)": the public callables `obj` defines, to spot a misspelled name."""
-    namespace = getattr(obj, "__dict__", {})
-    home = obj.__name__ if isinstance(obj, types.ModuleType) else None
-    names = sorted(
-        name
-        for name, value in namespace.items()
-        if not name.startswith("_")
-        and callable(value)
-        and (home is None or getattr(value, "__module__", home) == home)  # not what it imports
-    )
-    if not names:
-        return ""
-    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-    return f" (it has: {shown})"
+    return split_import_path(spec, field=field, fix=_PATH_HINT)
 
 
 # --- specs and what the workers report ---------------------------------------------------

@@ -38,7 +38,6 @@ is awaited.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import itertools
 import math
@@ -47,6 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from laden.import_path import resolve_import_path
 from laden.rl.reward_styles import RAW_PROMPT_KEY
 from laden.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 
@@ -520,41 +520,20 @@ def _trajectory(
 # --- loading by import path ----------------------------------------------------------------------
 
 
-def import_object(spec: str, field: str = "workflow") -> Any:
+def import_object(spec: str, field: str = "workflow", *, callable_as: str | None = None) -> Any:
     """The object `spec` names: "package.module:attr" (attr may be dotted) or AReaL's "package.module.attr".
 
-    Raises `ValueError` naming `field` and what is wrong: the path's form, a missing module or attribute.
+    Raises `ValueError` (`laden.import_path.ImportPathError`) naming `field` and what is wrong: the path's
+    form, a missing module or a package it imports, an import that raised, a missing attribute, and, with
+    `callable_as` (what it must be, e.g. "a class or factory"), an object that is not callable.
     """
-    text = spec.strip() if isinstance(spec, str) else ""
-    module_name, _, attr = text.partition(":") if ":" in text else text.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{field}={spec!r} is not an import path; write 'package.module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"{field} {spec!r}: cannot import {module_name!r} ({exc}); {_import_fix(module_name, exc)}"
-        ) from exc
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(
-                f"{field} {spec!r}: {module_name!r} has no attribute {attr!r}; fix the name after the colon"
-            )
-        target = getattr(target, part)
-    return target
-
-
-def _import_fix(module_name: str, exc: ImportError) -> str:
-    """What to do about a module that does not import: a package it needs, or the path itself."""
-    missing = getattr(exc, "name", None) or ""
-    if not missing or module_name == missing or module_name.startswith(missing + "."):
-        return "check the spelling and that it is on PYTHONPATH"
-    fix = f"it imports {missing!r}, which is not installed: install the package that provides it (pip install {missing.split('.')[0]})"
-    if module_name.split(".")[0] == "areal":
-        fix += ("; AReaL's own agents need the areal package with all its requirements (aiohttp first among them); "
-                "laden runs them unchanged once they import, or set workflow to an agent class of your own (docs/agents.md)")  # fmt: skip
-    return fix
+    fix = f"set {field} to `package.module:Name`"
+    if isinstance(spec, str) and spec.split(".")[0].split(":")[0] == "areal":
+        fix += (
+            "; AReaL's own agents need the areal package with all its requirements (aiohttp first among them); "
+            "laden runs them unchanged once they import, or set workflow to an agent class of your own (docs/agents.md)"
+        )
+    return resolve_import_path(spec, field=field, fix=fix, callable_as=callable_as)
 
 
 def load_workflow(spec: str, **kwargs: Any) -> RolloutWorkflow:
@@ -563,9 +542,7 @@ def load_workflow(spec: str, **kwargs: Any) -> RolloutWorkflow:
     Raises `ValueError` naming what is wrong: the path's form, a missing module or attribute,
     arguments the class does not take, or an object without `async def arun_episode`.
     """
-    factory = import_object(spec)
-    if not callable(factory):
-        raise ValueError(f"workflow {spec!r} names a {type(factory).__name__}, not a class or factory")
+    factory = import_object(spec, callable_as="a class or factory")
     try:
         workflow = factory(**kwargs)
     except TypeError as exc:

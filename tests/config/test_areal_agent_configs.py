@@ -34,7 +34,7 @@ def test_the_agent_workflow_example_names_areals_math_agent_and_says_what_it_nee
     with pytest.raises(ValueError, match="areal") as err:
         check_workflow_imports(cfg)
     if importlib.util.find_spec("areal") is not None:  # installed without its requirements
-        assert "it imports 'aiohttp', which is not installed" in str(err.value)
+        assert "it imports the missing module 'aiohttp'; install it (pip install aiohttp" in str(err.value)
         assert "set workflow to an agent class of your own" in str(err.value)
 
 
@@ -56,7 +56,7 @@ def test_the_openai_agents_example_loads_and_needs_the_agents_sdk():
     if importlib.util.find_spec("agents") is not None:  # then the builder's own module is what is missing
         if importlib.util.find_spec("aiohttp") is not None:
             pytest.skip("aiohttp is installed here: the areal package may import")
-        needs = "agent_builder_path 'areal.workflow.openai_agent.math_agent.build_math_agent': cannot import"
+        needs = "agent_builder_path='areal.workflow.openai_agent.math_agent.build_math_agent': cannot import"
     with pytest.raises(ValueError, match=needs):
         check_workflow_imports(cfg)
 
@@ -80,6 +80,9 @@ def test_a_module_that_lacks_a_package_is_named(tmp_path, monkeypatch):
     (tmp_path / "needs_pkg_agent.py").write_text("import no_such_package_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load("gsm8k_grpo_mt.yaml", "workflow=needs_pkg_agent:Agent")
-    with pytest.raises(ValueError, match="it imports 'no_such_package_xyz', which is not installed"):
+    with pytest.raises(
+        ValueError, match=r"workflow='needs_pkg_agent:Agent': cannot import 'needs_pkg_agent': it imports the missing "
+        r"module 'no_such_package_xyz'; install it \(pip install no_such_package_xyz",
+    ):  # fmt: skip
         check_workflow_imports(cfg)
     sys.modules.pop("needs_pkg_agent", None)

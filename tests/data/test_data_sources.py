@@ -84,9 +84,15 @@ def test_column_map_renames_before_the_transform(tmp_path, monkeypatch):
         ValueError, match=r"d\.jsonl:1: train_dataset\.transform_fn='my_rows:not_a_dict' returned a list"
     ):
         load_records(str(data), transform_fn="my_rows:not_a_dict")
-    with pytest.raises(ValueError, match=r"module 'no_such_module' cannot be imported"):
+    with pytest.raises(
+        ValueError, match=r"train_dataset\.transform_fn='no_such_module:f': cannot import 'no_such_module': no module "
+        r"named 'no_such_module'; check the spelling and that its folder is on PYTHONPATH.*set train_dataset\."
+        r"transform_fn to `module:function`",
+    ):  # fmt: skip
         load_records(str(data), transform_fn="no_such_module:f")
-    with pytest.raises(ValueError, match=r"my_rows has no function 'missing'"):
+    with pytest.raises(
+        ValueError, match=r"'my_rows' has no attribute 'missing' \(it has: not_a_dict, to_prompt\); fix the name"
+    ):
         load_records(str(data), transform_fn="my_rows:missing")
     sys.modules.pop("my_rows", None)
 

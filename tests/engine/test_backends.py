@@ -93,9 +93,12 @@ def test_the_engines_never_import_the_planner_and_the_foundation_imports_no_lade
     engine = {str(p.relative_to(LADEN)): m for p in (LADEN / "engine").rglob("*.py") for m in _imports(p)
               if _package(m) == "memory"}  # fmt: skip
     assert engine == {}
+    leaves = {"safe_io", "import_path"}  # modules of the foundation's own that import nothing of laden
+    for leaf in leaves:
+        assert _imports(LADEN / f"{leaf}.py") == set(), leaf
     for foundation in ("config", "data", "optim"):
         others = {m for p in (LADEN / foundation).rglob("*.py") for m in _imports(p)} - {""}
-        assert {_package(m) for m in others} <= {foundation, "safe_io"}, foundation
+        assert {_package(m) for m in others} <= {foundation, *leaves}, foundation
 
 
 def test_a_fourth_engine_is_one_class_and_one_registry_line(tmp_path, monkeypatch):

@@ -69,7 +69,7 @@ def test_load_reward_fn_finds_the_builtins():
         ("reward_fixtures:NOT_A_FUNCTION", "names a int, not a callable"),
         ("scripted_reward", "not an import path"),
         ("reward_fixtures:", "not an import path"),
-        ("", "non-empty string"),
+        ("", "reward_fn='' is empty, not an import path"),
     ],
 )
 def test_load_reward_fn_errors_say_what_is_wrong(spec, message):
