@@ -91,7 +91,8 @@ def test_column_map_renames_before_the_transform(tmp_path, monkeypatch):
     ):  # fmt: skip
         load_records(str(data), transform_fn="no_such_module:f")
     with pytest.raises(
-        ValueError, match=r"'my_rows' has no attribute 'missing' \(it has: not_a_dict, to_prompt\); fix the name"
+        ValueError,
+        match=r"'my_rows' has no attribute 'missing' \(it has: not_a_dict, to_prompt\); fix the name",
     ):
         load_records(str(data), transform_fn="my_rows:missing")
     sys.modules.pop("my_rows", None)
