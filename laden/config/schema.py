@@ -304,7 +304,7 @@ class ActorConfig:
     lora_path: str | None = None
     """A peft adapter directory (`adapter_config.json` + `adapter_model.safetensors`, e.g. a laden export's `hf/adapter/`) whose weights the adapters start from, with `use_lora`: continues training it (its rank must equal `lora_rank`, and `lora_alpha` its alpha); None = fresh adapters (B = 0)."""
     weight_update_mode: Literal["xccl", "disk"] = "xccl"
-    """How new weights reach the rollout engine: NCCL broadcast or files under `cluster.fileroot`."""
+    """How new weights reach the rollout engine: `xccl` (the native engine: copied in place; SGLang servers: broadcast from the trainer, NCCL or gloo on the CPU; vLLM servers refuse it) or `disk` (versioned directories under `cluster.fileroot`, every engine)."""
     weight_chunked_mem_mb: int = 1024
     """MiB per bucket of the chunked NCCL weight update (and per shard of a disk update); `auto`: the largest of
     1024, 512, ..., 64 whose two copies fit beside the larger phase peak."""

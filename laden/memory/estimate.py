@@ -123,17 +123,30 @@ class NativeGeneration:
 
 
 class WeightUpdate:
-    """Trainer to rollout engine: buckets of `actor.weight_chunked_mem_mb`, or a disk shard staged."""
+    """Trainer to rollout engine: a disk shard staged on the host (`disk`), the native engine filled in place a
+    tensor at a time (`xccl` in the trainer's process), or a bucket of `actor.weight_chunked_mem_mb` broadcast
+    to servers (`xccl`; the servers' receiving buckets are on their own GPUs)."""
 
     def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
         mode = cfg.actor.weight_update_mode
         bucket = cfg.actor.weight_chunked_mem_mb * 2**20
-        if mode == "xccl" and resolve_rollout(cfg).in_process:
+        in_process = resolve_rollout(cfg).in_process
+        if mode == "xccl" and in_process:
             mode = "in place"  # the native engine in the trainer's process: no broadcast (`laden.rl`)
         if mode == "disk":
             parts = [Component("host staging of one shard", host=bucket)]
-        elif mode == "xccl":
-            parts = [Component("broadcast bucket (sender and receiver)", gpu=2 * bucket)]
+        elif (
+            mode == "xccl"
+        ):  # to servers: whole tensors, a bigger one alone (`laden.rollout.servers.broadcast`)
+            mode = "broadcast to servers"
+            biggest = max(shapes.embed_params, shapes.head_params, 1) * nbytes(cfg.actor.dtype)
+            parts = [
+                Component(
+                    "broadcast bucket of whole tensors (the servers hold theirs on their own GPUs)",
+                    gpu=max(bucket, biggest),
+                    exact=False,
+                )
+            ]
         else:  # in place: a tensor at a time, copied into the engine's own storage
             biggest = max(shapes.embed_params, shapes.head_params, 1)
             parts = [

@@ -311,6 +311,7 @@ class _Run(Checkpoints, HeldOut, Producer, PolicyStep, WeightSync, DataRanks):
                 if hasattr(flow, "aclose"):  # an agent workflow's endpoint and worker processes
                     await flow.aclose()
             await self.rollout.close()
+            self._close_server_channel()
             self.train_pool.shutdown(wait=True)
         if cfg.checkpoint.export_hf:
             self.engine.export_hf(run.path / "hf", tokenizer=self.tokenizer)

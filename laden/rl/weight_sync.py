@@ -82,6 +82,9 @@ class ServedByRankZero:
 class WeightSync(RunPart):
     """The rollout engine and the weight updates of a `laden rl` run (a part of `laden.rl.trainer._Run`)."""
 
+    _server_channel: Any = None
+    """Rank 0's end of the broadcast group with the rollout servers (`xccl`), made at the first update."""
+
     def _rollout_engine(self, *, version: int):
         """The rollout engine, holding its own copy of the policy in the compute dtype."""
         from laden.rollout.factory import build_rollout_engine, native_engine_from_weights
@@ -185,7 +188,8 @@ class WeightSync(RunPart):
 
         `disk`: a version directory under the run directory (written atomically, shards of
         `actor.weight_chunked_mem_mb`), which the engine loads. `xccl` with the native engine in this
-        process: the tensors are copied in place (one process needs no broadcast). An in-place
+        process: the tensors are copied in place (one process needs no broadcast); with servers: a
+        broadcast from rank 0 (`_push_through_broadcast`). An in-place
         update that runs out of memory, under `oom_policy: auto` in one process, is made again
         through disk (the engine then reads every tensor from the version directory, so a copy
         the failure left half done is overwritten): the same weights, no GPU staging."""
@@ -194,6 +198,9 @@ class WeightSync(RunPart):
         cfg = self.cfg
         if cfg.actor.weight_update_mode == "disk":
             await self._push_through_disk(WeightUpdateMeta.from_config(cfg), version)
+            return
+        if self._serves():
+            await self._push_through_broadcast(version)
             return
         try:
             await self.rollout.update_weights(self._update_source(), version=version)
@@ -212,6 +219,46 @@ class WeightSync(RunPart):
                 weight_chunked_mem_mb=cfg.actor.weight_chunked_mem_mb,
             )  # fmt: skip
             await self._push_through_disk(meta, version)
+
+    async def _push_through_broadcast(self, version: int) -> None:
+        """`xccl` to rollout servers: every rank gathers the full weights in the compute dtype, one tensor at a
+        time, as the disk path does, and rank 0, which drives the servers, broadcasts them in buckets of
+        `actor.weight_chunked_mem_mb` over a group of its own with every server's workers
+        (`laden.rollout.servers.broadcast`: NCCL on GPUs, gloo on the CPU); a failed broadcast raises
+        `WeightBroadcastError` and the run stops."""
+        from laden.weights import default_backend
+
+        cfg = self.cfg
+        backend = default_backend()
+        named = self._update_source(torch_dtype(cfg.actor.dtype), device="cpu" if backend == "gloo" else None)
+        loop = asyncio.get_running_loop()
+        served_by_rank_zero = isinstance(self.rollout, ServedByRankZero)
+        if served_by_rank_zero:
+            # sharded engines gather collectively: every rank iterates, rank 0 broadcasts
+            await loop.run_in_executor(self.train_pool, lambda: [None for _ in named])
+        else:
+            if self._server_channel is None:
+                from laden.rollout.servers.broadcast import ServerChannel
+
+                self._server_channel = ServerChannel(
+                    self.rollout.urls, tp=self.rollout_backend.mode.tp,
+                    bucket_mb=cfg.actor.weight_chunked_mem_mb, backend=backend,
+                )  # fmt: skip
+            t0 = time.perf_counter()
+            update = self._server_channel.update(named, executor=self.train_pool)
+            await self.rollout.update_weights(update, version)
+            log.info(
+                "weight version %d broadcast to the servers in %.2f s", version, time.perf_counter() - t0
+            )
+        await loop.run_in_executor(self.train_pool, self.rt.barrier)
+        if served_by_rank_zero:  # rank 0 loaded the servers: the version advances
+            await self.rollout.update_weights(None, version)
+
+    def _close_server_channel(self) -> None:
+        """Release the trainer's end of the broadcast group with the servers (if one was made)."""
+        if self._server_channel is not None:
+            self._server_channel.close()
+            self._server_channel = None
 
     async def _push_through_disk(self, meta: Any, version: int) -> None:
         from laden.weights import version_dir, write_weights

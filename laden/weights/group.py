@@ -41,7 +41,14 @@ import torch.distributed as dist
 
 from laden.weights.meta import WeightUpdateMeta
 
-__all__ = ["Collective", "IpcGroup", "WeightGroup", "init_weight_group", "listening_store"]
+__all__ = [
+    "Collective",
+    "IpcGroup",
+    "WeightGroup",
+    "init_server_group",
+    "init_weight_group",
+    "listening_store",
+]
 
 
 class Collective(Protocol):
@@ -122,6 +129,44 @@ def init_weight_group(
         pg, where = _gloo(prefixed, rank, meta.world_size, timeout, meta.master_addr), torch.device("cpu")
     return WeightGroup(
         pg=pg, store=store, rank=rank, world_size=meta.world_size, device=where, backend=meta.backend
+    )
+
+
+def init_server_group(meta: WeightUpdateMeta, *, device: torch.device | str | None = None) -> WeightGroup:
+    """Rank 0 (the trainer) of a group whose other ranks are rollout servers' workers that join it with
+    torch.distributed's own constructor, as SGLang's `/init_weights_update_group` does: a `tcp://`
+    rendezvous at `meta.master_addr:master_port`, its store prefixed by `meta.group_name`, and one
+    backend made by `_new_process_group_helper`, which keys it under `<group_name>/<device>/`.
+
+    The trainer's side is built as `init_weight_group` builds its own (a store listening on
+    `master_addr` only, a backend constructed directly and registered nowhere) under those same key
+    prefixes, and sets the group's sequence number as that constructor does (the workers wait for it).
+    Returns once every rank has joined, or fails after `meta.timeout_s`.
+    """
+    if meta.type != "xccl":
+        raise ValueError(
+            f"meta.type={meta.type!r}: a weight group needs an xccl meta (WeightUpdateMeta.from_fsdp_xccl)"
+        )
+    if meta.backend not in ("nccl", "gloo"):
+        raise ValueError(
+            f"meta.backend={meta.backend!r}: rollout servers receive broadcasts over 'nccl' (GPUs) or 'gloo' (CPU)"
+        )
+    timeout = datetime.timedelta(seconds=meta.timeout_s)
+    assert meta.master_port is not None  # WeightUpdateMeta validates xccl metas
+    store = listening_store(
+        meta.master_addr, meta.master_port, meta.world_size, is_master=True, timeout=timeout
+    )
+    kind = "cuda" if meta.backend == "nccl" else "cpu"  # the first device of the backend's device map
+    keyed = dist.PrefixStore(
+        f"{kind}/", dist.PrefixStore(f"{meta.group_name}/", dist.PrefixStore(meta.group_name, store))
+    )
+    if meta.backend == "nccl":
+        pg, where = _nccl(keyed, 0, meta.world_size, timeout, device)
+    else:
+        pg, where = _gloo(keyed, 0, meta.world_size, timeout, meta.master_addr), torch.device("cpu")
+    pg._set_sequence_number_for_group()
+    return WeightGroup(
+        pg=pg, store=store, rank=0, world_size=meta.world_size, device=where, backend=meta.backend
     )
 
 

@@ -111,6 +111,16 @@ def test_weight_update_buckets(tmp_path):
         _shapes(),
     )
     assert disk.host == 256 * 2**20 and disk.gpu == 0
+    served = WeightUpdate().estimate(
+        tiny_rl_config(
+            tmp_path,
+            "rollout.backend=sglang:d1",
+            "cluster.n_gpus_per_node=2",
+            "actor.weight_chunked_mem_mb=256",
+        ),
+        _shapes(),
+    )  # to servers: the trainer's bucket alone (the servers receive on GPUs of their own)
+    assert served.engine == "broadcast to servers" and served.gpu == 256 * 2**20 and served.host == 0
 
 
 def test_laden_plan_without_a_gpu(capsys):

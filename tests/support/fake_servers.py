@@ -299,9 +299,24 @@ class FakeVLLM(FakeServer):
 
 
 class FakeSGLang(FakeServer):
-    """SGLang's native API (`/generate` and the RL control endpoints)."""
+    """SGLang's native API (`/generate` and the RL control endpoints).
+
+    Broadcast updates: `/init_weights_update_group` with backend `gloo` joins the trainer's group as
+    SGLang's `init_custom_process_group` does (a `tcp://` rendezvous, the store prefixed by the group
+    name, `_new_process_group_helper`), and `/update_weights_from_distributed` receives the named tensors
+    as SGLang's model runner does (one `broadcast` from rank 0 per tensor, in the order named), keeping
+    the latest of each in `received`. Backend `nccl` (no GPU here) is only recorded.
+    """
 
     fail_update = False
+    fail_broadcast_after = None
+    """Refuse `/update_weights_from_distributed` (before receiving anything) from this call on; None: never."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.groups: dict[str, Any] = {}
+        self.received: dict[str, Any] = {}
+        self.received_versions: list[str] = []
 
     def route(self, call: Call) -> tuple[int, Any]:
         path, body = call.path, call.body
@@ -316,6 +331,10 @@ class FakeSGLang(FakeServer):
         if path == "/continue_generation":
             self.core.resume()
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if path == "/update_weights_from_distributed" and self._refuses_broadcast():
+            return 400, {"success": False, "message": "fake: refused the broadcast", "num_paused_requests": 0}
+        if path == "/update_weights_from_distributed" and body["group_name"] in self.groups:
+            self._receive(body)
         if path in ("/update_weights_from_disk", "/update_weights_from_distributed"):
             if self.fail_update:
                 return 400, {
@@ -330,6 +349,8 @@ class FakeSGLang(FakeServer):
                 "num_paused_requests": 0,
             }
         if path == "/init_weights_update_group":
+            if body["backend"] == "gloo":
+                self._join(body)
             return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
         if path in (
             "/release_memory_occupation",
@@ -339,6 +360,56 @@ class FakeSGLang(FakeServer):
         ):
             return 200, None
         return 404, {"detail": "Not Found"}
+
+    def _refuses_broadcast(self) -> bool:
+        after = self.fail_broadcast_after
+        return after is not None and len(self.bodies("/update_weights_from_distributed")) > after
+
+    def _join(self, body: dict[str, Any]) -> None:
+        import datetime
+
+        from torch.distributed.distributed_c10d import (
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
+
+        timeout = datetime.timedelta(seconds=WAIT_S)
+        url = f"tcp://{body['master_address']}:{body['master_port']}"
+        store, rank, world_size = next(
+            rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout)
+        )
+        store.set_timeout(timeout)
+        name = body["group_name"]
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], body["backend"], PrefixStore(name, store), group_name=name, timeout=timeout
+        )
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        self.groups[name] = pg
+
+    def _receive(self, body: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        group = self.groups[body["group_name"]]
+        tensors = [
+            torch.empty(shape, dtype=getattr(torch, dtype))
+            for dtype, shape in zip(body["dtypes"], body["shapes"])
+        ]
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+        for handle in handles:
+            handle.wait()
+        self.received.update(zip(body["names"], tensors))
+        self.received_versions.append(body["weight_version"])
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        super().__exit__(*exc)
+        for group in self.groups.values():  # the group names of this process are free again
+            dist.destroy_process_group(group)
+        self.groups.clear()
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         assert body["return_logprob"] is True, body

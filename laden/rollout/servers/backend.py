@@ -1,11 +1,12 @@
 """The vLLM and SGLang servers' backend object (`rollout.backend: vllm:dNtM`, `sglang:dNtM`): servers of
-their own, handed each new policy as a versioned directory.
+their own, handed each new policy as a versioned directory (`actor.weight_update_mode: disk`) or, SGLang's,
+by a broadcast from the trainer (`xccl`, `laden.rollout.servers.broadcast`).
 
 laden starts them on `actor.path`, from rank 0, on GPUs of rank 0's node after those of its trainer
 processes (`CUDA_VISIBLE_DEVICES` slices), listening on `rollout.server_host`; or, with
 `rollout.server_urls` (or AReaL's `$AREAL_LLM_SERVER_ADDRS`), it attaches to servers started elsewhere,
 which load each version from the run directory: a filesystem they must share with the trainer, at the
-same path. Under torchrun rank 0 alone drives the servers (`laden.rl.data_ranks`)."""
+same path (disk), or join the trainer's broadcast group, which they must reach (xccl). Under torchrun rank 0 alone drives the servers (`laden.rl.data_ranks`)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,23 @@ log = logging.getLogger(__name__)
 
 class ServerBackend(RolloutBackend):
     name = "servers"
+    update_modes = ("disk", "xccl")
 
     def refusals(self, cfg: LadenConfig, *, world_size: int) -> list[str]:
         problems = []
-        if cfg.actor.weight_update_mode not in self.update_modes:
+        mode = cfg.actor.weight_update_mode
+        if mode not in self.update_modes:
             problems.append(
-                f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode="
-                f"{cfg.actor.weight_update_mode!r}: laden rl hands servers their new weights as versioned "
-                "directories; set actor.weight_update_mode: disk"
+                f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode={mode!r}: laden rl hands "
+                "servers their new weights as versioned directories (disk) or by broadcast (xccl, SGLang); set "
+                "actor.weight_update_mode: disk"
+            )
+        elif mode == "xccl" and self.mode.backend == "vllm":
+            problems.append(
+                f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode=xccl: vLLM 0.32's servers "
+                "receive broadcast weights only through their own NCCL weight-transfer engine (vLLM's stateless "
+                "group and PyNccl communicator, GPUs only), which laden's trainer does not join; set "
+                "actor.weight_update_mode: disk (versioned directories), or use sglang servers for broadcasts"
             )
         return problems
 
@@ -45,10 +55,16 @@ class ServerBackend(RolloutBackend):
         urls = self.attached_urls(cfg)
         if urls:
             attach_servers(urls, health_path="/health", wait_s=cfg.rollout.setup_timeout)
-            log.info(
-                "rollout servers %s answer; they load each weight version from %s, which must be on a "
-                "filesystem they share at that path", ", ".join(urls), cfg.cluster.fileroot,
-            )  # fmt: skip
+            if cfg.actor.weight_update_mode == "xccl":
+                log.info(
+                    "rollout servers %s answer; they receive each weight version by broadcast from this "
+                    "host, whose address they must reach", ", ".join(urls),
+                )  # fmt: skip
+            else:
+                log.info(
+                    "rollout servers %s answer; they load each weight version from %s, which must be on a "
+                    "filesystem they share at that path", ", ".join(urls), cfg.cluster.fileroot,
+                )  # fmt: skip
 
     def attached_urls(self, cfg: LadenConfig) -> list[str]:
         """The base URLs of the servers started elsewhere (`rollout.server_urls`, else

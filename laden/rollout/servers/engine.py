@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from laden.rollout.base import GenerationRequest, GenerationResult, SamplingParams, StopReason
+from laden.rollout.servers.broadcast import ServerBroadcast, broadcast_to_servers
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError
 from laden.rollout.servers.process import ServerProcess
 
@@ -258,7 +259,8 @@ class ServerEngine:
         """Load new weights on every server and tag tokens generated from now on with `version`.
 
         `source`: a directory of Hugging Face safetensors (a path, or an object with
-        `type == "disk"` and a `path`), or a broadcast group (`type == "xccl"`, see the dialect).
+        `type == "disk"` and a `path`), or a broadcast (`type == "xccl"`: a `ServerBroadcast` of the
+        trainer's weights, see `broadcast.py`, or a group the dialect joins while the caller broadcasts).
         Pauses around the load when the engine is running. If a load fails the engine stays
         paused (a server may hold some new weights), and the error is raised.
         """
@@ -270,6 +272,10 @@ class ServerEngine:
         if kind == "disk":
             await self._each_server(
                 lambda http, url: self.dialect.load_from_disk(http, url, payload, version)
+            )
+        elif isinstance(payload, ServerBroadcast):  # the trainer broadcasts bucket by bucket meanwhile
+            await broadcast_to_servers(
+                payload, version, each_server=self._each_server, load=self.dialect.load_from_broadcast
             )
         else:
             await self._each_server(

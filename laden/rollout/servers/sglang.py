@@ -8,7 +8,8 @@ Endpoints used (SGLang's native API, the one its RL integrations drive):
   `[logprob, token_id, text]` triples and `meta_info.finish_reason.type`.
 - `POST /pause_generation {"mode": "abort"}`, `POST /continue_generation`.
 - `POST /update_weights_from_disk {"model_path", "weight_version"}` (flushes the radix cache).
-- `POST /init_weights_update_group` + `POST /update_weights_from_distributed`: NCCL broadcast.
+- `POST /init_weights_update_group` + `POST /update_weights_from_distributed`: a broadcast from the
+  trainer (NCCL, or gloo on the CPU), one `broadcast` per named tensor (`broadcast.py`).
 - `POST /release_memory_occupation {"tags": [...]}` / `POST /resume_memory_occupation`
   (needs `--enable-memory-saver`), `POST /flush_cache`, `POST /abort_request {"rid": ...}`.
 
@@ -173,18 +174,23 @@ class SGLangDialect:
     async def load_from_broadcast(self, http: AsyncJSONClient, url: str, source: Any, version: int) -> None:
         """`/init_weights_update_group` once per group, then `/update_weights_from_distributed`.
 
-        `source` carries `master_address`, `master_port`, `world_size`, `rank_offset` and the
-        parameters as `names`, `dtypes` and `shapes`. The trainer broadcasts while this waits.
+        `source` (a `BroadcastBucket`) carries `master_address`, `master_port`, `world_size`, the
+        group's `group_name` and `backend` (default `nccl`), this server's first
+        rank (`rank_offset(url)`, or an attribute `rank_offset`, default 1) and the tensors as `names`,
+        `dtypes` and `shapes`, in the order the trainer broadcasts them while this call waits.
         """
-        group = (getattr(source, "master_address", None) or source.master_addr, source.master_port)
+        address = getattr(source, "master_address", None) or source.master_addr
+        group_name = getattr(source, "group_name", None) or self.group_name
+        group = (address, source.master_port)
         if self._groups.get(url) != group:
+            offset = source.rank_offset(url) if callable(getattr(source, "rank_offset", None)) else None
             init = {
-                "master_address": getattr(source, "master_address", None) or source.master_addr,
+                "master_address": address,
                 "master_port": source.master_port,
-                "rank_offset": getattr(source, "rank_offset", 1),
+                "rank_offset": offset if offset is not None else getattr(source, "rank_offset", 1),
                 "world_size": source.world_size,
-                "group_name": self.group_name,
-                "backend": "nccl",
+                "group_name": group_name,
+                "backend": getattr(source, "backend", None) or "nccl",
             }
             _check_success(
                 await _post_result(http, url, "/init_weights_update_group", init),
@@ -196,7 +202,7 @@ class SGLangDialect:
             "names": list(source.names),
             "dtypes": list(source.dtypes),
             "shapes": [list(s) for s in source.shapes],
-            "group_name": self.group_name,
+            "group_name": group_name,
             "flush_cache": True,
             "weight_version": str(version),
         }
