@@ -1,7 +1,9 @@
 """Pair objectives on the final hidden states: DPO (sigmoid or IPO) and the pairwise reward-model loss.
 
 A micro-batch holds whole pairs: its documents are `chosen_0, rejected_0, chosen_1, rejected_1, ...`
-(`laden.align.data.pack_pairs`), a padding document possibly last. Both objectives are
+(`laden.align.data.pack_pairs`), a padding document without loss tokens possibly last (left out; a data-
+parallel rank with fewer micro-batches than another runs the engine's padding micro-batch, one such
+document, and adds a zero loss and no pair). Both objectives are
 `laden.engine.base.Objective`s: they return the *sum* of the per-pair losses of the micro-batch, and
 the trainer passes the global number of pairs as the engine's normalizer, so a step's loss is the
 mean over the pairs of the global batch however they are split (AReaL weighs its micro-batches by
@@ -66,30 +68,40 @@ class DPOSettings:
             )
 
 
+def _pair_documents(batch: PackedBatch) -> int:
+    """How many of the micro-batch's documents are pairs' (`2 P`): all of them, or all but a last one without
+    loss tokens (an engine's padding micro-batch, `laden.engine.parallel.padding`, is one such document)."""
+    count = len(batch.seqlens)
+    if count % 2 == 0:
+        return count
+    start = sum(batch.seqlens[:-1])
+    if not (batch.labels[start : start + batch.seqlens[-1]] != IGNORE_INDEX).any():
+        # deliberate host sync, on odd counts only (padding): the last document must carry no loss token
+        return count - 1
+    raise ValueError(
+        f"a pair micro-batch holds {count} documents; it must hold chosen/rejected pairs "
+        "(laden.align.data.pack_pairs), with at most a padding document without loss tokens last"
+    )
+
+
 def document_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """`[P, 2]` fp64 per-pair sums of `values [T]` over each document's loss tokens (labels != -100);
-    column 0 the chosen document, column 1 the rejected one. Differentiable."""
+    column 0 the chosen document, column 1 the rejected one; a padding document last is left out.
+    Differentiable (a micro-batch of padding only gives `[0, 2]`, still on the graph)."""
+    pairs = _pair_documents(batch)
     n = sum(batch.seqlens)
     lengths = torch.tensor(batch.seqlens, device=values.device)
-    if len(batch.seqlens) % 2:
-        raise ValueError(
-            f"a pair micro-batch holds {len(batch.seqlens)} documents; it must hold chosen/rejected pairs "
-            "(laden.align.data.pack_pairs)"
-        )
     doc = torch.repeat_interleave(torch.arange(len(batch.seqlens), device=values.device), lengths)
     kept = torch.where(batch.labels[:n] != IGNORE_INDEX, values[:n].double(), 0.0)
     sums = torch.zeros(len(batch.seqlens), dtype=torch.float64, device=values.device)
-    return sums.index_add(0, doc, kept).view(-1, 2)
+    return sums.index_add(0, doc, kept)[:pairs].view(-1, 2)
 
 
 def last_token_values(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """`[P, 2]` fp32: each document's value at its last token, chosen then rejected per pair."""
-    if len(batch.seqlens) % 2:
-        raise ValueError(
-            f"a pair micro-batch holds {len(batch.seqlens)} documents; it must hold chosen/rejected pairs "
-            "(laden.align.data.pack_pairs)"
-        )
-    ends = torch.tensor(batch.seqlens, device=values.device).cumsum(0) - 1
+    """`[P, 2]` fp32: each document's value at its last token, chosen then rejected per pair (a padding
+    document last is left out)."""
+    pairs = _pair_documents(batch)
+    ends = torch.tensor(batch.seqlens[:pairs], device=values.device, dtype=torch.long).cumsum(0) - 1
     return values[ends].float().view(-1, 2)
 
 
@@ -122,17 +134,19 @@ class DPOObjective:
         self.sums = PairSums()
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        if "ref_logprobs" not in batch.fields:
+        try:
+            ref_logprobs = batch.fields["ref_logprobs"]  # an engine's padding micro-batch reads zeros
+        except KeyError:
             raise ValueError(
                 f"DPOObjective needs the per-token field 'ref_logprobs' (have {sorted(batch.fields)}): the "
                 "reference model's log-probs of the labels, pack_pairs(..., ref_logprobs=...)"
-            )
+            ) from None
         hidden = hidden.reshape(-1, hidden.shape[-1])
         logp = chunked_token_logprobs(
             hidden, head_weight, batch.labels.reshape(-1), chunk_size=self.chunk_size
         )
         policy = document_sums(logp, batch)  # [P, 2]
-        ref = document_sums(batch.fields["ref_logprobs"], batch)
+        ref = document_sums(ref_logprobs, batch)
         losses, stats = dpo_pair_losses(policy, ref, self._lengths(batch), self.settings)
         self.sums.add({**stats, "loss": losses})
         return losses.sum().float()

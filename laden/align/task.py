@@ -163,9 +163,10 @@ class PairTask:
     # ------------------------------------------------------------------ steps
     def _pack(self, rt: Runtime, engine: Any, pairs: Sequence[Pair], indices: Sequence[int], *, with_ref: bool,
               tokens_per_mb: int | None = None):  # fmt: skip
-        """Yields (micro-batches, their pair indices) once, packed under the budget."""
+        """Yields (micro-batches, their pair indices) once, packed under the budget; none for no pairs (a
+        data-parallel rank without a share of a small last batch: the engine runs padding in their place)."""
         budget = tokens_per_mb or self.budget()
-        longest = max(pairs[i].num_tokens for i in indices)
+        longest = max((pairs[i].num_tokens for i in indices), default=0)
         if longest > budget:
             raise ValueError(
                 f"a pair of {longest} tokens (chosen + rejected, which share a micro-batch) exceeds "
@@ -198,7 +199,7 @@ class PairTask:
         retry = OOMRetry(cfg=self.cfg, rt=rt, recompute=engine.enable_recompute)
         out, mbs = retry(
             lambda tokens: next(self._pack(rt, engine, pairs, mine, with_ref=with_ref, tokens_per_mb=tokens))[0],
-            run, step=step, tokens_per_mb=self.budget(), longest=max(pairs[i].num_tokens for i in mine),
+            run, step=step, tokens_per_mb=self.budget(), longest=max((pairs[i].num_tokens for i in mine), default=0),
         )  # fmt: skip
         stats = self._global_means(rt)
         stats.pop("loss", None)  # the engine's `loss` is the same mean

@@ -3,12 +3,16 @@ packed micro-batches of several pairs against each sequence on its own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from laden.align.data import Pair, pack_pairs
 from laden.align.objectives import DPOObjective, DPOSettings, PairwiseRewardObjective
+from laden.data.batch import pack_samples
+from laden.engine.parallel.padding import ZeroFields, padding_batch
 
 
 def _pairs(seed: int = 0, n: int = 3) -> list[Pair]:
@@ -131,3 +135,58 @@ def test_dpo_without_reference_logprobs_says_how_to_give_them():
     mb = pack_pairs(pairs)
     with pytest.raises(ValueError, match="ref_logprobs"):
         DPOObjective(DPOSettings())(torch.randn(mb.num_tokens, 4), torch.randn(11, 4), mb)
+
+
+def _objective(job: str):
+    return DPOObjective(DPOSettings(beta=0.3), chunk_size=3) if job == "dpo" else PairwiseRewardObjective()
+
+
+@pytest.mark.parametrize("job", ["dpo", "rw"])
+def test_a_padding_micro_batch_adds_zero_loss_and_no_pair_and_still_backpropagates(job):
+    """A data-parallel rank with fewer micro-batches than another runs the engine's padding micro-batch
+    (one document, no loss token, zeros for any field): it must run forward and backward like the others."""
+    h = 8
+    head = torch.randn(11 if job == "dpo" else 1, h, dtype=torch.float64, requires_grad=True)
+    padding = padding_batch()
+    padding = replace(padding, fields=ZeroFields(padding.labels))
+    hidden = torch.randn(1, h, dtype=torch.float64, requires_grad=True)
+    objective = _objective(job)
+    loss = objective(hidden, head, padding)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and hidden.grad is not None and head.grad is not None
+    assert not hidden.grad.any() and not head.grad.any()
+    assert float(objective.sums.pop()["pairs"]) == 0
+
+
+@pytest.mark.parametrize("job", ["dpo", "rw"])
+def test_a_padding_document_after_the_pairs_changes_nothing(job):
+    pairs = _pairs(seed=6, n=2)
+    h = 8
+    hiddens = _hidden_for(pairs, h, seed=7)
+    head = torch.randn(
+        11 if job == "dpo" else 1, h, dtype=torch.float64, generator=torch.Generator().manual_seed(8)
+    )
+    sides = [s for p in pairs for s in (p.chosen, p.rejected)]
+    refs = [r for p in pairs for r in p.ref]
+    padded = pack_samples(
+        [*sides, ([0], [0])], fields={"ref_logprobs": [*refs, [0.0]]} if job == "dpo" else None
+    )
+    plain = pack_pairs(pairs, with_ref=job == "dpo")
+    results = []
+    for mb, extra in ((plain, []), (padded, [torch.randn(1, h, dtype=torch.float64)])):
+        hidden = torch.cat([*hiddens, *extra]).requires_grad_()
+        w = head.clone().requires_grad_()
+        loss = _objective(job)(hidden, w, mb)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad[: plain.num_tokens], w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_odd_document_with_loss_tokens_is_refused():
+    pairs = _pairs(n=1)
+    mb = pack_samples([pairs[0].chosen, pairs[0].rejected, pairs[0].chosen])
+    with pytest.raises(
+        ValueError, match=r"holds 3 documents; .*at most a padding document without loss tokens"
+    ):
+        PairwiseRewardObjective()(torch.randn(mb.num_tokens, 4), torch.randn(1, 4), mb)

@@ -26,8 +26,8 @@ TRAIN = _rows([(a, b) for a in range(1, 7) for b in range(1, 5)])  # 24 pairs
 VALID = _rows([(a, b) for a in (7, 8) for b in range(5, 9)])  # 8 pairs, disjoint prompts
 
 
-def _config(tmp_path: Path, job: str, **extra) -> Path:
-    for name, rows in (("train", TRAIN), ("valid", VALID)):
+def _config(tmp_path: Path, job: str, valid: list[dict] = VALID, **extra) -> Path:
+    for name, rows in (("train", TRAIN), ("valid", valid)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
         "experiment_name": job, "trial_name": "t", "seed": 1, "total_train_epochs": 3,
@@ -43,8 +43,8 @@ def _config(tmp_path: Path, job: str, **extra) -> Path:
     return path
 
 
-def _rows_of(tmp_path: Path, job: str) -> list[dict]:
-    lines = (tmp_path / "runs" / job / "t" / "metrics.jsonl").read_text().splitlines()
+def _rows_of(tmp_path: Path, job: str, trial: str = "t") -> list[dict]:
+    lines = (tmp_path / "runs" / job / trial / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -100,6 +100,31 @@ def test_dpo_resumes_with_the_reference_log_probs_of_its_start(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     # with the reference recomputed from the trained weights, step 3 would start at log 2 again
     assert steps[-1]["loss"] < 0.69
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["dpo", "rw"])
+def test_data_parallel_d2_equals_one_process_with_a_last_batch_smaller_than_the_ranks(tmp_path, job):
+    """Under torchrun with fsdp:d2 the ranks' micro-batch counts differ (the engine pads the shorter rank) and
+    the validation set's last batch of one pair leaves rank 1 without a pair: the metrics equal one process's."""
+    import os
+    import subprocess
+    import sys
+
+    config = _config(tmp_path, job, valid=[*VALID, *_rows([(9, 9)])])
+    common = [str(config), "--no-progress", "total_train_steps=2"]
+    assert main([job, "--config", *common, "trial_name=d1"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "laden.cli",
+           job, "--config", *common, "trial_name=d2", "actor.backend=fsdp:d2"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-12000:]
+    one, two = (_rows_of(tmp_path, job, trial) for trial in ("d1", "d2"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        for name in ("loss", "accuracy", "margin", "eval/loss", "eval/accuracy", "eval/margin"):
+            if name in a:
+                assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-6), (a["step"], name)
 
 
 def test_areal_alignment_configs_load():
