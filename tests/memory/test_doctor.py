@@ -196,3 +196,19 @@ def test_an_rl_step_that_runs_out_of_memory_is_made_again_on_split_micro_batches
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)  # the summation order differs
     with pytest.raises(TrainingOOMError, match="training step 1 ran out of GPU memory"):
         run_rl(tiny_rl_config(tmp_path / "raised", "total_train_steps=3"), progress=False)
+
+
+def test_weight_update_fixes_follow_where_the_weights_go(tmp_path):
+    from laden.memory.doctor import phase_fixes
+
+    def fixes(*overrides):
+        return phase_fixes(tiny_rl_config(tmp_path, *overrides), "weight update", host=False)
+
+    native = fixes("actor.weight_chunked_mem_mb=1024")  # xccl into the engine in this process: in place
+    assert not any(f.startswith("actor.weight_chunked_mem_mb") for f in native)
+    assert any(f.startswith("actor.weight_update_mode=disk") for f in native)
+    served = fixes(
+        "rollout.backend=sglang:d1", "cluster.n_gpus_per_node=2", "actor.weight_chunked_mem_mb=1024"
+    )
+    assert served[0].startswith("actor.weight_chunked_mem_mb=256 (now 1024)")  # the broadcast's bucket
+    assert any(f.startswith("actor.weight_update_mode=disk") for f in served)

@@ -109,3 +109,45 @@ def test_two_trainer_processes_broadcast_from_rank_zero(tmp_path):
     assert (init["rank_offset"], init["world_size"]) == (1, 2) and versions == ["0", "1"]
     exported = load_file(str(Path(out[0]["run_dir"]) / "hf" / "model.safetensors"))
     assert set(received) == set(exported) and all(torch.equal(received[k], exported[k]) for k in exported)
+
+
+@pytest.fixture
+def two_server_processes():
+    """Two fake SGLang servers, each a process of its own (as real servers are: each joins the group once)."""
+    import subprocess
+    import sys
+
+    from repo_paths import SUPPORT
+
+    from laden.weights import free_port
+
+    ports = [free_port(), free_port()]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SUPPORT / "fake_servers.py"), "--fake-kind", "sglang", "--port", str(p)]
+        )
+        for p in ports
+    ]
+    try:
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_two_servers_each_receive_the_weights_at_their_ranks(tmp_path, two_server_processes):
+    from laden.rollout.servers.http import request_json
+
+    urls = two_server_processes
+    result = run_rl(_cfg(tmp_path, urls, "total_train_steps=1", "checkpoint.export_hf=true"), progress=False)
+    exported = load_file(str(result.run_dir / "hf" / "model.safetensors"))
+    # a group of three ranks forms only if the servers took ranks 1 and 2: each holds step 1's weights
+    for url in urls:
+        received = request_json("POST", url + "/fake_received", timeout_s=60)
+        assert set(received) == set(exported)
+        for name, t in exported.items():
+            got = torch.tensor(received[name]["values"], dtype=torch.float64).to(t.dtype)
+            assert received[name]["dtype"] == str(t.dtype).removeprefix("torch.") and torch.equal(got, t), (
+                name
+            )

@@ -348,6 +348,13 @@ class FakeSGLang(FakeServer):
                 "message": "Succeeded to update model weights.",
                 "num_paused_requests": 0,
             }
+        if (
+            path == "/fake_received"
+        ):  # not SGLang's: what the broadcasts brought, for a test in another process
+            return 200, {
+                name: {"dtype": str(t.dtype).removeprefix("torch."), "values": t.float().tolist()}
+                for name, t in self.received.items()
+            }
         if path == "/init_weights_update_group":
             if body["backend"] == "gloo":
                 self._join(body)
@@ -466,12 +473,14 @@ def stub_vllm_path(root: Path) -> str:
 
 
 def main() -> None:
-    """Serve the fake vLLM API on --host/--port until killed (stand-in for `vllm ... api_server`)."""
+    """Serve the fake vLLM API (or with `--fake-kind sglang` the fake SGLang's) on --host/--port until killed
+    (stand-in for `vllm ... api_server`, or a server process of its own)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fake-kind", choices=("vllm", "sglang"), default="vllm")
     args, _ = parser.parse_known_args()
-    server = FakeVLLM(args.host, args.port)
+    server = (FakeSGLang if args.fake_kind == "sglang" else FakeVLLM)(args.host, args.port)
     server.httpd.serve_forever()
 
 
