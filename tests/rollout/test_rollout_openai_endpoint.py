@@ -16,7 +16,7 @@ from fake_servers import FakeVLLM, logprob_at, token_at
 from laden.rollout import SamplingParams
 from laden.rollout.base import GenerationRequest
 from laden.rollout.native import NativeEngine
-from laden.rollout.openai_server import OpenAIEndpoint
+from laden.rollout.openai_server import Interaction, OpenAIEndpoint, Session
 from laden.rollout.openai_server.tool_calls import parse_tool_calls, tool_call_format
 from laden.rollout.servers import VLLMEngine
 
@@ -219,6 +219,12 @@ def test_concurrent_sessions_are_recorded_apart(tiny_model, tiny_tokenizer):
         ({"max_tokens": 0}, 400, "max_tokens=0 must be a positive integer"),
         ({"max_tokens": 2, "max_completion_tokens": 2}, 400, "not both"),
         ({"messages": []}, 400, "non-empty list"),
+        ({"temperature": -0.5}, 400, r"temperature=-0.5 must be >= 0; use 0 for greedy decoding"),
+        ({"top_p": 0}, 400, r"top_p=0.0 must be in \(0, 1\] \(1 = off\); use temperature=0"),
+        ({"top_p": 1.5}, 400, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"stop": 5}, 400, "stop=5 must be a string or a list of strings"),
+        ({"stop": ["a", 1]}, 400, r"stop=\['a', 1\] must be a string or a list of strings"),
+        ({"chat_template_kwargs": ["x"]}, 400, r"chat_template_kwargs=\['x'\] must be an object"),
     ],
 )
 def test_requests_the_endpoint_cannot_serve_say_why(tiny_tokenizer, body, status, message):
@@ -285,3 +291,69 @@ def test_the_endpoint_serves_a_vllm_server_backend_too(tiny_tokenizer):
     assert call.completion_ids == [token_at(prompt, j) for j in range(4)]  # the server's tokens, as generated
     assert call.logprobs == pytest.approx([logprob_at(0, len(prompt) + j) for j in range(4)])
     assert call.versions == [3, 3, 3, 3] and call.stop_reason == "length"
+
+
+def test_arguments_the_endpoint_does_not_apply_are_named_once(tiny_tokenizer, caplog):
+    """Every argument of a request either acts or is said (once) not to: penalties, seeds, vLLM's extras, and a
+    tool_choice that would force a call."""
+    eos = tiny_tokenizer.eos_token_id
+    engine = ScriptedEngine([[5, eos]] * 3)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    async def main():
+        endpoint = await OpenAIEndpoint(engine, tiny_tokenizer, sampling=GREEDY).start()
+        client = openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.open_session().key, max_retries=0
+        )
+        try:
+            for _ in range(2):
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required",
+                    seed=3, frequency_penalty=0.0, user="u", extra_body={"repetition_penalty": 1.1, "top_k": 2},
+                )  # fmt: skip
+            await client.completions.create(model="m", prompt="x", max_tokens=2, best_of=1, temperature=0)
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    with caplog.at_level(logging.WARNING, logger="laden.rollout.openai_server.endpoint"):
+        run(main())
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("['repetition_penalty', 'seed'] are not applied" in m for m in said) == 1, said
+    assert sum("tool_choice='required' is not enforced" in m for m in said) == 1, said
+    assert sum("['best_of'] are not applied" in m for m in said) == 1, said  # best_of=1 asks for something
+    assert engine.requests[0].sampling.top_k == 2  # an extra the endpoint applies is not named
+    assert not any("frequency_penalty" in m or "'user'" in m or "'model'" in m for m in said)
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), {"id": float("-inf")}])
+def test_a_reward_that_is_not_finite_is_refused(reward):
+    session = Session("k")
+    call = Interaction(id="id", api="completion", prompt_ids=[1], completion_ids=[2], stop_reason="stop")
+    session.add(call)
+    with pytest.raises(ValueError, match=r"is (nan|inf|-inf); a reward must be a finite number"):
+        session.assign(reward)
+    assert call.reward is None
+    session.assign(True)  # a bool is AReaL's reward of a correct episode
+    assert call.reward == 1.0
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "\u00b2"])
+def test_a_request_with_a_bad_content_length_gets_a_400_answer(tiny_tokenizer, length):
+    async def main():
+        endpoint = await OpenAIEndpoint(ScriptedEngine([]), tiny_tokenizer, sampling=GREEDY).start()
+        try:
+            host, port = endpoint.base_url.split("//")[1].split("/")[0].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                f"POST /v1/completions HTTP/1.1\r\nContent-Length: {length}\r\n\r\n".encode("latin-1")
+            )
+            await writer.drain()
+            answer = await reader.read()
+            writer.close()
+            return answer.decode("latin-1")
+        finally:
+            await endpoint.close()
+
+    answer = run(main())
+    assert answer.startswith("HTTP/1.1 400 Bad Request") and "is not a byte count" in answer, answer

@@ -159,14 +159,24 @@ def sampling_for(
     temperature = body.get("temperature")
     if temperature is not None:
         temperature = _number("temperature", temperature)
+        if temperature < 0:
+            raise HTTPError(400, f"temperature={temperature!r} must be >= 0; use 0 for greedy decoding")
         changes.update(greedy=temperature == 0, temperature=temperature if temperature > 0 else 1.0)
     if body.get("top_p") is not None:
-        changes["top_p"] = _number("top_p", body["top_p"]) or 1.0
+        top_p = _number("top_p", body["top_p"])
+        if not 0 < top_p <= 1:
+            raise HTTPError(400, f"top_p={top_p!r} must be in (0, 1] (1 = off); use temperature=0 for the most "
+                            "likely token")  # fmt: skip
+        changes["top_p"] = top_p
     if body.get("top_k") is not None:
-        changes["top_k"] = max(0, int(_number("top_k", body["top_k"])))
+        changes["top_k"] = max(0, int(_number("top_k", body["top_k"])))  # vLLM's -1 (off) is laden's 0
     stop = body.get("stop")
     if stop is not None:
-        changes["stop"] = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        if not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+        ):
+            raise HTTPError(400, f"stop={stop!r:.100} must be a string or a list of strings")
+        changes["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
     if eos_id is not None and eos_id not in defaults.stop_token_ids:
         changes["stop_token_ids"] = (*defaults.stop_token_ids, eos_id)
     try:

@@ -39,8 +39,14 @@ from laden.rollout.openai_server.tool_calls import parse_tool_calls, tool_call_f
 log = logging.getLogger(__name__)
 
 ChatTemplateType = Literal["hf", "concat"]
-_IGNORED = ("frequency_penalty", "presence_penalty", "logit_bias", "seed", "response_format", "logprobs",
-            "top_logprobs", "parallel_tool_calls")  # fmt: skip
+_SAMPLING = ("n", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop")
+"""The request arguments applied by `laden.rollout.openai_server.chat.sampling_for`, on both routes."""
+_APPLIED = {
+    "chat": {*_SAMPLING, "messages", "tools", "tool_choice", "chat_template_kwargs"},
+    "completion": {*_SAMPLING, "prompt", "echo", "suffix"},
+}
+_NO_EFFECT = {"model", "user", "metadata", "store", "stream_options", "service_tier"}
+"""Arguments that change nothing in a completion (one model is served; nothing is stored or streamed)."""
 
 
 class OpenAIEndpoint:
@@ -119,7 +125,7 @@ class OpenAIEndpoint:
         body = request.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
-        self._say_ignored(body)
+        self._say_ignored(body, "chat" if path == "/v1/chat/completions" else "completion")
         return await routes[path](session, body)
 
     def _session(self, request: Request) -> Session:
@@ -139,7 +145,16 @@ class OpenAIEndpoint:
     async def _chat(self, session: Session, body: dict[str, Any]) -> Response:
         messages = check_messages(body.get("messages"))
         tools = body.get("tools") or None
-        parse = tools is not None and body.get("tool_choice") != "none"
+        choice = body.get("tool_choice")
+        parse = tools is not None and choice != "none"
+        if tools is not None and choice not in (None, "auto", "none"):
+            self._say_once("tool_choice", "tool_choice=%r is not enforced by laden's endpoint: the model may answer "
+                           "without a tool call (its calls are parsed as with tool_choice=auto)", choice)  # fmt: skip
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise HTTPError(
+                400, f"chat_template_kwargs={kwargs!r:.100} must be an object of template arguments"
+            )
         if parse and self.tool_format is None:
             self._say_once("tools", "tools were given, but the chat template of %s has no tool-call format laden "
                            "knows (<tool_call>{json}</tool_call>): tool calls are not parsed, the model's text comes "
@@ -150,7 +165,7 @@ class OpenAIEndpoint:
             self.tokenizer,
             messages,
             tools,
-            {**self.chat_template_kwargs, **(body.get("chat_template_kwargs") or {})},
+            {**self.chat_template_kwargs, **kwargs},
         )
         prompt, concat = full, False
         if self.chat_template_type == "concat" and parent is not None:
@@ -237,8 +252,11 @@ class OpenAIEndpoint:
             ids.add(self.eos_id)
         return ids
 
-    def _say_ignored(self, body: dict[str, Any]) -> None:
-        ignored = [k for k in _IGNORED if body.get(k) not in (None, 0, 0.0, False)]
+    def _say_ignored(self, body: dict[str, Any], api: str) -> None:
+        """Say once which arguments of a request are not applied (`frequency_penalty`, `seed`, `logprobs`, ...;
+        a value that asks for nothing, None, 0 or false, is not counted)."""
+        ignored = sorted(k for k, v in body.items() if k not in _APPLIED[api] | _NO_EFFECT
+                         and v not in (None, 0, 0.0, False))  # fmt: skip
         if ignored:
             self._say_once(f"ignored:{','.join(ignored)}", "request arguments %s are not applied by laden's endpoint "
                            "(the completion is sampled without them)", ignored)  # fmt: skip

@@ -150,7 +150,12 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
         headers[name.strip().lower()] = value.strip()
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise HTTPError(400, "chunked request bodies are not supported; send a Content-Length")
-    length = int(headers.get("content-length") or 0)
+    raw_length = headers.get("content-length") or "0"
+    length = int(raw_length) if raw_length.isascii() and raw_length.isdigit() else -1
+    if length < 0:
+        raise HTTPError(
+            400, f"Content-Length {raw_length[:40]!r} is not a byte count; send the body's length in bytes"
+        )
     if length > MAX_BODY_BYTES:
         raise HTTPError(413, f"a request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
     body = await reader.readexactly(length) if length else b""

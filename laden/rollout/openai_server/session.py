@@ -6,7 +6,7 @@ completion's token ids, per-token log-probs and weight versions, the answer sent
 Interactions are kept in the order the calls arrived (what "last" means for a reward).
 
 Rewards follow AReaL's contract: the agent's `run` returns a float (the reward of the last call) or
-a dict `{completion id: reward}`; `apply_reward_discount(turn_discount)` then walks the calls from the
+a dict `{completion id: reward}` (a NaN or infinite reward is refused, so its row is rejected); `apply_reward_discount(turn_discount)` then walks the calls from the
 last to the first, an unset reward counting 0, each becoming its own reward plus `turn_discount` times
 the next call's (already discounted) reward: `r[i] += turn_discount * r[i + 1]`.
 
@@ -18,6 +18,7 @@ conversation tree that `export_style: concat` exports leaf by leaf.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,11 +120,20 @@ class Session:
 
 
 def _number(value: Any, what: str) -> float:
+    """`value` as a finite float (int, float, bool, numpy scalars, a one-element tensor); `TypeError` for
+    anything else, `ValueError` for NaN or an infinity (which would reach every advantage of its group)."""
     if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
-        return float(value)
-    if hasattr(value, "numel") and value.numel() == 1:  # a one-element tensor
-        return float(value.item())
-    raise TypeError(
-        f"{what} is {value!r:.100}; an agent's run must return a number (the reward of its last call) or a "
-        "dict {completion id: number}"
-    )
+        number = float(value)
+    elif hasattr(value, "numel") and value.numel() == 1:  # a one-element tensor
+        number = float(value.item())
+    else:
+        raise TypeError(
+            f"{what} is {value!r:.100}; an agent's run must return a number (the reward of its last call) or a "
+            "dict {completion id: number}"
+        )
+    if not math.isfinite(number):
+        raise ValueError(
+            f"{what} is {number}; a reward must be a finite number: return a finite reward for a failed episode "
+            "(e.g. 0.0), or raise to reject its row"
+        )
+    return number
