@@ -12,7 +12,8 @@ log-probs of every training and validation pair are computed once, on the actor'
 the first step (no second model in memory), and kept in the run directory as `ref_logprobs.pt`, which
 a resumed run reads back (its weights are no longer the reference's). Cost: one forward pass over the
 data at the start, on every rank (each rank computes every pair: the calls are the same on all, as
-pipeline and tensor parallel need), and the per-token log-probs in host memory.
+pipeline and tensor parallel need), and the per-token log-probs in host memory. The file keeps a digest of
+each dataset's pair tokens too, so a resumed run whose data now tokenizes otherwise stops and says so.
 
 The reward model is the actor's architecture with a one-row head (`laden.model.value_head`), its export
 a Hugging Face sequence classifier (`laden.align.reward_model`).
@@ -25,8 +26,10 @@ validation set as `eval/<name>`.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,8 @@ STATS = {
 }
 """The per-pair statistics each job logs (pair means)."""
 REF_FILE = "ref_logprobs.pt"
+DIGESTS = "digests"
+"""The key of `REF_FILE` that holds each dataset's `pairs_digest`, checked on resume."""
 
 
 class PairTask:
@@ -90,7 +95,6 @@ class PairTask:
         ds = self.cfg.train_dataset
         key = ds.prompt_key if any(ds.prompt_key in r for r in self.records["train"][:1]) else ds.chosen_key
         overlap = prompt_overlap(self.records["train"], self.records["valid"], prompt_key=key)
-        self.overlap = overlap
         if overlap.num_shared:
             log.warning("valid_dataset: %s; held-out pair accuracy on them measures memory, not "
                         "generalisation", overlap.summary())  # fmt: skip
@@ -136,6 +140,13 @@ class PairTask:
                         f"{name} data has {len(pairs)} pairs: the data changed since the run started; restore it, "
                         "or start over with a new trial_name"
                     )
+                digest = saved.get(DIGESTS, {}).get(name)  # absent in a file written before digests were kept
+                if digest is not None and digest != pairs_digest(pairs):
+                    raise ValueError(
+                        f"{path} holds the reference log-probs of other {name} pairs than the {name} data's "
+                        f"{len(pairs)} (their tokens differ: the data, its transform or the tokenizer changed since "
+                        "the run started); restore them, or start over with a new trial_name"
+                    )
                 for pair, (c, r) in zip(pairs, refs):
                     pair.ref = (c.tolist(), r.tolist())
             log.info("reference log-probs read from %s", path)
@@ -144,8 +155,10 @@ class PairTask:
             self._reference_logprobs(rt, engine, pairs)
         if rt.is_main:
             buffer = io.BytesIO()
-            torch.save({name: [(torch.tensor(p.ref[0]), torch.tensor(p.ref[1])) for p in pairs]  # type: ignore[index]
-                        for name, pairs in data.items()}, buffer)  # fmt: skip
+            written: dict[str, Any] = {name: [(torch.tensor(p.ref[0]), torch.tensor(p.ref[1])) for p in pairs]  # type: ignore[index]
+                                       for name, pairs in data.items()}  # fmt: skip
+            written[DIGESTS] = {name: pairs_digest(pairs) for name, pairs in data.items()}
+            torch.save(written, buffer)
             atomic_write_bytes(path, buffer.getvalue())
         rt.barrier()
 
@@ -233,3 +246,13 @@ class PairTask:
             export_reward_model(engine, out_dir, tokenizer=tokenizer)
         else:
             engine.export_hf(out_dir, tokenizer=tokenizer)
+
+
+def pairs_digest(pairs: Sequence[Pair]) -> str:
+    """A SHA-256 of the pairs' tokens and loss masks, in order: what the reference log-probs were computed for
+    (a resumed run whose data tokenizes differently would otherwise train against another pair's reference)."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for ids, mask in (pair.chosen, pair.rejected):
+            digest.update(array("q", [len(ids), *ids, *mask]).tobytes())
+    return digest.hexdigest()

@@ -52,6 +52,11 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
         for ds in ("train_dataset", "valid_dataset")
         for key in ("chosen_key", "rejected_key")
     ),
+    *(
+        (f"{ds}.{key}", frozenset({"sft"}), "`laden sft` (prompt/completion and chat-message rows)")
+        for ds in ("train_dataset", "valid_dataset")
+        for key in ("completion_key", "messages_key")
+    ),
     # every job evaluates the validation set whole: only the training order has a first step
     ("valid_dataset.fail_fast", frozenset(), "train_dataset.fail_fast (the training order)"),
     *((f"actor.{name}", frozenset({"rl"}), _RL_LOSS) for name in _RL_ACTOR_FIELDS),

@@ -127,6 +127,48 @@ def test_data_parallel_d2_equals_one_process_with_a_last_batch_smaller_than_the_
                 assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-6), (a["step"], name)
 
 
+def test_sft_row_columns_set_in_a_pair_job_are_said_to_do_nothing(tmp_path):
+    """`laden dpo` / `laden rw` read prompt_key, chosen_key and rejected_key; completion_key and messages_key
+    are `laden sft`'s, and a run that sets them is told so at start-up."""
+    from laden.config.usage import fields_without_effect
+
+    for job in ("dpo", "rw"):
+        cfg = load_config(_config(tmp_path, job), ["train_dataset.completion_key=answer",
+                          "valid_dataset.messages_key=turns", "train_dataset.prompt_key=question"], job=job)  # fmt: skip
+        lines = fields_without_effect(cfg, job=job, engine="fsdp")
+        assert [line.split(" has no effect")[0] for line in lines] == [
+            "train_dataset.completion_key='answer'", "valid_dataset.messages_key='turns'"
+        ], lines  # fmt: skip
+        assert all("it takes effect in `laden sft`" in line for line in lines)
+
+
+def test_a_resumed_dpo_run_refuses_reference_log_probs_of_other_pairs(tmp_path, tiny_tokenizer, monkeypatch):
+    """The reference log-probs are kept for the pairs they were computed on: a resume whose data has as many pairs
+    but other tokens (an edited row) stops and says so instead of training against another pair's reference."""
+    from types import SimpleNamespace
+
+    from laden.align.task import REF_FILE, PairTask
+
+    task = PairTask(load_config(_config(tmp_path, "dpo"), [], job="dpo"), "dpo")
+
+    def reference(rt, engine, pairs):  # stands for the engine's forward pass
+        for k, pair in enumerate(pairs):
+            pair.ref = ([float(k)] * len(pair.chosen[0]), [-float(k)] * len(pair.rejected[0]))
+
+    monkeypatch.setattr(task, "_reference_logprobs", reference)
+    rt = SimpleNamespace(is_main=True, barrier=lambda: None)
+    pairs, _ = build_pairs(TRAIN, tiny_tokenizer, max_length=32)
+    task.setup(rt, None, tmp_path, 0, {"train": pairs})
+    assert (tmp_path / REF_FILE).exists()
+    again, _ = build_pairs(TRAIN, tiny_tokenizer, max_length=32)
+    task.setup(rt, None, tmp_path, 3, {"train": again})  # the same data: read back
+    assert [p.ref for p in again] == [p.ref for p in pairs]
+    edited, _ = build_pairs([*TRAIN[:-1], {**TRAIN[-1], "chosen": "11"}], tiny_tokenizer, max_length=32)
+    with pytest.raises(ValueError, match=r"ref_logprobs\.pt holds the reference log-probs of other train pairs than the "
+                       r"train data's 24 \(their tokens differ.*start over with a new trial_name"):  # fmt: skip
+        task.setup(rt, None, tmp_path, 3, {"train": edited})
+
+
 def test_areal_alignment_configs_load():
     dpo = load_config(AREAL / "hhrlhf_dpo.yaml", PATHS, job="dpo")
     assert dpo.train_dataset.type == "dpo" and dpo.actor.beta == 0.1 and dpo.actor.loss_type == "sigmoid"
