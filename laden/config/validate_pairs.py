@@ -1,8 +1,9 @@
 """The rules of the preference-pair jobs, `laden dpo` and `laden rw` (`laden.align`).
 
 A pair's chosen and rejected sides share a micro-batch, so the token budget must hold two sides of
-`max_length`; the pair objectives sum over whole documents, which a context-parallel slice is not;
-the reward model's score head is new, which LoRA would leave frozen at zero.
+`max_length` (the training or the validation set's, the larger); the pair objectives sum over whole
+documents, which a context-parallel slice is not; the reward model's score head is new, which LoRA
+would leave frozen at zero.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ def pair_job(cfg: LadenConfig, job: str) -> str | None:
     return kind if kind in PAIR_JOBS else None
 
 
+def longest_side(cfg: LadenConfig) -> int:
+    """The longest side of a pair the datasets keep: the larger `max_length` of `train_dataset` and
+    `valid_dataset` (the validation pairs share the micro-batch budget)."""
+    valid = cfg.valid_dataset
+    return max(cfg.train_dataset.max_length, valid.max_length if valid is not None else 0)
+
+
 def pair_errors(cfg: LadenConfig, job: str) -> list[str]:
     """Every error of a `laden dpo` / `laden rw` config (none for other jobs)."""
     kind = pair_job(cfg, job)
@@ -30,11 +38,12 @@ def pair_errors(cfg: LadenConfig, job: str) -> list[str]:
         errors.append(
             f"valid_dataset.type={valid.type!r} but the job trains on {kind!r} pairs; set valid_dataset.type: {kind}"
         )
-    budget, need = cfg.actor.mb_spec.max_tokens_per_mb, 2 * cfg.train_dataset.max_length
+    budget, need = cfg.actor.mb_spec.max_tokens_per_mb, 2 * longest_side(cfg)
     if budget is not None and budget < need:
+        name = "valid_dataset" if need > 2 * cfg.train_dataset.max_length else "train_dataset"
         errors.append(
-            f"actor.mb_spec.max_tokens_per_mb={budget} cannot hold a pair of two train_dataset.max_length="
-            f"{cfg.train_dataset.max_length} sides (chosen and rejected share a micro-batch); set it to at least {need}"
+            f"actor.mb_spec.max_tokens_per_mb={budget} cannot hold a pair of two {name}.max_length="
+            f"{need // 2} sides (chosen and rejected share a micro-batch); set it to at least {need}"
         )
     try:
         context = AllocationMode.parse(cfg.actor.backend).cp

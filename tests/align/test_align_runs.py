@@ -169,6 +169,22 @@ def test_a_resumed_dpo_run_refuses_reference_log_probs_of_other_pairs(tmp_path, 
         task.setup(rt, None, tmp_path, 3, {"train": edited})
 
 
+def test_the_pair_budget_holds_the_validation_pairs_too(tmp_path):
+    """Validation pairs share the micro-batch budget: a valid_dataset.max_length above the training one sets
+    the default budget, and a budget set too small for it is refused at load time naming valid_dataset."""
+    from laden.align.task import PairTask
+
+    config = _config(tmp_path, "dpo")
+    cfg = load_config(config, ["valid_dataset.max_length=48"], job="dpo")
+    assert (
+        PairTask(cfg, "dpo").budget() == 96
+        and PairTask(load_config(config, [], job="dpo"), "dpo").budget() == 64
+    )
+    with pytest.raises(ConfigError, match=r"max_tokens_per_mb=64 cannot hold a pair of two valid_dataset\.max_length=48 "
+                       r"sides .*set it to at least 96"):  # fmt: skip
+        load_config(config, ["valid_dataset.max_length=48", "actor.mb_spec.max_tokens_per_mb=64"], job="dpo")
+
+
 def test_areal_alignment_configs_load():
     dpo = load_config(AREAL / "hhrlhf_dpo.yaml", PATHS, job="dpo")
     assert dpo.train_dataset.type == "dpo" and dpo.actor.beta == 0.1 and dpo.actor.loss_type == "sigmoid"
