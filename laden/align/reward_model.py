@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 
 class _WithConfig:
@@ -51,7 +50,8 @@ def as_classifier(
     config: Any, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: Any | None
 ) -> tuple[Any, Iterator[tuple[str, torch.Tensor]]]:
     """What `export_hf` takes for a value model written as a classifier: (a stand-in model with the
-    classifier's config, the weights with the head named `score.weight`)."""
+    classifier's config, the weights with the head named `score.weight`). The `convert` of an engine's
+    `export_hf` (`laden rw`'s export) and of `laden export`."""
     out = classifier_config(config)
     eos = getattr(tokenizer, "eos_token_id", None)
     if out.pad_token_id is not None and out.pad_token_id == eos:
@@ -60,19 +60,6 @@ def as_classifier(
         out.pad_token_id = None
     renamed = ((("score.weight" if name == "lm_head.weight" else name), t) for name, t in weights)
     return _WithConfig(out), renamed
-
-
-def export_reward_model(engine: Any, out_dir: Path, *, tokenizer: Any | None = None) -> None:
-    """Write the engine's value model to `out_dir` as a sequence classifier (every rank calls it; one writes)."""
-    from laden.model.hf.export import export_hf
-
-    write = engine._writes_export()
-    reads = write or engine.collective_export
-    weights = engine.named_weights(engine.compute_dtype) if reads else iter(())
-    model, renamed = as_classifier(engine.model.config, weights, tokenizer)
-    export_hf(model, out_dir, dtype=engine.compute_dtype, tokenizer=tokenizer, weights=renamed, write=write)
-    if engine.collective_export and dist.is_initialized():
-        dist.barrier()
 
 
 def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

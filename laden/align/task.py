@@ -244,9 +244,9 @@ class PairTask:
 
     def export(self, engine: Any, out_dir: Path, tokenizer: Any) -> None:
         if self.job == "rw":
-            from laden.align.reward_model import export_reward_model
+            from laden.align.reward_model import as_classifier
 
-            export_reward_model(engine, out_dir, tokenizer=tokenizer)
+            engine.export_hf(out_dir, tokenizer=tokenizer, convert=as_classifier)
         else:
             engine.export_hf(out_dir, tokenizer=tokenizer)
 

@@ -41,7 +41,7 @@ an export and whether reading the weights is a collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -55,6 +55,11 @@ FORWARD_OUTPUTS: tuple[ForwardOutput, ...] = ("logprobs", "entropy")
 """What `forward` returns unless asked: a language model's outputs."""
 KNOWN_FORWARD_OUTPUTS: tuple[ForwardOutput, ...] = ("logprobs", "entropy", "values")
 """Everything `forward` can return; `values` is a value model's (`laden.model.value_head`)."""
+ExportConvert = Callable[
+    [Any, Iterator[tuple[str, torch.Tensor]], Any], tuple[Any, Iterator[tuple[str, torch.Tensor]]]
+]
+"""`convert(model config, named weights, tokenizer) -> (model, named weights)`: an export written as another
+model (`TrainEngine.export_hf`'s `convert`; `laden.align.reward_model.as_classifier`)."""
 
 
 class Objective(Protocol):
@@ -192,9 +197,11 @@ class TrainEngine(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+    def export_hf(
+        self, out_dir: Path, *, tokenizer: Any | None = None, convert: ExportConvert | None = None
+    ) -> None:
         """Write a Hugging Face model directory (safetensors in the compute dtype), atomically,
-        from `named_weights` (every rank calls it; one writes)."""
+        from `named_weights` (every rank calls it; one writes); `convert` writes it as another model."""
         ...
 
 
@@ -280,9 +287,13 @@ class TrainEngineBase:
             )
         }
 
-    def export_hf(self, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+    def export_hf(
+        self, out_dir: Path, *, tokenizer: Any | None = None, convert: ExportConvert | None = None
+    ) -> None:
         """A Hugging Face directory in the compute dtype from `named_weights`, written atomically by one
-        process; a LoRA model merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`)."""
+        process; a LoRA model merged, with its adapters in `adapter/` (`laden.model.hf.export.export_hf`).
+        `convert(config, weights, tokenizer) -> (model, weights)` writes it as another model (what
+        `export_hf` reads of `model` is its config: `laden dpo`'s reward model as a sequence classifier)."""
         from laden.model.hf.export import export_hf
         from laden.model.lora import adapted_modules, peft_adapter_state
 
@@ -292,8 +303,11 @@ class TrainEngineBase:
         adapter = (
             peft_adapter_state(self.state_dict()["model"]) if reads and adapted_modules(self.model) else None
         )
+        model = self.model
+        if convert is not None:
+            model, weights = convert(self.model.config, weights, tokenizer)
         export_hf(
-            self.model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
+            model, out_dir, dtype=self.compute_dtype, tokenizer=tokenizer, weights=weights, write=write,
             adapter=adapter,
         )  # fmt: skip
         if self.collective_export and dist.is_initialized():
