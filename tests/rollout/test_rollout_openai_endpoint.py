@@ -218,6 +218,8 @@ def test_concurrent_sessions_are_recorded_apart(tiny_model, tiny_tokenizer):
         ({"stream": True}, 400, "stream=true is not supported"),
         ({"max_tokens": 0}, 400, "max_tokens=0 must be a positive integer"),
         ({"max_tokens": 2, "max_completion_tokens": 2}, 400, "not both"),
+        ({"max_completion_tokens": 0}, 400, "max_completion_tokens=0 must be a positive integer"),
+        ({"top_k": 2.5}, 400, r"top_k=2.5 must be a whole number of tokens \(0 or -1 = off\)"),
         ({"messages": []}, 400, "non-empty list"),
         ({"temperature": -0.5}, 400, r"temperature=-0.5 must be >= 0; use 0 for greedy decoding"),
         ({"top_p": 0}, 400, r"top_p=0.0 must be in \(0, 1\] \(1 = off\); use temperature=0"),

@@ -145,8 +145,9 @@ def sampling_for(
         raise HTTPError(400, "stream=true is not supported by this endpoint; leave it out")
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise HTTPError(400, "give max_tokens or max_completion_tokens, not both")
-    want = body.get("max_completion_tokens", body.get("max_tokens"))
-    new = defaults.max_new_tokens if want is None else _positive_int("max_tokens", want)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    want = body.get(name)
+    new = defaults.max_new_tokens if want is None else _positive_int(name, want)
     if max_total_tokens is not None:
         room = max_total_tokens - prompt_len
         if room < 1:
@@ -169,7 +170,10 @@ def sampling_for(
                             "likely token")  # fmt: skip
         changes["top_p"] = top_p
     if body.get("top_k") is not None:
-        changes["top_k"] = max(0, int(_number("top_k", body["top_k"])))  # vLLM's -1 (off) is laden's 0
+        top_k = _number("top_k", body["top_k"])
+        if not top_k.is_integer():
+            raise HTTPError(400, f"top_k={top_k!r} must be a whole number of tokens (0 or -1 = off)")
+        changes["top_k"] = max(0, int(top_k))  # vLLM's -1 (off) is laden's 0
     stop = body.get("stop")
     if stop is not None:
         if not isinstance(stop, str) and not (
