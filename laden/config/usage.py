@@ -46,6 +46,17 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
         "`laden sft` (`laden rl` always generates for its evaluation)",
     ),
     ("actor.beta", frozenset({"dpo"}), "`laden dpo` (DPO's loss)"),
+    # the pair and PPO objectives always compute log-probs in chunks; the reward model's head has one row
+    (
+        "actor.chunked_loss",
+        frozenset({"sft"}),
+        "`laden sft` (its cross-entropy; the other jobs' losses are always chunked)",
+    ),
+    (
+        "actor.loss_chunk_size",
+        frozenset({"sft", "rl", "dpo"}),
+        "`laden sft`, `laden rl` and `laden dpo` (log-probs over the vocabulary in token chunks)",
+    ),
     ("actor.loss_type", frozenset({"dpo"}), "`laden dpo` (DPO's loss)"),
     *(
         (f"{ds}.{key}", frozenset({"dpo", "rw"}), "`laden dpo` and `laden rw` (preference pairs)")

@@ -169,6 +169,19 @@ def test_a_resumed_dpo_run_refuses_reference_log_probs_of_other_pairs(tmp_path, 
         task.setup(rt, None, tmp_path, 3, {"train": edited})
 
 
+@pytest.mark.parametrize(("job", "unread"), [("dpo", ["actor.chunked_loss"]),
+                                             ("rw", ["actor.chunked_loss", "actor.loss_chunk_size"])])  # fmt: skip
+def test_loss_chunking_settings_a_pair_job_does_not_read_are_named(tmp_path, job, unread):
+    """DPO's log-probs are always chunked (by loss_chunk_size); the reward model's one-row head reads neither."""
+    from laden.config.usage import fields_without_effect
+
+    cfg = load_config(
+        _config(tmp_path, job), ["actor.chunked_loss=false", "actor.loss_chunk_size=64"], job=job
+    )
+    lines = fields_without_effect(cfg, job=job, engine="fsdp")
+    assert [line.split("=")[0] for line in lines] == unread, lines
+
+
 def test_the_pair_budget_holds_the_validation_pairs_too(tmp_path):
     """Validation pairs share the micro-batch budget: a valid_dataset.max_length above the training one sets
     the default budget, and a budget set too small for it is refused at load time naming valid_dataset."""
