@@ -340,8 +340,12 @@ def test_a_reward_that_is_not_finite_is_refused(reward):
     assert call.reward == 1.0
 
 
-@pytest.mark.parametrize("length", ["abc", "-5", "\u00b2"])
-def test_a_request_with_a_bad_content_length_gets_a_400_answer(tiny_tokenizer, length):
+@pytest.mark.parametrize(
+    ("length", "message"),
+    [("abc", "is not a byte count"), ("-5", "is not a byte count"), ("\u00b2", "is not a byte count"),
+     ("1\r\nX-Long: " + "x" * 70_000, "over 64 KiB")],
+)  # fmt: skip
+def test_a_request_with_a_bad_head_gets_a_400_answer(tiny_tokenizer, length, message):
     async def main():
         endpoint = await OpenAIEndpoint(ScriptedEngine([]), tiny_tokenizer, sampling=GREEDY).start()
         try:
@@ -358,4 +362,4 @@ def test_a_request_with_a_bad_content_length_gets_a_400_answer(tiny_tokenizer, l
             await endpoint.close()
 
     answer = run(main())
-    assert answer.startswith("HTTP/1.1 400 Bad Request") and "is not a byte count" in answer, answer
+    assert answer.startswith("HTTP/1.1 400 Bad Request") and message in answer, answer[:200]

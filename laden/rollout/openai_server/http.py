@@ -132,9 +132,17 @@ class JSONServer:
             return HTTPError(500, f"{type(err).__name__}: {err}", kind="server_error").response()
 
 
+async def _readline(reader: asyncio.StreamReader) -> bytes:
+    """One line of the request head; `HTTPError(400)` for a line over the stream's limit (64 KiB)."""
+    try:
+        return await reader.readline()
+    except ValueError:  # asyncio's limit overrun: the line is not read whole
+        raise HTTPError(400, "a request line or header is over 64 KiB; send a shorter one") from None
+
+
 async def _read_request(reader: asyncio.StreamReader) -> Request | None:
     """The next request on a connection, or None at its end."""
-    line = await reader.readline()
+    line = await _readline(reader)
     if not line.strip():
         return None
     try:
@@ -143,7 +151,7 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
         raise HTTPError(400, f"malformed request line {line[:100]!r}") from None
     headers: dict[str, str] = {}
     while True:
-        raw = await reader.readline()
+        raw = await _readline(reader)
         if raw in (b"\r\n", b"\n", b""):
             break
         name, _, value = raw.decode("latin-1").partition(":")
