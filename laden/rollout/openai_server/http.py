@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ class Response:
 
     status: int
     payload: Any
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 class HTTPError(Exception):
@@ -175,5 +174,4 @@ def _encode(response: Response, *, keep_alive: bool) -> bytes:
     head = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}",
             "Content-Type: application/json", f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}"]  # fmt: skip
-    head += [f"{k}: {v}" for k, v in response.headers.items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
