@@ -79,8 +79,34 @@ def test_a_refused_bucket_fails_the_run_with_the_reason(tmp_path, monkeypatch):
         ):
             run_rl(_cfg(tmp_path, [fake.url], "total_train_steps=1"), progress=False)
         assert fake.received_versions == ["0"]  # no step ran on the mixed weights
-    rows = [line for path in tmp_path.rglob("metrics.jsonl") for line in path.read_text().splitlines()]
-    assert not any(json.loads(line).get("step", 0) >= 1 for line in rows)  # no step reported
+        rows = [line for path in tmp_path.rglob("metrics.jsonl") for line in path.read_text().splitlines()]
+        assert not any(json.loads(line).get("step", 0) >= 1 for line in rows)  # no step reported
+
+
+def test_a_run_stopped_by_a_failed_broadcast_resumes_from_its_checkpoint(tmp_path):
+    with FakeSGLang() as fake:
+        cfg = _cfg(
+            tmp_path,
+            [fake.url],
+            "total_train_steps=2",
+            "checkpoint.save_freq_steps=1",
+            "checkpoint.export_hf=true",
+        )
+        fake.fail_version = "2"  # step 2's weights are refused: the step is not reported
+        with pytest.raises(WeightBroadcastError, match="version 2 failed at bucket 1"):
+            run_rl(cfg, progress=False)
+        run_dir = next(tmp_path.rglob("metrics.jsonl")).parent
+        assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+        result = run_rl(cfg, progress=False)  # the same command again
+        groups = [b["group_name"] for b in fake.bodies("/init_weights_update_group")]
+        updates = list(dict.fromkeys(zip(fake.received_from, fake.received_versions)))  # (group, version)
+        received = dict(fake.received)
+    assert len(set(groups)) == 2  # the second run: step 1's checkpoint whole over a new group, then step 2
+    assert [(groups.index(g), v) for g, v in updates] == [(0, "0"), (0, "1"), (1, "1"), (1, "2")]
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    exported = load_file(str(result.run_dir / "hf" / "model.safetensors"))
+    assert all(torch.equal(received[k], exported[k]) for k in exported)
 
 
 def test_vllm_broadcasts_are_refused_with_the_fix(tmp_path):

@@ -311,12 +311,16 @@ class FakeSGLang(FakeServer):
     fail_update = False
     fail_broadcast_after = None
     """Refuse `/update_weights_from_distributed` (before receiving anything) from this call on; None: never."""
+    fail_version = None
+    """Refuse the first bucket of this weight version (e.g. `"2"`), once; None: never."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(host, port)
         self.groups: dict[str, Any] = {}
         self.received: dict[str, Any] = {}
         self.received_versions: list[str] = []
+        """The weight version of each bucket received, in order (`received_from`: its group's name)."""
+        self.received_from: list[str] = []
 
     def route(self, call: Call) -> tuple[int, Any]:
         path, body = call.path, call.body
@@ -369,8 +373,11 @@ class FakeSGLang(FakeServer):
         return 404, {"detail": "Not Found"}
 
     def _refuses_broadcast(self) -> bool:
-        after = self.fail_broadcast_after
-        return after is not None and len(self.bodies("/update_weights_from_distributed")) > after
+        after, bodies = self.fail_broadcast_after, self.bodies("/update_weights_from_distributed")
+        if self.fail_version is not None and bodies[-1]["weight_version"] == self.fail_version:
+            self.fail_version = None  # once
+            return True
+        return after is not None and len(bodies) > after
 
     def _join(self, body: dict[str, Any]) -> None:
         import datetime
@@ -409,6 +416,7 @@ class FakeSGLang(FakeServer):
             handle.wait()
         self.received.update(zip(body["names"], tensors))
         self.received_versions.append(body["weight_version"])
+        self.received_from.append(body["group_name"])
 
     def __exit__(self, *exc: Any) -> None:
         import torch.distributed as dist

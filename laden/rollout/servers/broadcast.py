@@ -124,10 +124,11 @@ class ServerChannel:
             self.group.broadcast(t.detach().to(self.group.device).contiguous())
 
     def close(self) -> None:
-        """Release the trainer's end of the group."""
-        if self.group is not None:
+        """Release the trainer's end of the group; after a failed update it is only dropped (a broadcast may
+        still wait in it, which releasing would wait for: it ends at the group's timeout)."""
+        if self.group is not None and self.broken is None:
             self.group.close()
-            self.group = None
+        self.group = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -173,7 +174,12 @@ async def broadcast_to_servers(
     stream = buckets(source.named_weights, channel.meta.bucket_bytes)
     sent = 0
     while True:
-        tensors = await loop.run_in_executor(source.executor, next, stream, None)
+        try:
+            tensors = await loop.run_in_executor(source.executor, next, stream, None)
+        except BaseException:  # gathering the weights failed (e.g. out of memory): raised as it is
+            if sent:
+                channel.broken = f"the update to version {version} stopped after {sent} bucket(s)"
+            raise
         if tensors is None:
             return sent
         info = channel.bucket(tensors)
