@@ -14,7 +14,8 @@ The worst case of each phase is what its knobs allow at most:
   the trainer), then `max_concurrent_rollouts` requests of the longest prompt, each generating
   exactly `gconfig.max_new_tokens` tokens;
 - weight update: one update of every weight into that engine (in place, or through a version
-  directory for `actor.weight_update_mode: disk`).
+  directory for `actor.weight_update_mode: disk`). With rollout servers (vLLM, SGLang) neither
+  generation nor the weight update is run: the report names the update as not measured.
 
 Measured per phase: the GPU's allocated peak (`torch.cuda.max_memory_allocated`) over the
 phase, process-wide, as the estimators count it (training: from before the model is built;
@@ -254,7 +255,7 @@ def render_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str
             f"{p.host / GIB:>9.2f} {_gib(m.host)} {_err(p.host, m.host)}"
         )
     lines.append("  (GiB; err = predicted / measured - 1; the host side excludes the process's own baseline)")
-    return "\n".join(lines)
+    return "\n".join(lines + _unmeasured(phases, by_phase))
 
 
 def _render_cpu_profile(phases: list[PhaseEstimate], measured: list[Measured]) -> str:
@@ -271,7 +272,17 @@ def _render_cpu_profile(phases: list[PhaseEstimate], measured: list[Measured]) -
         "  (GiB; err = predicted / measured - 1; the process's peak resident set, its baseline included, "
         "except the weight update's: above its start)"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _unmeasured(phases, by_phase))
+
+
+def _unmeasured(phases: list[PhaseEstimate], by_phase: dict[str, Measured]) -> list[str]:
+    """A line naming the planned phases a profile did not run: the weight update to rollout servers, which
+    a profile does not start (its prediction is the trainer's side alone)."""
+    missing = [p.phase for p in phases if p.phase not in by_phase]
+    if not missing:
+        return []
+    return [f"  not measured: {', '.join(missing)} (the rollout engine is servers of their own, not started by a "
+            "profile; the plan's figure is the trainer's side)"]  # fmt: skip
 
 
 def _gib(value: int | None) -> str:

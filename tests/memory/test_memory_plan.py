@@ -447,3 +447,15 @@ def test_auto_concurrency_for_a_gpu_is_what_its_kv_cache_holds(tmp_path):
             break
     held = int(line.split(" holds ")[1].split()[0])
     assert 1 <= tight.rollout.max_concurrent_rollouts == held < 32
+
+
+def test_a_profile_beside_rollout_servers_names_the_update_it_did_not_measure(tmp_path):
+    from laden.memory.estimate import PhaseEstimate
+    from laden.memory.profile import Measured, render_profile
+
+    cfg = tiny_rl_config(tmp_path, "rollout.backend=sglang:d1", "cluster.n_gpus_per_node=2")
+    phases = [PhaseEstimate("training", "fsdp", []), WeightUpdate().estimate(cfg, _shapes())]
+    measured = [Measured(phase="training", gpu=2**30, gpu_reserved=2**30, host=0, seconds=1.0)]
+    out = render_profile(phases, measured)
+    assert "  training " in out and "not measured: weight update (the rollout engine is servers" in out
+    assert "not measured" not in render_profile(phases[:1], measured)
