@@ -118,10 +118,17 @@ class ServerChannel:
         """Join the group (first call) and broadcast each tensor, in order (blocks until all are out)."""
         from laden.weights.group import init_server_group
 
-        if self.group is None:
-            self.group = init_server_group(self.meta)
-        for _, t in tensors:
-            self.group.broadcast(t.detach().to(self.group.device).contiguous())
+        first = tensors[0][1].device
+        if self.group is None:  # NCCL: on the GPU the weights were gathered to (this thread's own is cuda:0)
+            self.group = init_server_group(self.meta, device=first if first.type == "cuda" else None)
+            log.info(
+                "weight broadcast group %s: %d ranks (%s), store at %s:%s", self.meta.group_name,
+                self.meta.world_size, self.meta.backend, self.meta.master_addr, self.meta.master_port,
+            )  # fmt: skip
+        where = self.group.device
+        with torch.cuda.device(where) if where.type == "cuda" else contextlib.nullcontext():
+            for _, t in tensors:
+                self.group.broadcast(t.detach().to(where).contiguous())
 
     def close(self) -> None:
         """Release the trainer's end of the group; after a failed update it is only dropped (a broadcast may
