@@ -33,3 +33,17 @@ def test_buckets_hold_whole_tensors_in_order_up_to_the_size():
 
 def test_the_trainer_address_is_loopback_for_servers_on_loopback():
     assert trainer_address(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+
+
+def test_the_trainer_address_toward_remote_servers_is_one_of_this_host(monkeypatch):
+    import ipaddress
+    import socket
+
+    remote = ["http://192.0.2.7:30000"]  # TEST-NET-1 (RFC 5737): no packet is sent to it
+    assert not ipaddress.ip_address(trainer_address(remote)).is_unspecified  # on the route toward it
+
+    def no_route(self, address):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket.socket, "connect", no_route)
+    assert trainer_address(remote) == socket.gethostbyname(socket.gethostname())  # without a route

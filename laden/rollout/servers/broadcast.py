@@ -233,10 +233,13 @@ async def _in_thread(fn: Callable, *args: Any) -> None:
 
 def trainer_address(urls: Sequence[str]) -> str:
     """The trainer's address as the servers at `urls` reach it: loopback when they are on loopback, else
-    this host's address on the route to the first of them."""
+    this host's address on the route to the first of them (without one: the address its name resolves to)."""
     hosts = [urllib.parse.urlparse(u).hostname or "127.0.0.1" for u in urls]
     if all(_is_loopback(h) for h in hosts):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
-        probe.connect((next(h for h in hosts if not _is_loopback(h)), 9))
-        return str(probe.getsockname()[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+            probe.connect((next(h for h in hosts if not _is_loopback(h)), 9))
+            return str(probe.getsockname()[0])
+    except OSError:  # no route known here (or the name does not resolve): this host's own address
+        return socket.gethostbyname(socket.gethostname())

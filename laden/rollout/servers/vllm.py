@@ -10,7 +10,9 @@ laden sets for the servers it starts):
   Hugging Face safetensors directory in place (0.32 has no dedicated disk endpoint), then
   `POST /update_weight_version` and `POST /reset_prefix_cache` (KV computed under old weights).
 - `POST /init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
-  `/finish_weight_update`: NCCL broadcast from the trainer (needs `weight_transfer_backend`).
+  `/finish_weight_update`: NCCL broadcast from the trainer (needs `weight_transfer_backend`). The
+  workers join through vLLM's own stateless group and PyNccl communicator, which `laden rl`'s trainer
+  does not join: `laden rl` refuses `actor.weight_update_mode: xccl` with vLLM and updates by disk.
 - `POST /release_kv_cache_memory` (KV only) or `POST /sleep?level=2` (KV and weights), and
   `POST /wake_up`: colocated training (needs `enable_sleep_mode`, a GPU feature).
 
