@@ -261,7 +261,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     # A Hub id: its config and tokenizer suffice for the plan (the weights too for --profile).
     cfg = resolve_model_paths(_load(args, args.job or "any"), weights=bool(args.profile))
-    job = args.job or ("rl" if cfg.train_dataset.type == "rl" else "sft")
+    job = args.job or cfg.train_dataset.type  # the job a config is for: its training set's type
     gpu, host = default_budgets()
     if args.gpu_mem is not None:
         gpu = parse_size(args.gpu_mem, option="--gpu-mem")
@@ -290,8 +290,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     measured = []
     if args.profile:
         from laden.memory.profile import profile_phases, render_profile
+        from laden.profile_steps import training_step
 
-        measured = profile_phases(cfg, job=job)
+        measured = profile_phases(cfg, job=job, training_step=training_step)
         print(render_profile(phases, measured))
     if args.json:
         from laden.memory.plan import write_json
@@ -433,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="predicted GPU and host peaks per phase, against the budgets")
     with_config(plan)
-    plan.add_argument("--job", choices=["sft", "rl"], default=None, help="default: rl for an rl dataset")
+    plan.add_argument(
+        "--job", choices=["sft", "rl", "dpo", "rw"], default=None, help="default: train_dataset.type"
+    )
     plan.add_argument("--gpu-mem", default=None, help="GPU budget per rank, e.g. 24GiB (default: this GPU)")
     plan.add_argument("--host-mem", default=None, help="host budget, e.g. 128GiB (default: this machine)")
     plan.add_argument("--plot", default=None, help="draw the breakdown into this PNG file (needs matplotlib)")

@@ -5,7 +5,8 @@ backend object, found once from `actor.backend` by `resolve_backend(cfg)`:
 
 - how its model is loaded (`load_model`) and where the trainer packs its batches (`batches_on_host`);
 - the fewest micro-batches a step packs (`min_micro_batches`), whether it recomputes by design;
-- its memory model for the planner and the `auto` knobs (`training_estimator`, None when it has none)
+- its memory model for the planner and the `auto` knobs (`training_estimator`, None when it has none;
+  `frozen_estimator` for a never-stepped model on it)
   and the knob changes that fix its out-of-memory errors (`oom_fixes`, `host_oom_fixes`);
 - the engine itself (`build`).
 
@@ -83,6 +84,12 @@ class TrainBackend:
         """The training step's memory model (`model`: the meta-device build, if made), or None when
         the planner has none for this engine: `laden plan` refuses it and the `auto` knobs fall back
         to their memory-saving values."""
+        return None
+
+    def frozen_estimator(self, model: Any = None) -> MemoryEstimator | None:
+        """The memory model of a never-stepped model on this engine (`laden.rl.scoring.frozen_engine`: the
+        reference model, the teacher): what it holds between its forwards, given the never-stepped config
+        (`never_stepped`); None when the planner has none for this engine."""
         return None
 
     def host_oom_fixes(self, cfg: LadenConfig) -> list[str]:

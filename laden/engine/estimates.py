@@ -148,16 +148,38 @@ def state_keys(cfg: Any) -> int:
     return len(optimizer_state_keys(opt.type, getattr(opt, "momentum", 0.0)))
 
 
+PAIR_JOBS = ("dpo", "rw")
+"""Jobs (`train_dataset.type`) whose micro-batches hold whole pairs: a chosen and a rejected sequence."""
+
+
 def longest_sequence(cfg: Any) -> int:
-    """The longest sequence a micro-batch must hold: the prompt budget (plus `max_new_tokens` for RL)."""
-    return cfg.train_dataset.max_length + (
-        cfg.gconfig.max_new_tokens if cfg.train_dataset.type == "rl" else 0
-    )
+    """The longest sequence a micro-batch must hold: for RL the prompt budget plus `max_new_tokens`; for
+    the other jobs the longer `max_length` of `train_dataset` and `valid_dataset` (their evaluation packs
+    under the same budget)."""
+    from laden.config.validate_pairs import longest_side
+
+    if cfg.train_dataset.type == "rl":
+        return cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+    return longest_side(cfg)
+
+
+def sequences_per_sample(cfg: Any) -> int:
+    """Sequences a sample trains as: a pair's two (`laden dpo`, `laden rw`), else one."""
+    return 2 if cfg.train_dataset.type in PAIR_JOBS else 1
 
 
 def tokens_per_microbatch(cfg: Any) -> int:
-    """The largest micro-batch the trainer packs: the token budget, else one longest sequence."""
-    return int(cfg.actor.mb_spec.max_tokens_per_mb or longest_sequence(cfg))
+    """The largest micro-batch the trainer packs: the token budget, else one longest sample (a pair: two
+    longest sequences)."""
+    return int(cfg.actor.mb_spec.max_tokens_per_mb or sequences_per_sample(cfg) * longest_sequence(cfg))
+
+
+def loss_chunk_tokens(cfg: Any, tokens: int) -> int:
+    """Tokens whose logits the loss holds at once: `actor.loss_chunk_size`, or every token of the
+    micro-batch for `laden sft` with `actor.chunked_loss: false` (the only job that reads it: the
+    others' losses are always chunked, and the reward model's one-row head has no vocabulary)."""
+    whole = cfg.train_dataset.type == "sft" and not cfg.actor.chunked_loss
+    return max(tokens, 1) if whole else cfg.actor.loss_chunk_size
 
 
 def checkpoint_pages(cfg: Any) -> list[Component]:
@@ -180,11 +202,11 @@ def layer_activations(model: Any, cfg: Any, tokens: int) -> list[tuple[int, int]
     """Per pipeline step of `model` (embedding, decoder layers, head and loss): the (kept, transient)
     activation bytes of a `tokens` micro-batch, from `laden.model.split.activation_bytes` (checked
     against saved-tensor hooks there), at the compute dtype, with the loss's logits one chunk of
-    `actor.loss_chunk_size` tokens under `actor.chunked_loss` and every token without."""
+    `loss_chunk_tokens` tokens."""
     from laden.model.dtypes import torch_dtype
     from laden.model.split import activation_bytes, split_causal_lm
 
-    chunk = cfg.actor.loss_chunk_size if cfg.actor.chunked_loss else max(tokens, 1)
+    chunk = loss_chunk_tokens(cfg, tokens)
     dtype = torch_dtype(cfg.actor.dtype)
     return [
         activation_bytes(step, tokens, dtype=dtype, loss_chunk_size=chunk)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from laden.memory.companions import Companions, training_phase
 from laden.memory.estimate import (
     GIB,
     ModelShapes,
@@ -44,6 +45,7 @@ from laden.memory.estimate import (
     native_generation,
     no_estimator,
     patched_meta_model,
+    sequences_per_sample,
 )
 from laden.rollout.backend import resolve_rollout
 
@@ -124,9 +126,9 @@ def _fallbacks(cfg: Any, wanted: set[str], why: str) -> list[str]:
         cfg.actor.gradient_checkpointing = True
         lines.append(f"actor.gradient_checkpointing=auto -> true: {why}")
     if "actor.mb_spec.max_tokens_per_mb" in wanted:
-        cfg.actor.mb_spec.max_tokens_per_mb = longest_sequence(cfg)
+        cfg.actor.mb_spec.max_tokens_per_mb = _longest_sample(cfg)
         lines.append(
-            f"actor.mb_spec.max_tokens_per_mb=auto -> {longest_sequence(cfg)} (one longest sequence): {why}"
+            f"actor.mb_spec.max_tokens_per_mb=auto -> {_longest_sample(cfg)} (one longest sample): {why}"
         )
     if "actor.roundpipe.recompute_grain" in wanted:
         cfg.actor.roundpipe.recompute_grain = "layer"
@@ -138,9 +140,14 @@ def _fallbacks(cfg: Any, wanted: set[str], why: str) -> list[str]:
 
 
 def _batch_sequences(cfg: Any) -> int:
-    """Sequences one optimizer step trains on (an RL step: every prompt's `n_samples` completions)."""
+    """Samples one optimizer step trains on (an RL step: every prompt's `n_samples` completions)."""
     n = cfg.train_dataset.batch_size
     return n * cfg.gconfig.n_samples if cfg.train_dataset.type == "rl" else n
+
+
+def _longest_sample(cfg: Any) -> int:
+    """Tokens of the longest sample a micro-batch must hold whole (a pair: its two sides)."""
+    return sequences_per_sample(cfg) * longest_sequence(cfg)
 
 
 class _Resolver:
@@ -153,12 +160,15 @@ class _Resolver:
         self.limit = int(HEADROOM * budget)
         self.budget, self.host_limit = budget, int(HEADROOM * host) if host else None
         self.on_gpu = on_gpu
-        self.estimator = backend.training_estimator(model, budget if on_gpu else None)
+        self.gpu_capacity = budget if on_gpu else None
+        self.companions = Companions(cfg, cfg.train_dataset.type)
         self.in_process_rollout = cfg.train_dataset.type == "rl" and resolve_rollout(cfg).in_process
 
     # ---- training
     def training(self) -> Any:
-        return self.estimator.estimate(self.cfg, self.shapes)
+        """The training phase at the knobs' current values, the models beside the policy included."""
+        return training_phase(self.cfg, self.model, self.shapes, self.gpu_capacity, self.cfg.train_dataset.type,
+                              self.companions)  # fmt: skip
 
     def _fits(self) -> bool:
         phase = self.training()
@@ -171,7 +181,7 @@ class _Resolver:
         actor = self.cfg.actor  # fsdp: `resolve_auto` decides the other engines
         given = actor.mb_spec.max_tokens_per_mb
         if token_budget_auto:  # the token budget is chosen next, from at least one longest sequence
-            actor.mb_spec.max_tokens_per_mb = longest_sequence(self.cfg)
+            actor.mb_spec.max_tokens_per_mb = _longest_sample(self.cfg)
         peaks = {}
         for on in (False, True):
             actor.gradient_checkpointing = on
@@ -185,7 +195,7 @@ class _Resolver:
         )
 
     def max_tokens_per_mb(self) -> str:
-        spec, longest = self.cfg.actor.mb_spec, longest_sequence(self.cfg)
+        spec, longest = self.cfg.actor.mb_spec, _longest_sample(self.cfg)
         most = max(1, _batch_sequences(self.cfg))
         lo, hi = 1, most  # the largest k in [1, most] whose k longest sequences fit (peaks grow with k)
         spec.max_tokens_per_mb = longest
@@ -240,8 +250,8 @@ class _Resolver:
 
     def num_microbatch(self) -> str:
         cfg = self.cfg
-        tokens = cfg.actor.mb_spec.max_tokens_per_mb or longest_sequence(cfg)
-        per_mb = max(1, tokens // longest_sequence(cfg))
+        tokens = cfg.actor.mb_spec.max_tokens_per_mb or _longest_sample(cfg)
+        per_mb = max(1, tokens // _longest_sample(cfg))
         cfg.actor.roundpipe.num_microbatch = max(1, math.ceil(_batch_sequences(cfg) / per_mb))
         host = self.training().host
         verdict = (

@@ -182,12 +182,12 @@ def _gpu_fixes(cfg: Any, phase: str | None, figures: dict[str, float]) -> list[s
             )
         return fixes
     from laden.engine.backend import resolve_backend
+    from laden.memory.estimate import longest_sequence, sequences_per_sample, tokens_per_microbatch
 
     backend = resolve_backend(cfg)
-    budget = cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
-    fixes += backend.oom_fixes(
-        cfg, tokens_per_mb=budget, longest_seq=min(budget, cfg.train_dataset.max_length)
-    )
+    budget = tokens_per_microbatch(cfg)  # the job's: a pair job's holds a pair's two sides
+    longest = min(budget, sequences_per_sample(cfg) * longest_sequence(cfg))
+    fixes += backend.oom_fixes(cfg, tokens_per_mb=budget, longest_seq=longest)
     if phase == "model load":
         fixes += backend.host_oom_fixes(cfg)[-1:]
     if cfg.oom_policy != "auto":

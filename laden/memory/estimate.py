@@ -39,6 +39,7 @@ from laden.engine.estimates import (
     longest_sequence,
     meta_model,
     nbytes,
+    sequences_per_sample,
     tokens_per_microbatch,
 )
 from laden.rollout.backend import resolve_rollout
@@ -46,13 +47,15 @@ from laden.rollout.backend import resolve_rollout
 __all__ = [
     "FROM_PROCESS_START", "GIB", "PROCESS_BASELINE_BYTES", "Component", "MemoryEstimator", "ModelShapes",
     "NativeGeneration", "PhaseEstimate", "WeightUpdate", "host_memory_bytes", "longest_sequence", "native_generation",
-    "on_the_cpu", "patched_meta_model", "plan_phases", "tokens_per_microbatch", "training_estimator",
+    "on_the_cpu", "patched_meta_model", "plan_phases", "sequences_per_sample", "tokens_per_microbatch",
+    "training_estimator",
 ]  # fmt: skip
 
 
 def patched_meta_model(cfg: Any) -> Any:
     """`meta_model(actor.path)` with the model patches the run applies (`actor.lean_activations`,
-    `actor.tiled_mlp_tokens`, ...), which change what each layer saves."""
+    `actor.tiled_mlp_tokens`, ...), which change what each layer saves; `laden rw`'s with its one-row head
+    (`laden.model.value_head`), as `laden.align.task` builds it."""
     import logging
 
     from laden.engine.backend import resolve_backend
@@ -66,6 +69,10 @@ def patched_meta_model(cfg: Any) -> Any:
         patch_model(cfg, model, resolve_backend(cfg))
     finally:
         runtime_log.setLevel(level)
+    if cfg.train_dataset.type == "rw":
+        from laden.model.value_head import to_value_model
+
+        model = to_value_model(model)
     return model
 
 
@@ -212,11 +219,14 @@ def on_the_cpu(phase: PhaseEstimate) -> PhaseEstimate:
 
 
 def plan_phases(cfg: Any, *, gpu_capacity: int | None, job: str) -> list[PhaseEstimate]:
-    """Every phase `job` runs for `cfg`: training, and for `laden rl` generation and weight update.
-    Without a GPU to plan for (`gpu_capacity` None) the engines run on the CPU (`on_the_cpu`)."""
+    """Every phase `job` runs for `cfg`: training (the policy's step and, for `laden rl`, the models
+    beside it: `laden.memory.companions`), and for `laden rl` generation and weight update. Without a GPU
+    to plan for (`gpu_capacity` None) the engines run on the CPU (`on_the_cpu`)."""
+    from laden.memory.companions import training_phase
+
     model = patched_meta_model(cfg)
     shapes = ModelShapes.from_model(model)
-    phases = [training_estimator(cfg, model, gpu_capacity).estimate(cfg, shapes)]
+    phases = [training_phase(cfg, model, shapes, gpu_capacity, job)]
     if job == "rl" and resolve_rollout(cfg).in_process:
         phases.append(native_generation(cfg, shapes, phases[0], gpu_capacity))
     if job == "rl":

@@ -180,7 +180,8 @@ def suggest_backends(cfg: Any, *, gpus: int, gpu_budget: int, host_budget: int |
     import copy
 
     from laden.memory.auto import HEADROOM
-    from laden.memory.estimate import ModelShapes, patched_meta_model, training_estimator
+    from laden.memory.companions import training_phase
+    from laden.memory.estimate import ModelShapes, patched_meta_model
 
     limit = int(HEADROOM * gpu_budget)
     host_limit = int(HEADROOM * host_budget) if host_budget else None
@@ -189,7 +190,7 @@ def suggest_backends(cfg: Any, *, gpus: int, gpu_budget: int, host_budget: int |
         c = copy.deepcopy(cfg)
         c.actor.backend, c.actor.gradient_checkpointing = backend, gc
         model = patched_meta_model(c)
-        return training_estimator(c, model, gpu_budget).estimate(c, ModelShapes.from_model(model))
+        return training_phase(c, model, ModelShapes.from_model(model), gpu_budget, job)
 
     def fits(phase: Any, procs: int) -> bool:
         return phase.gpu <= limit and (host_limit is None or phase.host * procs <= host_limit)

@@ -2,13 +2,15 @@
 
 The worst case of each phase is what its knobs allow at most:
 
-- training: the engine `actor.backend` names, built as `laden sft` / `laden rl` build it (the
-  same loading, patches and optimizer), runs one optimizer step on micro-batches of the full
-  token budget (`tokens_per_microbatch`), each packed with sequences of the longest length the
-  dataset allows, `min_micro_batches` of them (the roundpipe engine parks activations per
-  micro-batch), two steps (`TRAINING_STEPS`: the second's forward runs with the optimizer's
-  states allocated, as every later step does); the loss is the configured cross-entropy (an RL objective's extra per-token
-  fields are a few bytes a token);
+- training: the engine `actor.backend` names, built as the job builds it (the same loading,
+  patches and optimizer; `laden rw`'s one-row head), with the models `laden rl` keeps beside it
+  (the reference model, the teacher, the critic: `laden.profile_steps`), runs one
+  optimizer step on micro-batches of the full token budget (`tokens_per_microbatch`), each packed
+  with sequences of the longest length the datasets allow (whole pairs for `laden dpo` / `laden
+  rw`), `min_micro_batches` of them (the roundpipe engine parks activations per micro-batch), two
+  steps (`TRAINING_STEPS`: the second's forward runs with the optimizer's states allocated, as
+  every later step does); the loss is the configured cross-entropy, or the pair job's own (an RL
+  objective's extra per-token fields are a few bytes a token);
 - generation (`laden rl` with the native engine): the engine built beside the trainer as the RL
   trainer builds it (its KV cache then fills what `native.mem_fraction_static` leaves after
   the trainer), then `max_concurrent_rollouts` requests of the longest prompt, each generating
@@ -35,6 +37,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,27 +130,50 @@ def _reset_host_peak() -> int | None:
 
 
 def worst_case_micro_batches(cfg: Any, vocab_size: int, *, seed: int = 0) -> list[Any]:
-    """Micro-batches of the full token budget, packed with the longest sequences (random tokens)."""
+    """Micro-batches of the full token budget, packed with the longest sequences (random tokens); for
+    `laden dpo` / `laden rw` whole pairs of two longest sides (DPO's with reference log-probs)."""
     from laden.data.batch import pack_samples
     from laden.engine.backend import resolve_backend
-    from laden.memory.estimate import longest_sequence, tokens_per_microbatch
+    from laden.memory.estimate import longest_sequence, sequences_per_sample, tokens_per_microbatch
 
     tokens = tokens_per_microbatch(cfg)
-    longest = min(tokens, longest_sequence(cfg))
+    per = sequences_per_sample(cfg)
+    longest = min(tokens // per, longest_sequence(cfg))
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(max(1, resolve_backend(cfg).min_micro_batches(cfg))):
+        if per == 2:
+            out.append(_worst_case_pairs(cfg, vocab_size, tokens // (2 * longest), longest, gen))
+            continue
         lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest > 1 else [])
         samples = [(torch.randint(0, vocab_size, (n,), generator=gen).tolist(), [1] * n) for n in lengths]
         out.append(pack_samples(samples))
     return out
 
 
-def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
+def _worst_case_pairs(cfg: Any, vocab: int, count: int, length: int, gen: torch.Generator) -> Any:
+    from laden.align.data import Pair, pack_pairs
+
+    def side() -> Any:
+        return torch.randint(0, vocab, (length,), generator=gen).tolist(), [0] + [1] * (length - 1)
+
+    dpo = cfg.train_dataset.type == "dpo"
+    pairs = [Pair(side(), side(), ([-1.0] * length, [-1.0] * length) if dpo else None) for _ in range(count)]
+    return pack_pairs(pairs, with_ref=dpo)
+
+
+StepBuilder = Callable[[Any, Any, str], tuple[Any, Callable[[list[Any]], float]]]
+"""`(cfg, runtime, job) -> (the policy's engine, one optimizer step of every trained model on given
+micro-batches, returning the policy's loss)`: the engines built as `job` builds them
+(`laden.profile_steps.training_step`, which the CLI passes: it builds `laden rl`'s and the pair jobs'
+models, packages that sit above this one)."""
+
+
+def profile_phases(cfg: Any, *, job: str, training_step: StepBuilder) -> list[Measured]:
     """Run each phase of `job` once at its worst case in this process and measure it (module docstring)."""
     from laden.engine.backend import resolve_backend
     from laden.engine.device import trim_host_heap
-    from laden.engine.runtime import batch_device, load_model, seed_everything, start_runtime
+    from laden.engine.runtime import batch_device, seed_everything, start_runtime
 
     backend = resolve_backend(cfg)
     rt = start_runtime(backend, cpu=cfg.cluster.on_cpu)
@@ -160,15 +186,12 @@ def profile_phases(cfg: Any, *, job: str) -> list[Measured]:
     device = torch.device(rt.device)
     results: list[Measured] = []
     with _Phase("training", device, gpu_from_zero=True) as phase:
-        model = load_model(cfg, rt, backend)
-        engine = backend.build(cfg, model, total_steps=1, device=rt.device)
-        del model
+        engine, step = training_step(cfg, rt, job)
         vocab = _vocab(cfg)
         mbs = [mb.to(batch_device(backend, rt)) for mb in worst_case_micro_batches(cfg, vocab)]
         for _ in range(TRAINING_STEPS):
-            out = engine.train_batch(mbs, global_num_loss_tokens=sum(mb.num_loss_tokens for mb in mbs))
-            loss = float(out["loss"])
-        del mbs
+            loss = step(mbs)
+        del mbs  # `step` keeps the models beside the policy alive through generation, as `laden rl` does
     assert phase.result is not None
     results.append(phase.result)
     log.info(

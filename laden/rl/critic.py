@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from laden.config import LadenConfig
+from laden.config.model_configs import critic_engine_config
 from laden.data import PackedBatch, unpack
 from laden.data.batch import IGNORE_INDEX
 from laden.engine.backend import resolve_backend
@@ -93,29 +94,6 @@ def _field(batch: PackedBatch, name: str) -> torch.Tensor:
             f"pack_samples(..., fields={{{name!r}: ...}})"
         ) from None
     return value.float()
-
-
-def critic_engine_config(cfg: LadenConfig) -> LadenConfig:
-    """`cfg` with `actor` carrying the critic's engine settings (unset ones stay the actor's): what
-    `load_model` and `build_engine` read."""
-    c, a = cfg.critic, cfg.actor
-    assert c is not None, "critic_engine_config needs a critic section"
-
-    def own(value: Any, actor_value: Any) -> Any:
-        return actor_value if value is None or value == "" else value
-
-    actor = dataclasses.replace(
-        a, path=own(c.path, a.path), init_from_config=own(c.init_from_config, a.init_from_config),
-        backend=own(c.backend, a.backend), dtype=own(c.dtype, a.dtype),
-        optimizer_dtype=own(c.optimizer_dtype, a.optimizer_dtype),
-        gradient_checkpointing=own(c.gradient_checkpointing, a.gradient_checkpointing),
-        mb_spec=own(c.mb_spec, a.mb_spec), optimizer=own(c.optimizer, a.optimizer), fsdp=own(c.fsdp, a.fsdp),
-        roundpipe=own(c.roundpipe, a.roundpipe), archon=own(c.archon, a.archon),
-    )  # fmt: skip
-    if any(f.name == "use_lora" for f in dataclasses.fields(actor)):
-        # the critic trains all its weights: its head is new
-        actor = dataclasses.replace(actor, use_lora=False)
-    return dataclasses.replace(cfg, actor=actor)
 
 
 class Critic:

@@ -4,7 +4,7 @@
 Both are built the same way (`frozen_engine`): loaded as the actor's model is (`load_model`: the
 engine's loader, its patches), on the actor's engine and layout (`actor.backend`) in the actor's
 processes, and never stepped: their weights are stored in the compute dtype with no master copy and no
-optimizer state (`_never_stepped`). Under `roundpipe` they live in host memory and stream through the
+optimizer state (`never_stepped`). Under `roundpipe` they live in host memory and stream through the
 GPU as the policy does; under `fsdp` and `archon` they are sharded as the policy is. `score` adds their
 log-probs of the labels to the policy's micro-batches as a per-token field, the same call the
 trainer's own recomputed log-probs use. The reference model is the initial policy (`actor.path`); the
@@ -14,7 +14,6 @@ teacher is `teacher.path` (`teacher_engine_config`), whose tokenizer must agree 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from laden.config import LadenConfig
+from laden.config.model_configs import never_stepped, teacher_engine_config
 from laden.data import PackedBatch
 from laden.engine.runtime import load_model
 
@@ -37,24 +37,12 @@ def frozen_engine(
     check: Callable[[nn.Module], None] | None = None,
 ) -> Any:
     """An engine over the model `cfg.actor` names, on `backend` (the actor's engine), never stepped
-    (`_never_stepped`); `check(model)` runs on the loaded model before the engine takes it."""
-    cfg = _never_stepped(cfg)
+    (`never_stepped`); `check(model)` runs on the loaded model before the engine takes it."""
+    cfg = never_stepped(cfg)
     model = load_model(cfg, rt, backend)
     if check is not None:
         check(model)
     return backend.build(cfg, model, total_steps=total_steps, device=rt.device)
-
-
-def _never_stepped(cfg: LadenConfig) -> LadenConfig:
-    """`cfg` for a model that is never stepped: its weights stored in the compute dtype (no fp32 masters
-    beside them) and a stateless optimizer (SGD without momentum), so it holds its weights and nothing else.
-    The weights computed with are the same: the compute copy is the checkpoint cast to `actor.dtype` either way."""
-    a = cfg.actor
-    optimizer = dataclasses.replace(a.optimizer, type="sgd", momentum=0.0)
-    storage = a.dtype if a.dtype in ("float32", "bfloat16") else a.optimizer_dtype  # float16: fp32 masters
-    return dataclasses.replace(
-        cfg, actor=dataclasses.replace(a, optimizer_dtype=storage, optimizer=optimizer)
-    )
 
 
 def score(engine: Any, mbs: list[PackedBatch], name: str, *, temperature: float) -> None:
@@ -62,18 +50,6 @@ def score(engine: Any, mbs: list[PackedBatch], name: str, *, temperature: float)
     outs = engine.forward(mbs, outputs=("logprobs",), temperature=temperature)
     for i, (mb, out) in enumerate(zip(mbs, outs)):
         mbs[i] = mb.with_fields(**{name: out["logprobs"].to(mb.labels.device)})
-
-
-def teacher_engine_config(cfg: LadenConfig) -> LadenConfig:
-    """`cfg` with `actor` naming the teacher's model (path, revision, random init, dtype) and no LoRA:
-    what `load_model` and the engine's `build` read; every engine setting stays the actor's."""
-    t = cfg.teacher
-    assert t is not None, "teacher_engine_config needs a teacher section"
-    actor = dataclasses.replace(
-        cfg.actor, path=t.path, revision=t.revision, init_from_config=t.init_from_config,
-        dtype=t.dtype or cfg.actor.dtype, use_lora=False, lora_path=None,
-    )  # fmt: skip
-    return dataclasses.replace(cfg, actor=actor)
 
 
 def teacher_temperature(cfg: LadenConfig) -> float:

@@ -47,6 +47,11 @@ class FsdpBackend(TrainBackend):
 
         return FsdpTraining(model)
 
+    def frozen_estimator(self, model: Any = None) -> MemoryEstimator:
+        from laden.engine.fsdp.estimate import FsdpFrozen
+
+        return FsdpFrozen(model)
+
     def oom_fixes(self, cfg: LadenConfig, *, tokens_per_mb: int, longest_seq: int) -> list[str]:
         fixes = super().oom_fixes(cfg, tokens_per_mb=tokens_per_mb, longest_seq=longest_seq)
         if not cfg.actor.fsdp.offload_params:

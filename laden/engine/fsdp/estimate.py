@@ -108,3 +108,30 @@ class FsdpTraining:
             total = max(0, total + head - parts[1].gpu)
         parts.append(Component(f"activations above the gradients{recompute}", gpu=total, exact=False))
         return PhaseEstimate("training", f"fsdp ({cfg.actor.backend})", parts)
+
+
+class FsdpFrozen:
+    """A never-stepped model on the fsdp engine (`laden.rl.scoring.frozen_engine`): its weights at the
+    never-stepped config's storage dtype, sharded as the policy's are, where the policy's parameters live
+    (the host under `actor.fsdp.offload_params`); no gradients (no backward runs) and no optimizer state.
+    Its forwards' activations come and go before the policy's step and are not counted."""
+
+    def __init__(self, model: Any = None) -> None:
+        self.model = model
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
+        from laden.engine.backend import resolve_backend
+
+        mode = resolve_backend(cfg).mode
+        shards = mode.dp * mode.cp * mode.tp
+        dtype = master_dtype(cfg)
+        offloaded = cfg.actor.fsdp.offload_params
+        weights = math.ceil(shapes.num_params / shards) * dtype.itemsize
+        name = f"weights ({str(dtype).removeprefix('torch.')})"
+        parts = [Component(name, gpu=0 if offloaded else weights, host=weights if offloaded else 0)]
+        if not offloaded and not (shards > 1 and cfg.actor.fsdp.memory_efficient_load):
+            loaded = Component(
+                "host: the model as loaded", host=shapes.num_params * dtype.itemsize, load_time=True
+            )
+            parts += [loaded, *checkpoint_pages(cfg)]
+        return PhaseEstimate("frozen", f"fsdp ({cfg.actor.backend})", parts)

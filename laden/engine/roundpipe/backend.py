@@ -64,6 +64,11 @@ class RoundPipeBackend(TrainBackend):
 
         return RoundPipeTraining(model, gpu_capacity)
 
+    def frozen_estimator(self, model: Any = None) -> MemoryEstimator:
+        from laden.engine.roundpipe.estimate import RoundPipeFrozen
+
+        return RoundPipeFrozen(model)
+
     def host_oom_fixes(self, cfg: LadenConfig) -> list[str]:
         rp, fixes = cfg.actor.roundpipe, []
         if rp.pin_model == "alloc":

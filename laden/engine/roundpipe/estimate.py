@@ -12,6 +12,7 @@ from laden.engine.estimates import (
     ModelShapes,
     PhaseEstimate,
     checkpoint_pages,
+    loss_chunk_tokens,
     meta_model,
     tokens_per_microbatch,
 )
@@ -52,7 +53,7 @@ class RoundPipeTraining:
             model, optim=OptimSettings.from_config(cfg.actor.optimizer, 1), compute_dtype=torch_dtype(cfg.actor.dtype),
             optimizer_dtype=torch_dtype(cfg.actor.optimizer_dtype), recompute_grain=rp.recompute_grain,
             max_tokens_per_mb=tokens, model_memory_limit=limit, gpu_capacity=self.gpu_capacity,
-            loss_chunk_size=cfg.actor.loss_chunk_size if cfg.actor.chunked_loss else tokens,
+            loss_chunk_size=loss_chunk_tokens(cfg, tokens),
         )  # fmt: skip
         stages = f"{len(plan.fwd_plan)} forward + {len(plan.bwd_plan)} backward stages"
         parts.append(
@@ -61,3 +62,34 @@ class RoundPipeTraining:
             )
         )
         return PhaseEstimate("training", f"roundpipe ({cfg.actor.backend})", parts)
+
+
+FROZEN_KINDS = ("weights", "weights_stale", "master", "buffers", "pinned_rounding")
+"""The host store's kinds a never-stepped model holds: its gradient inboxes are allocated at its first
+backward, which never runs (the never-stepped config steps synchronously: no second inbox at build)."""
+
+
+class RoundPipeFrozen:
+    """A never-stepped model on the roundpipe engine (`laden.rl.scoring.frozen_engine`): its host store's
+    weights (exact, `roundpipe.host.memory`); the GPU holds its stages only while it scores, before the
+    policy's step."""
+
+    def __init__(self, model: Any = None) -> None:
+        self.model = model
+
+    def estimate(self, cfg: Any, shapes: ModelShapes) -> PhaseEstimate:
+        from laden.engine.roundpipe.host.memory import predict_engine_host_bytes
+        from laden.model.dtypes import torch_dtype
+        from laden.optim import OptimSettings
+
+        rp = cfg.actor.roundpipe
+        model = self.model if self.model is not None else meta_model(cfg.actor.path)
+        by_kind = predict_engine_host_bytes(
+            model, optim=OptimSettings.from_config(cfg.actor.optimizer, 1), compute_dtype=torch_dtype(cfg.actor.dtype),
+            optimizer_dtype=torch_dtype(cfg.actor.optimizer_dtype), pin_model=rp.pin_model, optim_step=rp.optim_step,
+            pinned=torch.cuda.is_available(),
+        )  # fmt: skip
+        parts = [
+            Component(f"host: {kind}", host=b) for kind, b in by_kind.items() if b and kind in FROZEN_KINDS
+        ]
+        return PhaseEstimate("frozen", f"roundpipe ({cfg.actor.backend})", parts + checkpoint_pages(cfg))
