@@ -180,3 +180,30 @@ def test_the_cpu_profile_measures_the_models_beside_the_policy(tmp_path):
         "generation",
     ):  # the targets of benchmarks/plan_accuracy.py: the host within 15%
         assert abs(phases[phase]["host_error"]) <= 0.15, (phase, phases[phase])
+
+
+def test_only_laden_sft_plans_whole_logits_for_chunked_loss_false(tmp_path):
+    """`actor.chunked_loss` is read by `laden sft` alone: the other jobs' losses are always chunked."""
+    from laden.config import load_config
+    from laden.engine.estimates import layer_activations
+    from laden.memory.estimate import patched_meta_model
+
+    def loss_transient(cfg):  # the head step's: the loss's logits
+        return layer_activations(patched_meta_model(cfg), cfg, 512)[-1][1]
+
+    rl = [
+        tiny_rl_config(tmp_path, f"actor.chunked_loss={v}", "actor.loss_chunk_size=8")
+        for v in ("false", "true")
+    ]
+    assert loss_transient(rl[0]) == loss_transient(rl[1])
+    path = _pair_config(tmp_path, "dpo")
+    dpo = [load_config(str(path), [f"actor.chunked_loss={v}", "actor.loss_chunk_size=8"], job="dpo")
+           for v in ("false", "true")]  # fmt: skip
+    assert loss_transient(dpo[0]) == loss_transient(dpo[1])
+    sft = [load_config(str(ASSETS / "sft_tiny.yaml"), [
+        f"actor.path={TINY}", f"train_dataset.path={ASSETS / 'sft_tiny_train.jsonl'}",
+        f"valid_dataset.path={ASSETS / 'sft_tiny_valid.jsonl'}", "actor.loss_chunk_size=8",
+        f"actor.chunked_loss={v}"], job="sft") for v in ("false", "true")]  # fmt: skip
+    assert loss_transient(sft[0]) > 10 * loss_transient(
+        sft[1]
+    )  # laden sft reads it: 512 tokens' logits, not 8
