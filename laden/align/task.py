@@ -39,7 +39,7 @@ import torch
 from laden.align.data import Pair, build_pairs, pack_pairs
 from laden.align.objectives import DPOObjective, DPOSettings, PairwiseRewardObjective
 from laden.config import DatasetConfig, LadenConfig
-from laden.config.validate_pairs import longest_side
+from laden.config.validate_actor import longest_max_length
 from laden.data import partition_microbatches, read_dataset, unpack
 from laden.data.overlap import prompt_overlap
 from laden.engine.runtime import OOMRetry, Runtime, batch_device, shard_for_rank
@@ -116,7 +116,7 @@ class PairTask:
     def budget(self) -> int:
         """Tokens per micro-batch: `actor.mb_spec.max_tokens_per_mb`, unset twice the longer `max_length` of the
         training and validation sets (a pair's two sides share a micro-batch)."""
-        return self.cfg.actor.mb_spec.max_tokens_per_mb or 2 * longest_side(self.cfg)
+        return self.cfg.actor.mb_spec.max_tokens_per_mb or 2 * longest_max_length(self.cfg)
 
     # ------------------------------------------------------------------ reference log-probs (DPO)
     def setup(
@@ -186,7 +186,7 @@ class PairTask:
             raise ValueError(
                 f"a pair of {longest} tokens (chosen + rejected, which share a micro-batch) exceeds "
                 f"actor.mb_spec.max_tokens_per_mb={budget}; raise it to at least {longest} (2 * the datasets' "
-                f"max_length holds every pair: {2 * longest_side(self.cfg)})"
+                f"max_length holds every pair: {2 * longest_max_length(self.cfg)})"
             )
         bins = partition_microbatches(
             [pairs[i].num_tokens for i in indices], max_tokens_per_mb=budget,

@@ -141,7 +141,7 @@ class MicroBatchSpec:
     """How a batch is split into micro-batches for forward/backward."""
 
     max_tokens_per_mb: int | None = None
-    """Token budget per micro-batch, the main training-memory knob; None = max_length (+ max_new_tokens for RL);
+    """Token budget per micro-batch, the main training-memory knob; None = the longer max_length of train_dataset and valid_dataset (twice it for dpo / rw pairs; RL: train_dataset.max_length + max_new_tokens);
     `auto` (the actor's): the largest whole number of longest sequences whose predicted training peak fits (`laden.memory.auto`)."""
     n_mbs: int = 1
     """Minimum number of micro-batches per step."""

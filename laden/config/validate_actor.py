@@ -12,19 +12,32 @@ import warnings
 from laden.config.schema import LadenConfig
 from laden.config.validate_alloc import parse_or_none
 
-__all__ = ["fused_errors", "lora_errors", "micro_batch_errors", "warn_lora", "warn_optimizer"]
+__all__ = [
+    "fused_errors", "longest_max_length", "lora_errors", "micro_batch_errors", "warn_lora", "warn_optimizer",
+]  # fmt: skip
+
+
+def longest_max_length(cfg: LadenConfig) -> int:
+    """The larger `max_length` of `train_dataset` and `valid_dataset`: the longest sequence (a pair's longest
+    side) the micro-batch budget must hold in `laden sft`, `laden dpo` and `laden rw`, whose evaluation packs
+    the validation set under the training budget."""
+    valid = cfg.valid_dataset
+    return max(cfg.train_dataset.max_length, valid.max_length if valid is not None else 0)
 
 
 def micro_batch_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
-    """A micro-batch must hold the longest sequence: max_length (+ max_new_tokens for RL)."""
+    """A micro-batch must hold the longest sequence: for RL the prompt budget + max_new_tokens, else the longer
+    max_length of the training and validation sets (`longest_max_length`)."""
     budget = cfg.actor.mb_spec.max_tokens_per_mb
     if budget is None:
         return []
-    need = cfg.train_dataset.max_length
-    terms = "train_dataset.max_length"
     if rl:
-        need += cfg.gconfig.max_new_tokens
-        terms += " + gconfig.max_new_tokens"
+        need = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+        terms = "train_dataset.max_length + gconfig.max_new_tokens"
+    else:
+        need = longest_max_length(cfg)
+        longer = "valid_dataset" if need > cfg.train_dataset.max_length else "train_dataset"
+        terms = f"{longer}.max_length"
     if budget >= need:
         return []
     return [

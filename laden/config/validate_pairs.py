@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from laden.config.alloc import AllocationMode
 from laden.config.schema import LadenConfig
+from laden.config.validate_actor import longest_max_length
 
 PAIR_JOBS = ("dpo", "rw")
 
@@ -18,13 +19,6 @@ def pair_job(cfg: LadenConfig, job: str) -> str | None:
     """The pair job `job` names (or, for `any`, the training data's type), else None."""
     kind = cfg.train_dataset.type if job == "any" else job
     return kind if kind in PAIR_JOBS else None
-
-
-def longest_side(cfg: LadenConfig) -> int:
-    """The longest side of a pair the datasets keep: the larger `max_length` of `train_dataset` and
-    `valid_dataset` (the validation pairs share the micro-batch budget)."""
-    valid = cfg.valid_dataset
-    return max(cfg.train_dataset.max_length, valid.max_length if valid is not None else 0)
 
 
 def pair_errors(cfg: LadenConfig, job: str) -> list[str]:
@@ -38,7 +32,7 @@ def pair_errors(cfg: LadenConfig, job: str) -> list[str]:
         errors.append(
             f"valid_dataset.type={valid.type!r} but the job trains on {kind!r} pairs; set valid_dataset.type: {kind}"
         )
-    budget, need = cfg.actor.mb_spec.max_tokens_per_mb, 2 * longest_side(cfg)
+    budget, need = cfg.actor.mb_spec.max_tokens_per_mb, 2 * longest_max_length(cfg)
     if budget is not None and budget < need:
         name = "valid_dataset" if need > 2 * cfg.train_dataset.max_length else "train_dataset"
         errors.append(

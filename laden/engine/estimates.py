@@ -156,11 +156,11 @@ def longest_sequence(cfg: Any) -> int:
     """The longest sequence a micro-batch must hold: for RL the prompt budget plus `max_new_tokens`; for
     the other jobs the longer `max_length` of `train_dataset` and `valid_dataset` (their evaluation packs
     under the same budget)."""
-    from laden.config.validate_pairs import longest_side
+    from laden.config.validate_actor import longest_max_length
 
     if cfg.train_dataset.type == "rl":
         return cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
-    return longest_side(cfg)
+    return longest_max_length(cfg)
 
 
 def sequences_per_sample(cfg: Any) -> int:

@@ -35,6 +35,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from laden.config import DatasetConfig, LadenConfig, dump_config, format_config
+from laden.config.validate_actor import longest_max_length
 from laden.data import (
     GlobalBatchIterator,
     PackedBatch,
@@ -97,8 +98,9 @@ class SFTResult:
 
 
 def budget(cfg: LadenConfig) -> int:
-    """Tokens per micro-batch: `actor.mb_spec.max_tokens_per_mb` or, unset, `train_dataset.max_length`."""
-    return cfg.actor.mb_spec.max_tokens_per_mb or cfg.train_dataset.max_length
+    """Tokens per micro-batch: `actor.mb_spec.max_tokens_per_mb` or, unset, the longer `max_length` of the
+    training and validation sets (the evaluation packs the validation samples under the same budget)."""
+    return cfg.actor.mb_spec.max_tokens_per_mb or longest_max_length(cfg)
 
 
 def prepare_data(ds: DatasetConfig, tokenizer: Any, name: str):
