@@ -16,6 +16,8 @@ from laden.cli import main
 from laden.config import load_config
 from laden.engine.checkpoint import checkpoint_tensors
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY_SFT = "laden/assets/sft_tiny.yaml"
 
 

@@ -20,6 +20,8 @@ from laden.engine.backend import _REGISTRY, TrainBackend, register_train_backend
 from laden.engine.fsdp.backend import FsdpBackend
 from laden.rollout.backend import resolve_rollout
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LADEN = ROOT / "laden"
 RESOLVERS = {LADEN / "engine" / "backend.py", LADEN / "rollout" / "backend.py"}
 PARSE = re.compile(
@@ -120,7 +122,7 @@ def test_a_fourth_engine_is_one_class_and_one_registry_line(tmp_path, monkeypatc
     register_train_backend("toy", lambda: ToyBackend, dims="d")
     assert main(["sft", "--no-progress", "--config", str(ASSETS / "sft_tiny.yaml"), f"actor.path={ASSETS / 'tiny'}",
                  f"train_dataset.path={ASSETS / 'sft_tiny.jsonl'}", f"cluster.fileroot={tmp_path}",
-                 "total_train_steps=2", "actor.backend=toy:d1"]) == 0  # fmt: skip
+                 "total_train_steps=2", "actor.backend=toy:d1", "valid_dataset=null"]) == 0  # fmt: skip
     assert built == [1]
     cfg = load_config(
         str(ASSETS / "sft_tiny.yaml"), [f"actor.path={ASSETS / 'tiny'}", "actor.backend=toy:d1"]

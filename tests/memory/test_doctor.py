@@ -11,6 +11,8 @@ from laden.config import load_config
 from laden.engine.oom import PhaseOOMError, TrainingOOMError
 from laden.memory.doctor import classify, diagnose
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GPU_OOM = """Traceback (most recent call last):
   File "/opt/laden/laden/rl/trainer.py", line 612, in _train_on
     loss = self.engine.forward_backward(mbs, self.objective, normalizer=n)

@@ -25,7 +25,10 @@ from laden.model.attention import set_attention
 from laden.model.patches.compiled import compiled_layer_count, disable_compiled_layers, enable_compiled_layers
 
 TIGHT = dict(rtol=1e-5, atol=1e-6)
-pytestmark = pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:the largest layer needs .* activations of:UserWarning"),
+]
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,8 @@ from laden.cli import EXIT_USAGE, main
 from laden.config import ConfigError, load_config
 from laden.model.hf import hub
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 huggingface_hub = pytest.importorskip("huggingface_hub")
 constants = pytest.importorskip("huggingface_hub.constants")
 

@@ -16,6 +16,8 @@ from laden.model.attention import set_attention
 from laden.optim import OptimSettings
 from laden.sft.trainer import run_sft
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ASSETS_DATA = "laden/assets/sft_tiny.jsonl"
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from laden.cli import _embedded_default, main
 from laden.config import load_config
 from laden.data import read_dataset
 from laden.data.overlap import prompt_overlap
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _default(*overrides: str):

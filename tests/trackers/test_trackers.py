@@ -18,6 +18,8 @@ from rl_runs import tiny_rl_config
 from laden.config import LadenConfig, load_config
 from laden.trackers import AREAL_NAMES, Trackers, check_trackers, tracker_row
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = ROOT
 AREAL = REPO / "tests" / "support" / "areal_configs"
 ROWS = [

@@ -17,6 +17,8 @@ from workers import run_workers
 
 from laden.engine.archon.pipeline import pad_to, padded_count, stage_bounds
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LENGTHS = ([7, 9, 5], [12, 3], [8, 8], [6, 4, 4])
 
 
