@@ -92,7 +92,6 @@ RL = (
 SERVED = ("rollout.backend=vllm:d1", "actor.weight_update_mode=disk", "gconfig.max_new_tokens=6")
 
 
-@pytest.mark.slow  # the launch is the other tests'; native:d2 in two processes is test_rl_trainer's
 def test_rl_on_two_nodes_with_an_engine_per_process(tmp_path):
     """native:d2: each node's process generates half of each batch."""
     _sbatch(tmp_path, "rl", *RL, "actor.backend=fsdp:d2", "rollout.backend=native:d2")
@@ -101,9 +100,13 @@ def test_rl_on_two_nodes_with_an_engine_per_process(tmp_path):
     assert all(r["completions"] == 32 for r in rows) and rows[-1]["trained"] == 64
 
 
+@pytest.mark.slow
 def test_rl_on_two_nodes_with_a_server_elsewhere_equals_one_process(tmp_path):
     """Rank 0 (node 0) drives the one server for both nodes: it loads each version once, and the run
-    generates and trains what one process does."""
+    generates and trains what one process does. Slow: the default tier's two-node launch of `laden rl` is
+    test_rl_on_two_nodes_with_an_engine_per_process; rank 0 driving a server started elsewhere for two
+    trainer processes, equal to one process, is tests/rl/test_rl_servers_ranks.py's
+    test_two_trainer_processes_generate_on_rank_zero_what_one_process_does."""
     with FakeVLLM() as fake:
         want = _one_process(tmp_path, "rl", *RL, *SERVED, f"rollout.server_urls=[{fake.url}]")
     with FakeVLLM() as fake:
@@ -118,9 +121,13 @@ def test_rl_on_two_nodes_with_a_server_elsewhere_equals_one_process(tmp_path):
         assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5, abs_tol=1e-6), g["step"]
 
 
+@pytest.mark.slow
 def test_rl_with_a_server_node_of_its_own(tmp_path):
     """Three nodes: `laden serve` on the first starts the server rollout.server_urls names there (the trainers
-    wait for it to answer), the other two train; the servers end with the job."""
+    wait for it to answer), the other two train; the servers end with the job. Slow: in the default tier,
+    `laden serve` starting the servers named on its node is tests/rollout/test_rollout_server_urls.py's
+    test_laden_serve_starts_the_servers_the_config_names_on_this_node, trainers on servers started elsewhere
+    tests/rl/test_rl_servers_ranks.py's, and the two-node launches the other tests here."""
     port = free_port()
     out = _sbatch(
         tmp_path, "rl", *RL, *SERVED, "actor.backend=fsdp:d2", f"rollout.server_urls=[localhost:{port}]",

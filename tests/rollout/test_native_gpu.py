@@ -80,6 +80,7 @@ want = [reference_greedy(model, p, 4, set()) for p in prompts]
 options = [{}, {"triton_swiglu.IN_DECODE": True}, {"triton_decode.HEADS_PER_PROGRAM": 2},
            {"triton_decode.PREFETCH_TABLE": True}, {"triton_sampler.METHOD": "cdf"}]
 options.append({key: value for opt in options for key, value in opt.items()})  # all of them together
+options = [options[0], options[-1]] if WHICH == "defaults_and_all" else options[1:-1]
 for opt in options:
     kernel_options = KernelOptions()
     for target, value in opt.items():
@@ -102,13 +103,20 @@ print("ok")
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
-def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter():
+@pytest.mark.parametrize(
+    "which",
+    # slow: each option alone. In the default tier every option's kernel runs here with the others
+    # (all together), and alone at the kernel level: test_triton_kernel_in_the_interpreter (heads per
+    # program, prefetched table), tests/rollout/test_triton_swiglu.py, tests/rollout/test_triton_sampler.py (cdf)
+    ["defaults_and_all", pytest.param("each_alone", marks=pytest.mark.slow)],
+)
+def test_the_fused_decode_layer_with_every_kernel_option_in_the_interpreter(which):
     """The whole fused decode path on the CPU in fp32 under Triton's interpreter, its real kernels
     (the split-K linear for every projection, `rope_store`, paged attention, the fused sampler), with
     the defaults, with each option the benchmark compares and with all of them together (the
     benchmark's pick may join them): greedy tokens equal the reference loop's, sampled tokens'
     log-probs the teacher-forced ones, and no path falls back."""
-    done = interpret(FUSED_IN_THE_INTERPRETER, timeout=600)
+    done = interpret(f"WHICH = {which!r}\n{FUSED_IN_THE_INTERPRETER}", timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
