@@ -13,6 +13,8 @@ from laden.cli import main
 from laden.config import load_config
 from laden.model.hf.loading import count_text
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_version_and_help(capsys):
     with pytest.raises(SystemExit) as done:

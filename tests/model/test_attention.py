@@ -23,6 +23,8 @@ from laden.model.attention import (
     varlen_attention_forward,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DOC_LENGTHS = (5, 11, 8)
 
 

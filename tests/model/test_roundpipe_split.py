@@ -17,6 +17,8 @@ from transformers import (
 
 from laden.model.split import causal_lm_loss, shift_labels, split_causal_lm
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 
