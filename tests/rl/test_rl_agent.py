@@ -100,6 +100,16 @@ def test_a_dict_reward_is_assigned_per_completion_then_discounted():
     assert [c.reward for c in session.completed()] == pytest.approx([1.0 + 0.9 * 0.9 * 2.0, 0.9 * 2.0, 2.0])
     with pytest.raises(KeyError, match="'nope' is not a call of this episode"):
         session.assign({"nope": 1.0})
+
+
+def test_a_dict_reward_for_an_unanswered_call_is_reported_as_dropped(caplog):
+    session = Session("k")
+    session.add(call("c0", [1], [2]))
+    session.add(Interaction(id="c1", api="chat", prompt_ids=[1]))  # failed: never answered
+    with caplog.at_level("WARNING"):
+        session.assign({"c0": 1.0, "c1": 5.0})
+    assert "rewards for 1 unanswered call(s) (c1) are dropped" in caplog.text
+    assert [c.id for c in session.completed()] == ["c0"] and session.completed()[0].reward == 1.0
     with pytest.raises(TypeError, match="must return a number"):
         session.assign("high")
 

@@ -98,6 +98,13 @@ class Session:
         if isinstance(rewards, Mapping):
             for cid, value in rewards.items():
                 self.set_reward(str(cid), _number(value, f"the reward of {cid!r}"))
+            unanswered = [str(cid) for cid in rewards if not self.interactions[str(cid)].done]
+            if unanswered:  # a failed or aborted call is never exported, so neither is its reward
+                log.warning(
+                    "session %s: the agent's rewards for %d unanswered call(s) (%s) are dropped with them (a failed "
+                    "or aborted call is not trained on); the answered calls keep theirs",
+                    self.key, len(unanswered), ", ".join(unanswered[:4]),
+                )  # fmt: skip
             return
         value = _number(rewards, "the agent's result")
         done = self.completed()
