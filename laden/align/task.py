@@ -93,9 +93,13 @@ class PairTask:
 
     def _report_overlap(self) -> None:
         """Held-out pairs whose prompt (or, without a prompt column, chosen text) is also a training one."""
-        ds = self.cfg.train_dataset
-        key = ds.prompt_key if any(ds.prompt_key in r for r in self.records["train"][:1]) else ds.chosen_key
-        overlap = prompt_overlap(self.records["train"], self.records["valid"], prompt_key=key)
+        train, valid = self.records["train"], self.records["valid"]
+        assert self.cfg.valid_dataset is not None
+        keys = [
+            _prompt_column(ds, rows)
+            for ds, rows in ((self.cfg.train_dataset, train), (self.cfg.valid_dataset, valid))
+        ]
+        overlap = prompt_overlap(train, valid, prompt_key=keys[0], held_out_key=keys[1])
         if overlap.num_shared:
             log.warning("valid_dataset: %s; held-out pair accuracy on them measures memory, not "
                         "generalisation", overlap.summary())  # fmt: skip
@@ -249,6 +253,11 @@ class PairTask:
             engine.export_hf(out_dir, tokenizer=tokenizer, convert=as_classifier)
         else:
             engine.export_hf(out_dir, tokenizer=tokenizer)
+
+
+def _prompt_column(ds: DatasetConfig, rows: Sequence[Any]) -> str:
+    """The column a dataset's pairs are compared by: its own `prompt_key`, or without one its `chosen_key`."""
+    return ds.prompt_key if any(ds.prompt_key in r for r in rows[:1]) else ds.chosen_key
 
 
 def pairs_digest(pairs: Sequence[Pair]) -> str:

@@ -60,9 +60,15 @@ class Overlap:
 
 
 def prompt_overlap(
-    train: Iterable[Mapping[str, Any]], held_out: Iterable[Mapping[str, Any]], prompt_key: str | None = None
+    train: Iterable[Mapping[str, Any]],
+    held_out: Iterable[Mapping[str, Any]],
+    prompt_key: str | None = None,
+    held_out_key: str | None = None,
 ) -> Overlap:
-    """Compare the prompts of `held_out` with those of `train` (see the module docstring)."""
+    """Compare the prompts of `held_out` with those of `train` (see the module docstring). `prompt_key`: the
+    training rows' prompt field, `held_out_key` the held-out rows' (each dataset names its own; default:
+    `prompt_key`); None: the first of `PROMPT_FIELDS` a row has."""
+    held_out_key = held_out_key if held_out_key is not None else prompt_key
     exact: set[str] = set()
     loose: set[str] = set()
     for row in train:
@@ -73,7 +79,7 @@ def prompt_overlap(
     counted = shared = identical = 0
     examples: list[str] = []
     for row in held_out:
-        text = prompt_text(row, prompt_key)
+        text = prompt_text(row, held_out_key)
         if text is None:
             continue
         counted += 1

@@ -81,10 +81,14 @@ def _held_out(
 
 
 def check_disjoint(
-    train: Sequence[Mapping[str, Any]], held_out: Sequence[Mapping[str, Any]], prompt_key: str
+    train: Sequence[Mapping[str, Any]],
+    held_out: Sequence[Mapping[str, Any]],
+    prompt_key: str,
+    held_out_key: str,
 ) -> None:
-    """Warn when held-out prompts are also training prompts: their accuracy would measure recall, not learning."""
-    overlap = prompt_overlap(train, held_out, prompt_key)
+    """Warn when held-out prompts are also training prompts: their accuracy would measure recall, not learning.
+    `prompt_key` and `held_out_key`: each dataset's own prompt field."""
+    overlap = prompt_overlap(train, held_out, prompt_key, held_out_key)
     if overlap.num_shared:
         log.warning(
             "valid_dataset: %s; evaluator.generate's accuracy counts them too. Remove them from valid_dataset for "
@@ -144,9 +148,8 @@ class HeldOutAccuracy:
 
         held_out = read_dataset(cfg.valid_dataset, field="valid_dataset")
         if is_main:
-            check_disjoint(
-                read_dataset(cfg.train_dataset, field="train_dataset"), held_out, cfg.train_dataset.prompt_key
-            )
+            train = read_dataset(cfg.train_dataset, field="train_dataset")
+            check_disjoint(train, held_out, cfg.train_dataset.prompt_key, cfg.valid_dataset.prompt_key)
         ds = cfg.valid_dataset
         keys = {
             "prompt_key": ds.prompt_key,

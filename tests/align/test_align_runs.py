@@ -244,3 +244,21 @@ def test_rows_without_a_prompt_take_the_common_prefix_as_prompt(tiny_tokenizer):
         mask.index(1) == rmask.index(1) == len("Q: 1+1? A: ")
     )  # a character tokenizer: one token a character
     assert ids[-1] == rids[-1] == tiny_tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("shared", [0, 3])
+def test_the_overlap_report_reads_each_datasets_own_prompt_key(tmp_path, tiny_tokenizer, caplog, shared):
+    """Training rows under `prompt`, held-out rows under `question`: the report compares each set by its own key."""
+    import logging
+
+    from laden.align.task import PairTask
+
+    held_out = [*TRAIN[:shared], *VALID]
+    valid = [{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in held_out]
+    config = _config(tmp_path, "dpo", valid=valid)
+    task = PairTask(load_config(config, ["valid_dataset.prompt_key=question"], job="dpo"), "dpo")
+    with caplog.at_level(logging.INFO, logger="laden.align"):
+        task.prepare(task.cfg.train_dataset, tiny_tokenizer, "train")
+        task.prepare(task.cfg.valid_dataset, tiny_tokenizer, "valid")
+    (line,) = [r.getMessage() for r in caplog.records if "held-out prompts" in r.getMessage()]
+    assert f"{shared} of {len(held_out)} held-out prompts are also training prompts" in line
