@@ -55,7 +55,8 @@ def _load(args: argparse.Namespace, job: Literal["sft", "rl", "dpo", "rw", "any"
     if config is None and job in ("dpo", "rw"):
         raise ValueError(
             f"laden {job} has no embedded example: pass --config with train_dataset.type: {job} and preference "
-            "pairs (prompt, chosen, rejected; docs/data.md)"
+            f"pairs (prompt, chosen, rejected; docs/data.md), or write one with `laden init {job}` (bundled tiny "
+            "pairs, or --model M --data D)"
         )
     if config is None:
         config, defaults = _embedded_rl_default() if job == "rl" else _embedded_default()
@@ -343,7 +344,7 @@ The commands you run:
   laden rl  --config X.yaml [key=value ...]   RL (GRPO/PPO family) with held-out evaluation
   laden dpo --config X.yaml [key=value ...]   DPO on preference pairs (prompt, chosen, rejected)
   laden rw  --config X.yaml [key=value ...]   a reward model trained on preference pairs
-  laden init sft|rl --model M --data D        a commented config for your model and data, checked
+  laden init sft|rl|dpo|rw --model M --data D       a commented config for your model and data, checked
   laden plan --config X.yaml                  predicted GPU and host memory per phase, and the fixes
   laden serve --config X.yaml                 the rollout servers of rollout.server_urls on this node
   laden doctor [RUN_DIR]                      what this machine has, or why a run failed
@@ -412,14 +413,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     init = sub.add_parser("init", help="write a short commented config for your model and data (checked)")
-    init.add_argument("job", choices=["sft", "rl"])
+    init.add_argument("job", choices=["sft", "rl", "dpo", "rw"])
     init.add_argument(
         "--model", default=None, help="a model directory or Hub id (default: the bundled tiny model)"
     )
     init.add_argument(
         "--data", default=None, help="training data: a file, a directory, or hf:NAME (default: bundled)"
     )
-    init.add_argument("--valid", default=None, help="held-out data (rl: evaluated every epoch)")
+    init.add_argument(
+        "--valid",
+        default=None,
+        help="held-out data (rl: evaluated every epoch; dpo, rw: held-out pair accuracy)",
+    )
     init.add_argument("--out", default=None, help="the config file to write (default: laden_<job>.yaml)")
     init.set_defaults(func=cmd_init)
 

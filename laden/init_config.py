@@ -1,6 +1,8 @@
-"""`laden init sft|rl [--model M] [--data D] [--valid V] [--out FILE]`: a short commented config for your
-model and data, checked the way `laden sft` / `laden rl` will check it, so that "my model and my data"
-is this command and then `laden sft --config FILE` (or `laden rl`).
+"""`laden init sft|rl|dpo|rw [--model M] [--data D] [--valid V] [--out FILE]`: a short commented config for
+your model and data, checked the way `laden sft` / `laden rl` / `laden dpo` / `laden rw` will check it, so
+that "my model and my data" is this command and then `laden sft --config FILE` (or `laden rl`, ...).
+Without `--data`, the bundled tiny data: additions for sft, prompts rewarded for one letter for rl, and
+preference pairs (the sum over a refusal, held-out pairs with other prompts) for dpo and rw.
 
 The config names the fields a first run changes, each with a comment; every other field keeps its
 default (`laden config docs` lists them all). Model and data paths are written absolute, so the file
@@ -78,6 +80,39 @@ checkpoint:
   export_hf: true
 """
 
+_PAIRS = """\
+# laden {job} --config {out}
+# Every field not named here keeps its default: `laden config docs` lists them all.
+experiment_name: {name}
+trial_name: run0             # results: cluster.fileroot/experiment_name/trial_name/
+total_train_epochs: 1        # passes over the pairs (or stop sooner with total_train_steps: N)
+train_dataset:
+  type: {job}
+  path: {data}               # rows {{"prompt", "chosen", "rejected"}} (texts or chat messages; no prompt: the sides' common start)
+  max_length: 1024           # tokens per side; a pair with a longer side is dropped and counted
+  batch_size: 16             # pairs per optimizer step
+{valid}actor:
+  path: {model}{init}
+  backend: "fsdp:d1"         # one process; fsdp:dN for N GPUs (torchrun), roundpipe:d1 when the model does not fit
+  gradient_checkpointing: auto   # laden decides from the predicted peak (laden plan shows it)
+  mb_spec:
+    max_tokens_per_mb: auto  # the largest micro-batch predicted to fit (a pair's two sides share one)
+  optimizer:
+    lr: {lr}
+    lr_scheduler_type: cosine
+    warmup_steps_proportion: 0.03{beta}
+oom_policy: auto             # a step that runs out of memory is split and retried with the same pairs
+checkpoint:
+  save_freq_steps: 100       # a rerun of the same command resumes from the newest checkpoint
+  export_hf: true            # {export}
+"""
+
+_PAIR_JOB = {
+    "dpo": {"lr": "5.0e-7", "beta": "\n  beta: 0.1                  # DPO's beta: how far the policy may move from the reference (the initial weights)",
+            "export": "the tuned causal LM in hf/"},
+    "rw": {"lr": "1.0e-5", "beta": "", "export": "a one-label sequence classifier in hf/ (AutoModelForSequenceClassification)"},
+}  # fmt: skip
+
 _VALID = """\
 valid_dataset:               # held-out data, never trained on (laden reports its overlap with train_dataset)
   {type}path: {valid}
@@ -86,18 +121,18 @@ valid_dataset:               # held-out data, never trained on (laden reports it
 
 
 def init_config(job: str, *, model: str | None, data: str | None, valid: str | None, out: Path) -> list[str]:
-    """Write the config for `job` ("sft" or "rl") to `out` (refusing to overwrite), check it, and return the
+    """Write the config for `job` ("sft", "rl", "dpo" or "rw") to `out` (refusing to overwrite), check it, and return the
     lines to show. Without `model` / `data`: the bundled tiny model and data (a config that runs here)."""
     if out.exists():
         raise FileExistsError(f"{out} exists; choose another --out, or delete it to write a new config")
     tiny = model is None
     model_text = _path(model) if model else str(ASSETS / "tiny")
     if data is None:
-        data, valid = (
-            (str(ASSETS / "rl_tiny.jsonl"), valid or str(ASSETS / "rl_tiny_valid.jsonl"))
-            if job == "rl"
-            else (str(ASSETS / "sft_tiny.jsonl"), valid)
-        )
+        data, valid = {
+            "rl": (str(ASSETS / "rl_tiny.jsonl"), valid or str(ASSETS / "rl_tiny_valid.jsonl")),
+            "dpo": (str(ASSETS / "pairs_tiny.jsonl"), valid or str(ASSETS / "pairs_tiny_valid.jsonl")),
+            "rw": (str(ASSETS / "pairs_tiny.jsonl"), valid or str(ASSETS / "pairs_tiny_valid.jsonl")),
+        }.get(job, (str(ASSETS / "sft_tiny.jsonl"), valid))
     for flag, given in (("--data", data), ("--valid", valid)):
         if given and not given.startswith("hf:") and not Path(given).expanduser().exists():
             raise FileNotFoundError(
@@ -107,13 +142,14 @@ def init_config(job: str, *, model: str | None, data: str | None, valid: str | N
     held_out = ""
     if valid:
         held_out = _VALID.format(
-            type="type: rl\n  " if job == "rl" else "", valid=_path(valid), length=512 if job == "rl" else 1024,
+            type="" if job == "sft" else f"type: {job}\n  ", valid=_path(valid), length=512 if job == "rl" else 1024,
             evaluator="evaluator:\n  freq_epochs: 1             # held-out accuracy every epoch, before the first step and after the last\n"
             if job == "rl" else "",
         )  # fmt: skip
-    text = (_RL if job == "rl" else _SFT).format(
+    template = {"rl": _RL, "dpo": _PAIRS, "rw": _PAIRS}.get(job, _SFT)
+    text = template.format(
         out=out, name=f"{job}-{Path(model_text).name or 'model'}".replace("/", "-"), data=_path(data),
-        model=model_text, valid=held_out,
+        model=model_text, valid=held_out, job=job, **_PAIR_JOB.get(job, {}),
         init="\n  init_from_config: true   # the bundled tiny model is random-init (remove for real weights)" if tiny else "",
         reward="laden.rl.rewards:letter_reward" if tiny else "laden.rl.rewards:math_reward",
     )  # fmt: skip

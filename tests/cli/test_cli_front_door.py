@@ -35,7 +35,7 @@ def test_version_and_help(capsys):
         assert command in text, command
 
 
-@pytest.mark.parametrize("job", ["sft", "rl"])
+@pytest.mark.parametrize("job", ["sft", "rl", "dpo", "rw"])
 def test_init_writes_a_config_that_loads_and_runs_one_step(tmp_path, capsys, job):
     out = tmp_path / "cfg" / f"{job}.yaml"
     assert main(["init", job, "--out", str(out)]) == 0
@@ -45,7 +45,8 @@ def test_init_writes_a_config_that_loads_and_runs_one_step(tmp_path, capsys, job
     assert text.count("#") > 10  # commented
     cfg = load_config(str(out), [], job=job)
     assert cfg.checkpoint.export_hf and cfg.oom_policy == "auto"
-    assert (cfg.valid_dataset is not None) == (job == "rl")  # the bundled rl data has held-out prompts
+    # the bundled rl data has held-out prompts, the bundled pairs held-out pairs
+    assert (cfg.valid_dataset is not None) == (job != "sft") and cfg.train_dataset.type == job
     small = ["gconfig.max_new_tokens=4", "gconfig.n_samples=2"] if job == "rl" else []
     assert main([job, "--no-progress", "--config", str(out), "total_train_steps=1", f"cluster.fileroot={tmp_path}",
                  "checkpoint.export_hf=false", *small]) == 0  # fmt: skip
