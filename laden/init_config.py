@@ -127,12 +127,15 @@ def init_config(job: str, *, model: str | None, data: str | None, valid: str | N
         raise FileExistsError(f"{out} exists; choose another --out, or delete it to write a new config")
     tiny = model is None
     model_text = _path(model) if model else str(ASSETS / "tiny")
-    if data is None:
-        data, valid = {
-            "rl": (str(ASSETS / "rl_tiny.jsonl"), valid or str(ASSETS / "rl_tiny_valid.jsonl")),
-            "dpo": (str(ASSETS / "pairs_tiny.jsonl"), valid or str(ASSETS / "pairs_tiny_valid.jsonl")),
-            "rw": (str(ASSETS / "pairs_tiny.jsonl"), valid or str(ASSETS / "pairs_tiny_valid.jsonl")),
-        }.get(job, (str(ASSETS / "sft_tiny.jsonl"), valid))
+    if data is None:  # the bundled data of the job, with its held-out set where it has one
+        pairs = (str(ASSETS / "pairs_tiny.jsonl"), str(ASSETS / "pairs_tiny_valid.jsonl"))
+        bundled = {
+            "rl": (str(ASSETS / "rl_tiny.jsonl"), str(ASSETS / "rl_tiny_valid.jsonl")),
+            "dpo": pairs,
+            "rw": pairs,
+        }
+        data, held = bundled.get(job, (str(ASSETS / "sft_tiny.jsonl"), None))
+        valid = valid or held
     for flag, given in (("--data", data), ("--valid", valid)):
         if given and not given.startswith("hf:") and not Path(given).expanduser().exists():
             raise FileNotFoundError(
