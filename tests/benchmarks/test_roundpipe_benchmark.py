@@ -14,6 +14,8 @@ import pytest
 import torch
 from benchmark_scripts import BENCH, SCRIPT, load_script
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = ["--model", "tiny", "--steps", "1", "--warmup", "1", "--seq-len", "32", "--num-seqs", "4",
         "--num-microbatch", "2"]  # fmt: skip
 
@@ -70,7 +72,9 @@ def test_gradient_checkpointing_counts_every_decoder_layer_in_hfu(system, capsys
 
 def test_plain_is_stock_hugging_face_and_imports_no_laden_module():
     """--system plain in a fresh interpreter: stock Hugging Face training, and `laden` never imported."""
-    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parent.parent))
+    env = dict(
+        os.environ, PYTHONPATH=str(SCRIPT.parent.parent), OMP_NUM_THREADS="1"
+    )  # as the other tests here
     proc = subprocess.run([sys.executable, str(SCRIPT), "--system", "plain", *TINY], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -140,8 +140,15 @@ def test_staleness_bound_holds_under_random_rollout_and_training_speeds(tmp_path
     assert records[-1]["stale_dropped"] == 0 and records[-1]["trained"] == 8 * 8 * 4
 
 
-def test_disk_weight_updates_train_the_same_as_in_place(tmp_path):
-    in_place = run_rl(_cfg(tmp_path / "a", "total_train_steps=3"), progress=False)
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """Three steps of the tiny task, weights updated in place and never slept: the reference of the tests
+    that change one of those and must train the same (the run is deterministic; it is made once)."""
+    return run_rl(_cfg(tmp_path_factory.mktemp("three_steps"), "total_train_steps=3"), progress=False)
+
+
+def test_disk_weight_updates_train_the_same_as_in_place(tmp_path, three_steps):
+    in_place = three_steps
     disk = run_rl(
         _cfg(tmp_path / "b", "total_train_steps=3", "actor.weight_update_mode=disk"), progress=False
     )
@@ -247,9 +254,9 @@ def test_pipeline_and_tensor_ranks_train_on_the_same_rollouts(tmp_path, backend,
             assert math.isclose(step[name], ref[name], rel_tol=1e-4, abs_tol=1e-4), (step["step"], name)
 
 
-def test_sleeping_while_training_changes_nothing(tmp_path, monkeypatch):
+def test_sleeping_while_training_changes_nothing(tmp_path, monkeypatch, three_steps):
     """Colocated on a GPU the engine frees its KV cache while the trainer trains: slept == never slept."""
-    awake = run_rl(_cfg(tmp_path / "a", "total_train_steps=3"), progress=False)
+    awake = three_steps
     calls = []
     monkeypatch.setattr(rl_trainer._Run, "_sleeps_while_training", lambda self: calls.append(1) or True)
     slept = run_rl(_cfg(tmp_path / "b", "total_train_steps=3"), progress=False)
