@@ -40,7 +40,7 @@ class ServerBackend(RolloutBackend):
             )
         elif mode == "xccl" and self.mode.backend == "vllm":
             problems.append(
-                f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode=xccl: vLLM 0.32's servers "
+                f"rollout.backend={cfg.rollout.backend!r} with actor.weight_update_mode='xccl': vLLM 0.32's servers "
                 "receive broadcast weights only through their own NCCL weight-transfer engine (vLLM's stateless "
                 "group and PyNccl communicator, GPUs only), which laden's trainer does not join; set "
                 "actor.weight_update_mode: disk (versioned directories), or use sglang servers for broadcasts"
