@@ -7,4 +7,7 @@
 
 Rows are `{"prompt": ..., "answer": ...}` (as `examples/prepare_arith.py` writes them), or carry `messages`
 (AReaL's form) or `question` instead of `prompt`.
+
+`python -m math_agents.tiny_run tir|calculator OUT` trains either agent on the tiny model on the CPU (a short
+`laden sft` on the tool format, then GRPO with the agent) and prints its held-out accuracy before and after.
 """
