@@ -36,6 +36,7 @@ from laden.config.schema import (
     RolloutConfig,
     RoundPipeConfig,
     SGLangConfig,
+    VLLMConfig,
     run_dir,
 )
 from laden.config.validate import validate_config
@@ -59,6 +60,7 @@ __all__ = [
     "RolloutConfig",
     "RoundPipeConfig",
     "SGLangConfig",
+    "VLLMConfig",
     "check_alloc",
     "config_from_dict",
     "config_reference_markdown",

@@ -245,11 +245,17 @@ GROUPS: tuple[Group, ...] = (
     Group("sglang.*lora*", "laden's weight updates carry the LoRA-merged weights (actor.use_lora), which SGLang "
            "serves as a plain model: it loads no adapter", _serves("sglang")),
     Group("sglang.*", "laden starts each SGLang server itself: the model at actor.path, --tp from rollout.backend, "
-           "--mem-fraction-static from sglang.mem_fraction_static, the model's own context length; SGLang's other "
-           "options are not passed", _serves("sglang")),
-    Group("vllm", "laden starts each vLLM server itself: the model at actor.path, --tensor-parallel-size from "
-           "rollout.backend, --gpu-memory-utilization 0.9, the model's own context length; vLLM's other options "
-           "are not passed", _serves("vllm")),
+           "and of the sglang section mem_fraction_static, context_length, max_running_requests, "
+           "chunked_prefill_size, max_prefill_tokens, disable_radix_cache, attention_backend and enable_metrics; "
+           "SGLang's other options are not passed", _serves("sglang")),
+    Group("vllm.no_enable_prefix_caching vllm.no_enable_chunked_prefill", "laden's fields are "
+           "vllm.enable_prefix_caching and vllm.enable_chunked_prefill (false passes --no-enable-...); set "
+           "vllm.enable_prefix_caching: false instead of vllm.no_enable_prefix_caching: true",
+           _serves("vllm")),
+    Group("vllm.*", "laden starts each vLLM server itself: the model at actor.path, --tensor-parallel-size from "
+           "rollout.backend, and of the vllm section gpu_memory_utilization, max_model_len, max_num_seqs, "
+           "enable_prefix_caching, enable_chunked_prefill, enforce_eager, block_size and cpu_offload_gb; vLLM's "
+           "other options are not passed (vLLM 0.32 has no swap_space)", _serves("vllm")),
     Group("ref", "laden's reference model (actor.kl_ctl's in `laden rl`, DPO's in `laden dpo`) is the initial weights "
            "of actor.path on the actor's engine (actor.backend, actor.mb_spec, actor.dtype): `laden rl` loads them a "
            "second time, `laden dpo` computes their log-probs of every pair once before the first step",

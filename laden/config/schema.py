@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from laden.config.schema_agent import AgentFields
 from laden.config.schema_rl import RejectionSamplingConfig
-from laden.config.schema_rollout import NativeConfig, RolloutConfig, SGLangConfig
+from laden.config.schema_rollout import NativeConfig, RolloutConfig, SGLangConfig, VLLMConfig
 from laden.config.schema_teacher import TeacherConfig
 from laden.config.schema_trackers import (
     StatsLoggerConfig,
@@ -559,6 +559,8 @@ class LadenConfig(AgentFields):
     """On-policy distillation from a frozen teacher model (`laden rl`); null = none."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The generation engine."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM server settings."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server settings."""
     native: NativeConfig = field(default_factory=NativeConfig)

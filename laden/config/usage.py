@@ -32,6 +32,7 @@ _RL_ACTOR_FIELDS = (
 _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("gconfig", frozenset({"rl"}), _RL_ONLY),
     ("rollout", frozenset({"rl"}), _RL_ONLY),
+    ("vllm", frozenset({"rl"}), "`laden rl` with rollout.backend=vllm"),
     ("sglang", frozenset({"rl"}), "`laden rl` with rollout.backend=sglang"),
     ("native", frozenset({"rl"}), "`laden rl` with rollout.backend=native"),
     ("max_concurrent_rollouts", frozenset({"rl"}), _RL_ONLY),

@@ -46,7 +46,7 @@ from laden.config.validate_rl import (
     warn_ppo,
     warn_rewards,
 )
-from laden.config.validate_servers import server_errors
+from laden.config.validate_servers import server_errors, server_option_errors
 
 __all__ = ["unwritable_reason", "validate_config"]
 
@@ -140,7 +140,15 @@ _RANGES: dict[str, str] = {
     "rollout.max_concurrent_rollouts": "pos",
     "rollout.max_head_offpolicyness": "nonneg",
     "rollout.setup_timeout": "nonneg",
+    "vllm.gpu_memory_utilization": "frac",
+    "vllm.max_model_len": "pos",
+    "vllm.max_num_seqs": "pos",
+    "vllm.block_size": "pos",
+    "vllm.cpu_offload_gb": "nonneg_finite",
     "sglang.mem_fraction_static": "frac",
+    "sglang.context_length": "pos",
+    "sglang.max_running_requests": "pos",
+    "sglang.max_prefill_tokens": "pos",
     "native.mem_fraction_static": "frac",
     "cluster.n_nodes": "pos",
     "cluster.n_gpus_per_node": "nonneg",  # 0: the CPU
@@ -172,6 +180,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "dpo", "rw", 
     errors += micro_batch_errors(cfg, rl=rl)
     errors += alloc_errors(cfg, rl=rl)
     errors += server_errors(cfg, rl=rl)
+    errors += server_option_errors(cfg)
     errors += _alias_errors(cfg)
     errors += fused_errors(cfg)
     errors += import_path_errors(cfg)

@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from laden.config.schema import LadenConfig
 from laden.config.validate_alloc import SERVER_ROLLOUT_BACKENDS, parse_or_none
 
-__all__ = ["AREAL_ADDRS_ENV", "attached_server_urls", "normalize_server_url", "server_errors"]
+__all__ = [
+    "AREAL_ADDRS_ENV",
+    "attached_server_urls",
+    "normalize_server_url",
+    "server_errors",
+    "server_option_errors",
+]
 
 AREAL_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 """AReaL's environment variable of the rollout servers' comma-separated `host:port` addresses."""
@@ -81,6 +87,25 @@ def server_errors(cfg: LadenConfig, *, rl: bool, environ: Mapping[str, str] | No
             f"set rollout.backend: {mode.backend}:d{len(urls)} (one d per server)"
         )
     _warn_host(cfg, rl=rl)
+    return errors
+
+
+def server_option_errors(cfg: LadenConfig) -> list[str]:
+    """The `vllm` / `sglang` settings no range rule covers: a chunk size that is neither -1 nor positive, an
+    attention backend that names none."""
+    errors = []
+    size = cfg.sglang.chunked_prefill_size
+    if size is not None and not isinstance(size, bool) and isinstance(size, int) and size != -1 and size < 1:
+        errors.append(
+            f"sglang.chunked_prefill_size={size!r} must be -1 (no chunking) or at least 1; set it to e.g. 8192, "
+            "-1, or null for SGLang's default"
+        )
+    backend = cfg.sglang.attention_backend
+    if backend is not None and not str(backend).strip():
+        errors.append(
+            f"sglang.attention_backend={backend!r} names no backend; set it to e.g. fa3, flashinfer or triton, "
+            "or null for SGLang's choice"
+        )
     return errors
 
 

@@ -52,6 +52,9 @@ _RL_COMMON = {
     "checkpoint.resume": "never",  # recover.mode: disabled
     "checkpoint.save_freq_steps": None,  # saver.freq_steps: null
     "sglang.mem_fraction_static": 0.8,
+    "sglang.context_length": 32768,  # passed to the SGLang servers laden starts
+    "sglang.max_running_requests": None,
+    "vllm.max_model_len": 32768,  # kept in laden's vllm section, read only with rollout.backend: vllm
     "cluster.fileroot": "/tmp/areal/experiments",
     "cluster.n_gpus_per_node": 8,
     "total_train_epochs": 10,
@@ -60,7 +63,7 @@ _RL_COMMON = {
 _LAUNCH = ["cluster.name_resolve", "rollout.scheduling_spec", "actor.scheduling_spec"]
 _WORKERS = ["train_dataset.pin_memory", "train_dataset.num_workers", "valid_dataset.pin_memory",
             "valid_dataset.num_workers"]  # fmt: skip
-_RL_WARNED = [_LAUNCH, ["rollout.dump_to_file"], ["sglang.skip_tokenizer_init", "sglang.context_length"],
+_RL_WARNED = [_LAUNCH, ["rollout.dump_to_file"], ["sglang.skip_tokenizer_init"],
               _WORKERS, ["saver.freq_epochs"]]  # fmt: skip
 
 CASES = {
@@ -97,7 +100,8 @@ CASES = {
     "gsm8k_grpo_2025_11": (  # allocation_mode: sglang.d4p1t1+d4p1t1, actor.backend: fsdp, async_training
         "rl",
         _RL_COMMON | {"actor.group_size": 4, "actor.dynamic_sampling": False, "actor.rejection_sampling": None,
-                      "actor.behav_imp_weight_cap": 5.0},  # the name before 1.0.4: its semantics
+                      "actor.behav_imp_weight_cap": 5.0,  # the name before 1.0.4: its semantics
+                      "vllm.max_model_len": None},  # no vllm section
         [["cluster.name_resolve", "launcher"], *_RL_WARNED[2:]],
     ),
 }  # fmt: skip
@@ -295,9 +299,20 @@ def test_sections_matter_only_where_the_run_uses_them(caplog):
     assert error.startswith("ref.path='/other' differs from actor.path=")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="laden.config.areal"):
-        load_config(AREAL / "gsm8k_grpo.yaml", [*PATHS, "rollout.backend=vllm:d4"], job="rl")
+        cfg = load_config(
+            AREAL / "gsm8k_grpo.yaml",
+            [*PATHS, "rollout.backend=vllm:d4", "vllm.disable_sliding_window=true"],
+            job="rl",
+        )
     messages = _areal_warnings(caplog)
-    assert any(_mentions(m, "vllm") for m in messages) and not any(_mentions(m, "sglang") for m in messages)
+    assert any(_mentions(m, "vllm.disable_sliding_window") for m in messages)
+    assert not any(
+        _mentions(m, "sglang") for m in messages
+    )  # sglang.skip_tokenizer_init: true, SGLang's alone
+    assert (cfg.vllm.max_model_len, cfg.vllm.gpu_memory_utilization) == (32768, 0.8)  # passed: not warned
+    assert not any(
+        _mentions(m, "vllm.max_model_len") or _mentions(m, "vllm.gpu_memory_utilization") for m in messages
+    )
 
 
 def test_disable_dropout_warns_only_when_the_model_has_dropout(tmp_path, caplog):

@@ -11,7 +11,7 @@ config on a node of their own, for `laden rl` elsewhere to attach to.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ def start_server_engine(
 ) -> ServerEngine:
     """Start (or, given `urls`, attach to) the servers `mode` describes and return the engine.
 
-    `cfg` supplies `sglang.mem_fraction_static`, `seed`, `rollout.setup_timeout`, the listening
+    `cfg` supplies the `vllm` / `sglang` section's settings, `seed`, `rollout.setup_timeout`, the listening
     address (`rollout.server_host`, unless `server` names another than loopback) and the log
     directory (`<run_dir>/logs/rollout`); `server` overrides every server setting; `python`,
     `log_dir`, `first_device` (visible GPUs left to the trainer) and `ports` (each server's) override
@@ -59,6 +59,8 @@ def start_server_engine(
         if urls:
             return VLLMEngine.attach(urls, initial_version=initial_version, **engine_kwargs)
         vllm_cfg = replace(server) if isinstance(server, VLLMServerConfig) else VLLMServerConfig()
+        if cfg is not None and not isinstance(server, VLLMServerConfig):
+            _take_section(vllm_cfg, cfg.vllm)
         _override(vllm_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, ports=ports)
         return VLLMEngine.launch(
             model_dir, dp=mode.dp, tp=mode.tp, cfg=vllm_cfg, initial_version=initial_version, **engine_kwargs
@@ -67,7 +69,7 @@ def start_server_engine(
         return SGLangEngine.attach(urls, initial_version=initial_version, **engine_kwargs)
     sglang_cfg = replace(server) if isinstance(server, SGLangServerConfig) else SGLangServerConfig()
     if cfg is not None and not isinstance(server, SGLangServerConfig):
-        sglang_cfg.mem_fraction_static = cfg.sglang.mem_fraction_static
+        _take_section(sglang_cfg, cfg.sglang)
     _override(sglang_cfg, cfg, python=python, log_dir=log_dir, first_device=first_device, ports=ports)
     return SGLangEngine.launch(
         model_dir, dp=mode.dp, tp=mode.tp, cfg=sglang_cfg, initial_version=initial_version, **engine_kwargs
@@ -92,6 +94,12 @@ def _check_mode(mode: AllocationMode, urls: Sequence[str] | None) -> None:
             f"rollout.backend={text!r} has d={mode.dp} but {len(urls)} server URLs were given; "
             f"give one URL per data-parallel rank or set d{len(urls)}"
         )
+
+
+def _take_section(server: VLLMServerConfig | SGLangServerConfig, section: Any) -> None:
+    """The run config's `vllm` / `sglang` settings onto the server config (the same names)."""
+    for f in fields(section):
+        setattr(server, f.name, getattr(section, f.name))
 
 
 def _override(

@@ -29,6 +29,23 @@ Command = Callable[[str, int], tuple[list[str], dict[str, str]]]
 """(python, port) -> (argv, extra environment) of one server."""
 
 
+def option_flags(cfg: Any, names: Sequence[str], *, negatable: Sequence[str] = ()) -> list[str]:
+    """The command-line flags of the settings `names` of `cfg`, each `--<name with dashes>`: None is left out
+    (the server's default), True is the bare flag, False is `--no-<name>` for those in `negatable` (flags with a
+    `--no-` form, whose default may be on) and left out for the rest, any other value follows its flag."""
+    argv: list[str] = []
+    for name in names:
+        value = getattr(cfg, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None or (value is False and name not in negatable):
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchSpec:
     """How to start the servers of one backend."""

@@ -33,7 +33,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError
-from laden.rollout.servers.launch import attach_servers, launch_and_build
+from laden.rollout.servers.launch import attach_servers, launch_and_build, option_flags
 from laden.rollout.servers.process import ServerKind
 
 SGLANG = ServerKind(
@@ -60,6 +60,18 @@ class SGLangServerConfig:
     """`--dtype`."""
     context_length: int | None = None
     """`--context-length`: longest prompt + completion; None = the model's own limit."""
+    max_running_requests: int | None = None
+    """`--max-running-requests`: requests run at once; None = what the KV cache holds."""
+    chunked_prefill_size: int | None = None
+    """`--chunked-prefill-size`: prompt tokens per prefill chunk, -1 = no chunking; None = SGLang's default."""
+    max_prefill_tokens: int | None = None
+    """`--max-prefill-tokens`: prompt tokens per prefill batch; None = SGLang's default."""
+    disable_radix_cache: bool = False
+    """`--disable-radix-cache`: no prefix cache."""
+    attention_backend: str | None = None
+    """`--attention-backend`, e.g. `fa3`, `flashinfer`, `triton`; None = SGLang's choice."""
+    enable_metrics: bool = False
+    """`--enable-metrics`: Prometheus metrics at `/metrics`."""
     enable_memory_saver: bool = False
     """`--enable-memory-saver`: needed by `sleep()`/`wake()` (colocated training)."""
     seed: int | None = None
@@ -78,6 +90,13 @@ class SGLangServerConfig:
     """Port of each server, in order (`laden serve`: those of `rollout.server_urls`); empty = free ports."""
 
 
+SGLANG_OPTIONS = (
+    "context_length", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "disable_radix_cache",
+    "attention_backend", "enable_metrics", "enable_memory_saver",
+)  # fmt: skip
+"""`SGLangServerConfig` fields passed as the SGLang flag of the same name (`option_flags`)."""
+
+
 def sglang_command(
     python: str, model_dir: str, *, port: int, tp: int, cfg: SGLangServerConfig
 ) -> tuple[list[str], dict[str, str]]:
@@ -85,10 +104,7 @@ def sglang_command(
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir)]
     argv += ["--host", cfg.host, "--port", str(port), "--tp", str(tp)]
     argv += ["--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", cfg.dtype]
-    if cfg.context_length is not None:
-        argv += ["--context-length", str(cfg.context_length)]
-    if cfg.enable_memory_saver:
-        argv.append("--enable-memory-saver")
+    argv += option_flags(cfg, SGLANG_OPTIONS)
     if cfg.seed is not None:
         argv += ["--random-seed", str(cfg.seed)]
     argv += list(cfg.extra_args)

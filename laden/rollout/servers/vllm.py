@@ -44,7 +44,7 @@ from typing import Any
 from laden.rollout.base import StopReason
 from laden.rollout.servers.engine import Segment, SegmentRequest, ServerEngine, ServerHandle
 from laden.rollout.servers.http import AsyncJSONClient, ServerRequestError, request_json
-from laden.rollout.servers.launch import attach_servers, launch_and_build
+from laden.rollout.servers.launch import attach_servers, launch_and_build, option_flags
 from laden.rollout.servers.process import ServerKind
 
 VLLM = ServerKind(
@@ -69,6 +69,18 @@ class VLLMServerConfig:
     gpu_memory_utilization: float = 0.9
     """`--gpu-memory-utilization`: fraction of GPU memory for weights + KV cache (on vLLM's CPU
     backend a fraction of host memory; the KV cache size there is `VLLM_CPU_KVCACHE_SPACE` GiB)."""
+    max_num_seqs: int | None = None
+    """`--max-num-seqs`: sequences run at once; None = vLLM's default."""
+    enable_prefix_caching: bool | None = None
+    """`--enable-prefix-caching` (True) or `--no-enable-prefix-caching` (False); None = vLLM's default."""
+    enable_chunked_prefill: bool | None = None
+    """`--enable-chunked-prefill` (True) or `--no-enable-chunked-prefill` (False); None = vLLM's default."""
+    enforce_eager: bool = False
+    """`--enforce-eager`: no CUDA graphs."""
+    block_size: int | None = None
+    """`--block-size`: tokens per KV cache block; None = vLLM's default."""
+    cpu_offload_gb: float | None = None
+    """`--cpu-offload-gb`: GiB of weights per GPU kept in host memory; None = none."""
     enable_sleep_mode: bool = False
     """`--enable-sleep-mode`: needed by `sleep()`/`wake()` (colocated training); GPU only."""
     weight_transfer_backend: str | None = None
@@ -89,6 +101,13 @@ class VLLMServerConfig:
     """Port of each server, in order (`laden serve`: those of `rollout.server_urls`); empty = free ports."""
 
 
+VLLM_OPTIONS = (
+    "max_model_len", "max_num_seqs", "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "block_size",
+    "cpu_offload_gb", "enable_sleep_mode",
+)  # fmt: skip
+"""`VLLMServerConfig` fields passed as the vLLM 0.32 flag of the same name (`option_flags`)."""
+
+
 def vllm_command(
     python: str, model_dir: str, *, port: int, tp: int, cfg: VLLMServerConfig
 ) -> tuple[list[str], dict[str, str]]:
@@ -97,10 +116,7 @@ def vllm_command(
     argv += ["--host", cfg.host, "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", cfg.dtype]
     argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     argv += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
-    if cfg.max_model_len is not None:
-        argv += ["--max-model-len", str(cfg.max_model_len)]
-    if cfg.enable_sleep_mode:
-        argv.append("--enable-sleep-mode")
+    argv += option_flags(cfg, VLLM_OPTIONS, negatable=("enable_prefix_caching", "enable_chunked_prefill"))
     if cfg.weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": cfg.weight_transfer_backend})]
     if cfg.seed is not None:
