@@ -371,7 +371,9 @@ def test_valid_dataset_fail_fast_says_it_has_no_effect():
     from laden.config.usage import fields_without_effect
 
     cfg = load_config(
-        "examples/sft_tiny.yaml", [f"valid_dataset={{path: {ASSETS_DATA}, fail_fast: true}}"], job="sft"
+        "examples/sft_tiny.yaml",
+        [f"valid_dataset={{path: {ASSETS_DATA}, fail_fast: true, max_length: 64}}"],
+        job="sft",
     )
     (line,) = fields_without_effect(cfg, job="sft", engine="fsdp")
     assert line.startswith("valid_dataset.fail_fast=True has no effect") and "train_dataset.fail_fast" in line
