@@ -107,6 +107,8 @@ _READERS: tuple[tuple[str, frozenset[str], str], ...] = (
     ("teacher", frozenset({"rl"}), "`laden rl` (distillation from a teacher)"),
 )
 _ENGINE_SECTIONS = {"fsdp": "actor.fsdp", "roundpipe": "actor.roundpipe", "archon": "actor.archon"}
+_SERVER_SECTIONS = ("vllm", "sglang")
+"""Sections of the rollout servers' settings, read by `laden rl` (and `laden serve`) with that server backend."""
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -144,11 +146,12 @@ def fields_without_effect(cfg: LadenConfig, *, job: str, engine: str) -> list[st
     """One line per field set away from its default that `job` on `engine` does not read."""
     defaults = _defaults()
     critic = _critic_engine(cfg, engine)
+    rollout = _rollout_backend(cfg)
     lines = []
     for name, value in flatten(config_to_dict(cfg)).items():
         if value == defaults.get(name):
             continue
-        where = _where(name, job, engine) or _critic_where(name, critic)
+        where = _where(name, job, engine) or _critic_where(name, critic) or _server_where(name, job, rollout)
         if where is not None:
             lines.append(
                 f"{name}={value!r} has no effect in `laden {job}` on the {engine} engine; it takes effect in {where}"
@@ -163,6 +166,21 @@ def _where(name: str, job: str, engine: str) -> str | None:
     for other, section in _ENGINE_SECTIONS.items():
         if other != engine and name.startswith(section + "."):
             return f"actor.backend={other}:..."
+    return None
+
+
+def _rollout_backend(cfg: LadenConfig) -> str | None:
+    try:
+        return AllocationMode.parse(cfg.rollout.backend).backend
+    except ValueError:
+        return None  # reported by validation
+
+
+def _server_where(name: str, job: str, rollout: str | None) -> str | None:
+    """`vllm.*` / `sglang.*` in `laden rl` with another rollout backend."""
+    section = name.partition(".")[0]
+    if job == "rl" and rollout is not None and section in _SERVER_SECTIONS and section != rollout:
+        return f"`laden rl` with rollout.backend={section}:..."
     return None
 
 

@@ -96,3 +96,19 @@ def test_server_settings_in_an_sft_run_are_named_as_without_effect():
     assert "vllm.max_num_seqs=64 has no effect in `laden sft` on the fsdp engine; it takes effect in `laden rl` " \
            "with rollout.backend=vllm" in lines  # fmt: skip
     assert any(line.startswith("sglang.max_running_requests=8 has no effect") for line in lines)
+
+
+def test_server_settings_of_another_rollout_backend_are_named_as_without_effect(tmp_path):
+    cfg = tiny_rl_config(
+        tmp_path, "vllm.max_num_seqs=64", "sglang.context_length=512"
+    )  # rollout.backend: native
+    lines = fields_without_effect(cfg, job="rl", engine="fsdp")
+    assert [line.split(" has no effect")[0] for line in lines] == [
+        "vllm.max_num_seqs=64",
+        "sglang.context_length=512",
+    ]
+    assert lines[0].endswith("it takes effect in `laden rl` with rollout.backend=vllm:...")
+    served = tiny_rl_config(
+        tmp_path, "cluster.n_gpus_per_node=2", "rollout.backend=vllm:d1", "vllm.max_num_seqs=64"
+    )
+    assert fields_without_effect(served, job="rl", engine="fsdp") == []
