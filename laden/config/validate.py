@@ -180,7 +180,7 @@ def validate_config(cfg: LadenConfig, *, job: Literal["sft", "rl", "dpo", "rw", 
     errors += micro_batch_errors(cfg, rl=rl)
     errors += alloc_errors(cfg, rl=rl)
     errors += server_errors(cfg, rl=rl)
-    errors += server_option_errors(cfg)
+    errors += server_option_errors(cfg, rl=rl)
     errors += _alias_errors(cfg)
     errors += fused_errors(cfg)
     errors += import_path_errors(cfg)

@@ -90,9 +90,11 @@ def server_errors(cfg: LadenConfig, *, rl: bool, environ: Mapping[str, str] | No
     return errors
 
 
-def server_option_errors(cfg: LadenConfig) -> list[str]:
+def server_option_errors(cfg: LadenConfig, *, rl: bool) -> list[str]:
     """The `vllm` / `sglang` settings no range rule covers: a chunk size that is neither -1 nor positive, an
-    attention backend that names none."""
+    attention backend that names none; a warning for a context limit below the longest request of `laden rl`."""
+    if rl:
+        _warn_context_limit(cfg)
     errors = []
     size = cfg.sglang.chunked_prefill_size
     if size is not None and not isinstance(size, bool) and isinstance(size, int) and size != -1 and size < 1:
@@ -107,6 +109,27 @@ def server_option_errors(cfg: LadenConfig) -> list[str]:
             "or null for SGLang's choice"
         )
     return errors
+
+
+def _warn_context_limit(cfg: LadenConfig) -> None:
+    """The longest request is a prompt of `train_dataset.max_length` tokens (longer ones are filtered or cut)
+    plus `gconfig.max_new_tokens`; a server whose limit is below it refuses such a request."""
+    mode = parse_or_none(cfg.rollout.backend)
+    field = {"vllm": "vllm.max_model_len", "sglang": "sglang.context_length"}.get(
+        mode.backend if mode else ""
+    )
+    limit = cfg.vllm.max_model_len if field == "vllm.max_model_len" else cfg.sglang.context_length
+    longest = cfg.train_dataset.max_length + cfg.gconfig.max_new_tokens
+    if field is None or not isinstance(limit, int) or limit >= longest:
+        return
+    warnings.warn(
+        f"{field}={limit} is below train_dataset.max_length + gconfig.max_new_tokens = "
+        f"{cfg.train_dataset.max_length} + {cfg.gconfig.max_new_tokens} = {longest}: the servers refuse a request "
+        f"whose prompt plus max_new_tokens exceeds it; set {field}: {longest} (or null for the model's own limit), "
+        "or lower train_dataset.max_length or gconfig.max_new_tokens",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_host(cfg: LadenConfig, *, rl: bool) -> None:

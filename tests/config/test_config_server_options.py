@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import yaml
@@ -112,3 +113,17 @@ def test_server_settings_of_another_rollout_backend_are_named_as_without_effect(
         tmp_path, "cluster.n_gpus_per_node=2", "rollout.backend=vllm:d1", "vllm.max_num_seqs=64"
     )
     assert fields_without_effect(served, job="rl", engine="fsdp") == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "field"), [("vllm", "vllm.max_model_len"), ("sglang", "sglang.context_length")]
+)
+def test_a_server_context_below_the_longest_request_is_warned(tmp_path, backend, field):
+    base = [f"rollout.backend={backend}:d1", "cluster.n_gpus_per_node=2", "train_dataset.max_length=100",
+            "gconfig.max_new_tokens=28"]  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"{field}=127 is below .* = 100 \+ 28 = 128: .* set {field}: 128"):
+        tiny_rl_config(tmp_path, *base, f"{field}=127")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_rl_config(tmp_path, *base, f"{field}=128")
+    assert not [w for w in caught if "is below train_dataset.max_length" in str(w.message)]
