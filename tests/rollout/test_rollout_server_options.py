@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 from rl_runs import tiny_rl_config as _tiny_rl_config
 
@@ -111,3 +114,29 @@ def test_an_explicit_server_config_wins_over_the_run_config(monkeypatch, tmp_pat
     server_cls = VLLMServerConfig if backend == "vllm" else SGLangServerConfig
     server = _launched(monkeypatch, cfg, backend, server=server_cls())
     assert getattr(server, "max_num_seqs" if backend == "vllm" else "max_running_requests") is None
+
+
+_PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+print(json.dumps({k: getattr(args, k) for k in json.loads(sys.argv[2])}))
+"""
+
+
+@pytest.mark.server
+def test_vllm_parses_the_flags_to_the_configured_values(monkeypatch, tmp_path, vllm_python):
+    """vLLM 0.32's own argument parser (no server started) reads every flag as the value set."""
+    overrides, _ = SET["vllm"]
+    server = _launched(monkeypatch, tiny_rl_config(tmp_path, "rollout.backend=vllm:d1", *overrides), "vllm")
+    argv = vllm_command(str(vllm_python), "/m", port=1, tp=1, cfg=server)[0]
+    names = ["gpu_memory_utilization", "max_model_len", "max_num_seqs", "enable_prefix_caching",
+             "enable_chunked_prefill", "enforce_eager", "block_size", "cpu_offload_gb", "seed"]  # fmt: skip
+    out = subprocess.run(
+        [str(vllm_python), "-c", _PARSE, json.dumps(argv[3:]), json.dumps(names)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed == {name: getattr(server, name) for name in names}
+    assert parsed["enable_prefix_caching"] is False and parsed["max_num_seqs"] == 64
