@@ -64,6 +64,7 @@ from laden.config.areal_keys import (
     areal_node,
     group_of,
 )
+from laden.config.dotted import get_dotted, pop_dotted, put_dotted
 from laden.config.schema import LadenConfig
 from laden.config.validate_model import read_model_config
 
@@ -94,10 +95,10 @@ def from_areal(
         rule(data, errors)
     _map_is_critic(data, run, errors)
     for dotted in ("gconfig.stop", "actor.mb_spec.n_mbs", "sglang.mem_fraction_static"):
-        if _get(data, dotted, 0) is None:  # AReaL's null: the engine's default, which laden has too
-            _pop(data, dotted)
-    if _get(data, "train_dataset.drop_last", None) is True:
-        _pop(data, "train_dataset.drop_last")  # what laden does
+        if get_dotted(data, dotted, 0) is None:  # AReaL's null: the engine's default, which laden has too
+            pop_dotted(data, dotted)
+    if get_dotted(data, "train_dataset.drop_last", None) is True:
+        pop_dotted(data, "train_dataset.drop_last")  # what laden does
     hits: dict[Group, list[str]] = {}
     _sort_out(data, data, "", laden, run, hits, errors)
     for group, items in hits.items():
@@ -162,25 +163,25 @@ def _drop_unknown(
 
 def _unsupported(data: dict[str, Any], errors: list[str]) -> None:
     for dotted, asks, message in UNSUPPORTED:
-        value = _pop(data, dotted)
+        value = pop_dotted(data, dotted)
         if value is not MISSING and asks(value):
             errors.append(f"{dotted}={_short(value)}: {message}")
 
 
 def _run_of(data: dict[str, Any], job: str) -> Run:
-    rl = job == "rl" or (job == "any" and _get(data, "train_dataset.type", "sft") == "rl")
-    rollout = str(_get(data, "rollout.backend", "native")).partition(":")[0]
-    kl = _get(data, "actor.kl_ctl", 0)
-    recover = _get(data, "recover.mode", "disabled") in ("on", "auto", "fault", "resume")
-    evaluator = _get(data, "valid_dataset", None) is not None
-    kind = job if job != "any" else _get(data, "train_dataset.type", "sft")
+    rl = job == "rl" or (job == "any" and get_dotted(data, "train_dataset.type", "sft") == "rl")
+    rollout = str(get_dotted(data, "rollout.backend", "native")).partition(":")[0]
+    kl = get_dotted(data, "actor.kl_ctl", 0)
+    recover = get_dotted(data, "recover.mode", "disabled") in ("on", "auto", "fault", "resume")
+    evaluator = get_dotted(data, "valid_dataset", None) is not None
+    kind = job if job != "any" else get_dotted(data, "train_dataset.type", "sft")
     return Run(rl=rl, rollout=rollout, kl=isinstance(kl, (int, float)) and kl > 0, recover=recover,
                 evaluator=evaluator, pairs=kind if kind in ("dpo", "rw") else None)  # fmt: skip
 
 
 def _map_is_critic(data: dict[str, Any], run: Run, errors: list[str]) -> None:
     """AReaL's `actor.is_critic: true` is a reward model's actor: what `laden rw` trains, and only it."""
-    value = _pop(data, "actor.is_critic")
+    value = pop_dotted(data, "actor.is_critic")
     if value is MISSING or value is None or bool(value) == (run.pairs == "rw"):
         return
     if value:
@@ -251,7 +252,7 @@ def _check_copy(root: dict[str, Any], dotted: str, value: Any, run: Run, errors:
         return False
     if value is None or not rule.when(run):
         return True  # AReaL's null: take the source
-    source = _get(root, rule.source, MISSING)
+    source = get_dotted(root, rule.source, MISSING)
     if source is MISSING:
         source = _laden_default(rule.source)
     if value != source:
@@ -290,11 +291,11 @@ def _map_allocation_mode(data: dict[str, Any], errors: list[str]) -> None:
 
     Also the older form `actor.backend: fsdp`, naming only the engine whose dims allocation_mode gives.
     """
-    text = _pop(data, "allocation_mode")
-    engine = _get(data, "actor.backend", None)
+    text = pop_dotted(data, "allocation_mode")
+    engine = get_dotted(data, "actor.backend", None)
     bare = engine if engine in ("fsdp", "megatron", "archon") else None
     if bare is not None:
-        _pop(data, "actor.backend")
+        pop_dotted(data, "actor.backend")
     if text in (MISSING, None):
         if bare is not None:
             errors.append(
@@ -320,19 +321,19 @@ def _map_allocation_mode(data: dict[str, Any], errors: list[str]) -> None:
 
 
 def _map_async(data: dict[str, Any], errors: list[str]) -> None:
-    value = _pop(data, "async_training")
+    value = pop_dotted(data, "async_training")
     if value is MISSING or value is True:
         return  # laden's asynchrony is rollout.max_head_offpolicyness
     if value is not False:
         errors.append(f"async_training={_short(value)}: expected true or false")
         return
-    lag = _get(data, "rollout.max_head_offpolicyness", 0)
+    lag = get_dotted(data, "rollout.max_head_offpolicyness", 0)
     if lag:
         log.warning(
             "async_training=false: rollouts are synchronous, so rollout.max_head_offpolicyness=%s is set to 0",
             lag,
         )
-    _put(data, "rollout.max_head_offpolicyness", 0)
+    put_dotted(data, "rollout.max_head_offpolicyness", 0)
 
 
 _RECOVER_MODES = dict.fromkeys(("on", "auto", "fault", "resume"), "auto") | dict.fromkeys(
@@ -341,10 +342,10 @@ _RECOVER_MODES = dict.fromkeys(("on", "auto", "fault", "resume"), "auto") | dict
 
 
 def _map_checkpoint(data: dict[str, Any], errors: list[str]) -> None:
-    freq = _pop(data, "saver.freq_steps")
+    freq = pop_dotted(data, "saver.freq_steps")
     if freq not in (MISSING, None):
         _assign(data, "checkpoint.save_freq_steps", freq, f"saver.freq_steps={freq!r}", errors)
-    mode = _pop(data, "recover.mode")
+    mode = pop_dotted(data, "recover.mode")
     if mode is MISSING:
         return
     if mode not in _RECOVER_MODES:
@@ -354,7 +355,7 @@ def _map_checkpoint(data: dict[str, Any], errors: list[str]) -> None:
 
 
 def _map_init(data: dict[str, Any], errors: list[str]) -> None:
-    value = _pop(data, "actor.init_from_scratch")
+    value = pop_dotted(data, "actor.init_from_scratch")
     if value is not MISSING:
         _assign(data, "actor.init_from_config", value, f"actor.init_from_scratch={_short(value)}", errors)
 
@@ -362,8 +363,8 @@ def _map_init(data: dict[str, Any], errors: list[str]) -> None:
 def _map_dropout(data: dict[str, Any], errors: list[str]) -> None:
     """`disable_dropout: true` is laden's behaviour when the model has no dropout; else say it is kept."""
     for section in ("actor", "critic"):
-        if _pop(data, f"{section}.disable_dropout") is True:
-            path = _get(data, f"{section}.path", "") or _get(data, "actor.path", "")
+        if pop_dotted(data, f"{section}.disable_dropout") is True:
+            path = get_dotted(data, f"{section}.path", "") or get_dotted(data, "actor.path", "")
             _warn_dropout(section, path)
 
 
@@ -389,20 +390,20 @@ def _warn_dropout(section: str, path: Any) -> None:
 def _map_critic(data: dict[str, Any], errors: list[str]) -> None:
     """AReaL's `critic` section: `is_critic: true` is what laden's critic is, `init_from_scratch` is
     `critic.init_from_config`, and a bare `backend: fsdp` (older files) names the actor's allocation."""
-    is_critic = _pop(data, "critic.is_critic")
+    is_critic = pop_dotted(data, "critic.is_critic")
     if is_critic is False:
         errors.append(
             "critic.is_critic=false: laden's critic section always trains a value model; remove critic.is_critic, "
             "or set critic: null to train without a critic"
         )
-    init = _pop(data, "critic.init_from_scratch")
+    init = pop_dotted(data, "critic.init_from_scratch")
     if init is not MISSING:
         _assign(data, "critic.init_from_config", init, f"critic.init_from_scratch={_short(init)}", errors)
-    bare, actor = _get(data, "critic.backend", None), _get(data, "actor.backend", "")
+    bare, actor = get_dotted(data, "critic.backend", None), get_dotted(data, "actor.backend", "")
     if bare not in ("fsdp", "megatron", "archon"):
         return
     if isinstance(actor, str) and actor.partition(":")[0] == bare:
-        _put(data, "critic.backend", actor)
+        put_dotted(data, "critic.backend", actor)
     else:
         errors.append(
             f"critic.backend={bare!r} names an engine without parallel sizes and actor.backend={actor!r} is not a "
@@ -416,10 +417,10 @@ def _map_teacher(data: dict[str, Any], errors: list[str]) -> None:
     (an inference server in AReaL; `teacher.rollout` is dropped with a warning: laden scores the teacher
     on the actor's engine). `init_from_scratch` is `teacher.init_from_config`; `disable_dropout` is what
     laden's scoring does (engines score in eval mode)."""
-    teacher = _get(data, "teacher", None)
+    teacher = get_dotted(data, "teacher", None)
     if not isinstance(teacher, dict):
         return
-    kind, train = _pop(data, "teacher.engine_type"), _pop(data, "teacher.train")
+    kind, train = pop_dotted(data, "teacher.engine_type"), pop_dotted(data, "teacher.train")
     if kind not in (MISSING, None, "train", "rollout"):
         errors.append(f"teacher.engine_type={_short(kind)}: expected train or rollout (AReaL's choices)")
     if kind == "train" and not isinstance(train, dict):
@@ -428,10 +429,10 @@ def _map_teacher(data: dict[str, Any], errors: list[str]) -> None:
     if isinstance(train, dict) and kind in (MISSING, None, "train"):
         for key, value in train.items():
             _assign(data, f"teacher.{key}", value, f"teacher.train.{key}={_short(value)}", errors)
-    init = _pop(data, "teacher.init_from_scratch")
+    init = pop_dotted(data, "teacher.init_from_scratch")
     if init is not MISSING:
         _assign(data, "teacher.init_from_config", init, f"teacher.init_from_scratch={_short(init)}", errors)
-    _pop(data, "teacher.disable_dropout")  # the teacher scores in eval mode: no dropout either way
+    pop_dotted(data, "teacher.disable_dropout")  # the teacher scores in eval mode: no dropout either way
 
 
 _AREAL_ATTN = {"flash_attention_2": "auto", "flash_attention_3": "auto"}
@@ -440,11 +441,11 @@ _LADEN_ATTN = ("auto", "varlen", "sdpa", "eager")
 
 def _map_attn_impl(data: dict[str, Any], errors: list[str]) -> None:
     """AReaL's flash-attention names are laden's `auto` (packed rows, no padding); others fall back to it."""
-    value = _get(data, "actor.attn_impl", MISSING)
+    value = get_dotted(data, "actor.attn_impl", MISSING)
     if value in _AREAL_ATTN:
-        _put(data, "actor.attn_impl", _AREAL_ATTN[value])
+        put_dotted(data, "actor.attn_impl", _AREAL_ATTN[value])
     elif isinstance(value, str) and value not in _LADEN_ATTN and (value == "flex_attention" or "/" in value):
-        _pop(data, "actor.attn_impl")
+        pop_dotted(data, "actor.attn_impl")
         log.warning(
             "actor.attn_impl=%r: an AReaL setting without effect in laden; laden picks its attention kernel by "
             "actor.attn_impl: auto (the default), varlen, sdpa or eager",
@@ -457,18 +458,18 @@ def _map_rejection(data: dict[str, Any], errors: list[str], *, areal_file: bool)
     name, and without it an AReaL file (`areal_file`: it has keys laden lacks) gets 1.0.4's no weight
     (`apply_behav_imp_weight: false`); laden's own files keep laden's default. The names before 1.0.4
     (`behave_imp_weight_mode`, `behave_imp_weight_cap`) get what they meant then (`_legacy_weight`)."""
-    spec, cap = _pop(data, "actor.rejection_sampling"), _pop(data, "actor.behave_imp_weight_cap")
-    mode = _pop(data, "actor.behave_imp_weight_mode")
+    spec, cap = pop_dotted(data, "actor.rejection_sampling"), pop_dotted(data, "actor.behave_imp_weight_cap")
+    mode = pop_dotted(data, "actor.behave_imp_weight_mode")
     if not areal_file:  # laden's own section, read by laden's rules
         if spec is not MISSING:
-            _put(data, "actor.rejection_sampling", spec)
+            put_dotted(data, "actor.rejection_sampling", spec)
         return
     legacy = {
         k: v
         for k, v in (("behave_imp_weight_mode", mode), ("behave_imp_weight_cap", cap))
         if v is not MISSING
     }
-    if not _get(data, "actor.use_decoupled_loss", False):
+    if not get_dotted(data, "actor.use_decoupled_loss", False):
         for shown in [f"rejection_sampling={_short(spec)}"] * isinstance(spec, dict) + [f"{k}={_short(v)}" for k, v in legacy.items()]:  # fmt: skip
             log.warning(  # AReaL ignores them too, and says so
                 "actor.%s is ignored without actor.use_decoupled_loss (as in AReaL); set "
@@ -482,7 +483,7 @@ def _map_rejection(data: dict[str, Any], errors: list[str], *, areal_file: bool)
             "1.0.4) both set the decoupled loss's behaviour weight; keep one of them"
         )
     elif isinstance(spec, dict):
-        _put(data, "actor.rejection_sampling", spec)
+        put_dotted(data, "actor.rejection_sampling", spec)
     elif spec not in (MISSING, None):
         errors.append(
             f"actor.rejection_sampling={_short(spec)} must be a section (level, action, metric, agg, upper, lower) "
@@ -490,7 +491,9 @@ def _map_rejection(data: dict[str, Any], errors: list[str], *, areal_file: bool)
         )
     elif legacy:
         _legacy_weight(data, mode, cap, errors)
-    elif areal_file and _get(data, "actor.behav_imp_weight_cap", None) is None:  # 1.0.4: no weight by default
+    elif (
+        areal_file and get_dotted(data, "actor.behav_imp_weight_cap", None) is None
+    ):  # 1.0.4: no weight by default
         shown = "actor.rejection_sampling=null" if spec is None else "actor.use_decoupled_loss=true"
         _assign(data, "actor.apply_behav_imp_weight", False, f"{shown} (AReaL 1.0.4)", errors)
 
@@ -523,7 +526,7 @@ def _legacy_weight(data: dict[str, Any], mode: Any, cap: Any, errors: list[str])
     elif mode in _LEGACY_MODES:
         level, action = _LEGACY_MODES[mode]
         spec = {"level": level, "action": action, "metric": "ratio", "upper": cap}
-        _put(data, "actor.rejection_sampling", spec)
+        put_dotted(data, "actor.rejection_sampling", spec)
         log.info(
             "%s (before AReaL 1.0.4) is actor.rejection_sampling=%s, as AReaL 1.0.4 migrates it", shown, spec
         )
@@ -534,40 +537,11 @@ def _legacy_weight(data: dict[str, Any], mode: Any, cap: Any, errors: list[str])
         )
 
 
-# ---------------------------------------------------------------------------------------
-# Dotted access to the nested mapping
-
-
-def _get(data: dict[str, Any], dotted: str, default: Any) -> Any:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-def _pop(data: dict[str, Any], dotted: str) -> Any:
-    *parents, leaf = dotted.split(".")
-    node = _get(data, ".".join(parents), None) if parents else data
-    return node.pop(leaf, MISSING) if isinstance(node, dict) else MISSING
-
-
-def _put(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = data
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[leaf] = value
-
-
 def _assign(data: dict[str, Any], target: str, value: Any, source: str, errors: list[str]) -> None:
     """Set laden's `target` from the AReaL setting `source`; an error if the file sets `target` differently."""
-    current = _get(data, target, MISSING)
+    current = get_dotted(data, target, MISSING)
     if current is MISSING or _same(current, value):
-        _put(data, target, value)
+        put_dotted(data, target, value)
         return
     errors.append(
         f"{source} gives {target}={_short(value)}, but {target}={_short(current)} is set too; "
