@@ -17,6 +17,8 @@ import fnmatch
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from laden.config.dotted import MISSING, get_dotted
+
 __all__ = [
     "AREAL_KEYS",
     "COPIES",
@@ -35,8 +37,6 @@ __all__ = [
     "key_role",
 ]
 
-MISSING: Any = object()
-"""The value of a key a tree does not hold (None is a value)."""
 
 KeyTree = dict[str, Any]
 """AReaL key name -> None (a value, of any type) or the KeyTree of its section."""
@@ -460,9 +460,5 @@ def group_of(dotted: str) -> Group | None:
 
 
 def areal_node(dotted: str) -> Any:
-    node: Any = AREAL_KEYS
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return MISSING
-        node = node[part]
-    return node
+    """The node of `AREAL_KEYS` at `dotted`, or `MISSING`."""
+    return get_dotted(AREAL_KEYS, dotted, MISSING)

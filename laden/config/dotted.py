@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from laden.config.areal_keys import MISSING
+__all__ = ["MISSING", "get_dotted", "pop_dotted", "put_dotted"]
 
-__all__ = ["get_dotted", "pop_dotted", "put_dotted"]
+MISSING: Any = object()
+"""The value of a key a tree does not hold (None is a value)."""
 
 
 def get_dotted(data: dict[str, Any], dotted: str, default: Any) -> Any:
