@@ -83,15 +83,11 @@ def tool_turns(agent: str, a: int, b: int) -> list[dict[str, Any]]:
     """The reply that calls the tool and the tool's output, as the agent's run shows them to the model."""
     if agent == "calculator":
         name = CALCULATOR_TOOL["function"]["name"]
-        arguments = json.dumps({"expression": f"{a}*{b}"})
-        call = (
-            "<tool_call>\n"
-            + json.dumps({"name": name, "arguments": json.loads(arguments)})
-            + "\n</tool_call>"
-        )
+        arguments = {"expression": f"{a}*{b}"}
+        call = "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
         return [
             {"role": "assistant", "content": call},
-            {"role": "tool", "content": call_calculator(name, arguments)},
+            {"role": "tool", "content": call_calculator(name, json.dumps(arguments))},
         ]
     # TIRAgent: the first ```python block runs in the sandbox, whose output (stdout without its final newline,
     # laden.tools.sandbox.SandboxResult.text) is the next turn.
@@ -182,11 +178,10 @@ def run(agent: str, out: Path, settings: Settings = Settings(), *, progress: boo
     rows = [json.loads(line) for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     held_out = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    overlap = prompt_overlap(
-        *([json.loads(x) for x in paths[s].read_text().splitlines()] for s in ("train", "valid"))
-    )
+    # laden rl's own count of held-out prompts that are training prompts too, on the files it read
+    overlap = json.loads((rl.run_dir / "valid_data_stats.json").read_text())["shared_with_train"]
     return Summary(sft_loss=(sft.first_loss or 0.0, sft.last_loss or 0.0), rewards=rewards,
-                   held_out=(held_out[0], held_out[-1]), held_out_overlap=overlap.num_shared)  # fmt: skip
+                   held_out=(held_out[0], held_out[-1]), held_out_overlap=overlap)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
